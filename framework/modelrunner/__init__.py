@@ -1,0 +1,49 @@
+"""modelrunner: a plugin-oriented execution core for large language models.
+
+Everything public is importable from here; submodules are implementation detail.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
+from .errors import ModelRunnerError, ModelSourceError, PluginError, UnknownNameError
+from .forward_batch import ForwardBatch
+from .hookspecs import hookimpl
+from .loaded_model import LoadedModel
+
+__all__ = [
+    "LLM",
+    "SamplingParams",
+    "ModelRunner",
+    "RunnerConfig",
+    "ModelConfig",
+    "CacheConfig",
+    "ParallelConfig",
+    "CompileConfig",
+    "SchedulerConfig",
+    "ForwardBatch",
+    "LoadedModel",
+    "hookimpl",
+    "ModelRunnerError",
+    "ModelSourceError",
+    "PluginError",
+    "UnknownNameError",
+]
+
+_LAZY = {
+    "LLM": ("modelrunner.llm", "LLM"),
+    "SamplingParams": ("modelrunner.engine.sampling_params", "SamplingParams"),
+    "ModelRunner": ("modelrunner.runner", "ModelRunner"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    # torch-heavy pieces load on first use, so `import modelrunner` stays cheap for plugins.
+    if name in _LAZY:
+        import importlib
+
+        module, attr = _LAZY[name]
+        return getattr(importlib.import_module(module), attr)
+    raise AttributeError(f"module 'modelrunner' has no attribute {name!r}")

@@ -1,0 +1,221 @@
+"""Configuration: attrs frozen classes, validated on construction with messages that name the value."""
+
+from __future__ import annotations
+
+import difflib
+from typing import Any
+
+import attrs
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
+def _positive(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, got {value!r}")
+
+
+def _one_of(choices: tuple[str, ...]):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if value not in choices:
+            raise ValueError(f"{attribute.name} must be one of {', '.join(choices)}; got {value!r}")
+
+    return check
+
+
+def _int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{attribute.name} must be an integer, got {value!r}")
+
+
+def _dict(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"{attribute.name} must be a dict, got {value!r}")
+
+
+def _optional_str(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, str):
+        raise ValueError(f"{attribute.name} must be a path string or None, got {value!r}")
+
+
+def _bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True or False, got {value!r}")
+
+
+def _fraction(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value <= 1.0:
+        raise ValueError(f"{attribute.name} must be a number in (0, 1], got {value!r}")
+
+
+def _name(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise ValueError(f"{attribute.name} must be a non-empty string, got {value!r}")
+
+
+def _device(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return
+    if isinstance(value, str) and (value in ("auto", "cpu", "cuda") or
+                                   (value.startswith("cuda:") and value[5:].isdigit())):
+        return
+    raise ValueError(f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a GPU index, got {value!r}")
+
+
+@attrs.frozen
+class ModelConfig:
+    """Which checkpoint to run and how to read it."""
+
+    model: str = attrs.field(default="smollm2", validator=_name)
+    """A local Hugging Face directory, a ``.gguf`` file, or ``smollm2`` (the default model)."""
+    dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
+    """Weight and activation dtype; ``auto`` is the checkpoint's dtype on GPU and float32 on CPU."""
+    trust_remote_code: bool = attrs.field(default=False, validator=_bool)
+    """Allow a checkpoint's own Python code to run (transformers' flag of the same name)."""
+    max_model_len: int | None = attrs.field(default=None, validator=_positive)
+    """Longest sequence (prompt + output); default: the model's ``max_position_embeddings``, at most 8192."""
+    cache_dir: str | None = attrs.field(default=None, validator=_optional_str)
+    """Where converted checkpoints (GGUF → safetensors) are kept; default ``$MODELRUNNER_CACHE_DIR``
+    or ``~/.cache/modelrunner``."""
+    seed: int = attrs.field(default=0, validator=_int)
+    """Seed for random initialisation and for sampling requests that do not give their own."""
+
+
+@attrs.frozen
+class CacheConfig:
+    """The paged KV cache: block size, allocator, budget."""
+
+    block_size: int = attrs.field(default=16, validator=_positive)
+    """Token slots per KV-cache block."""
+    kv_allocator: str = attrs.field(default="paged", validator=_name)
+    """Name of the block allocator plugin (``paged`` is the kernel's; ``modelrunner plugins`` lists others)."""
+    enable_prefix_caching: bool = attrs.field(default=True, validator=_bool)
+    """Reuse the KV of prompt prefixes already computed (hash of full blocks)."""
+    kv_cache_memory: int | None = attrs.field(default=None, validator=_positive)
+    """Bytes for the KV cache. Default on CPU: 2 GiB; on GPU: what ``gpu_memory_utilization`` leaves
+    after weights and the activation peak."""
+    gpu_memory_utilization: float = attrs.field(default=0.9, validator=_fraction)
+    """Fraction of GPU memory this process may use (weights + activations + KV cache)."""
+
+
+@attrs.frozen
+class ParallelConfig:
+    """How many processes share the model."""
+
+    tensor_parallel_size: int = attrs.field(default=1, validator=_positive)
+    """Ranks each layer's matrices are split across."""
+    pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
+    """Stages the layers are split into."""
+
+    @property
+    def world_size(self) -> int:
+        """Total number of processes."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+
+@attrs.frozen
+class CompileConfig:
+    """Which compile backend produces the callable the runner executes."""
+
+    enabled: bool = attrs.field(default=False, validator=_bool)
+    """Compile at all; when False the ``eager`` backend runs."""
+    backend: str = attrs.field(default="inductor", validator=_name)
+    """Name of the compile backend plugin used when enabled."""
+    mode: str = attrs.field(default="default", validator=_name)
+    """Backend mode, e.g. torch.compile's ``default``, ``reduce-overhead``, ``max-autotune``."""
+    cache_dir: str | None = attrs.field(default=None, validator=_optional_str)
+    """Where compiled artifacts persist across processes (backend-specific)."""
+    options: dict = attrs.field(factory=dict, validator=_dict)
+    """Extra backend options, passed through untouched."""
+
+    @property
+    def backend_name(self) -> str:
+        """The backend that will actually run."""
+        return self.backend if self.enabled else "eager"
+
+
+@attrs.frozen
+class SchedulerConfig:
+    """How the engine packs requests into steps."""
+
+    max_num_seqs: int = attrs.field(default=256, validator=_positive)
+    """Most sequences running at once."""
+    max_num_batched_tokens: int = attrs.field(default=2048, validator=_positive)
+    """Most new tokens in one step (long prompts are prefilled in chunks of at most this)."""
+
+
+def _device_default() -> str:
+    return "auto"
+
+
+@attrs.frozen
+class RunnerConfig:
+    """Everything the runner needs; build it directly or with :meth:`from_dict`."""
+
+    model: ModelConfig = attrs.field(factory=ModelConfig)
+    """The checkpoint."""
+    cache: CacheConfig = attrs.field(factory=CacheConfig)
+    """The KV cache."""
+    parallel: ParallelConfig = attrs.field(factory=ParallelConfig)
+    """Tensor and pipeline parallelism."""
+    compile: CompileConfig = attrs.field(factory=CompileConfig)
+    """Compilation."""
+    scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
+    """Batching."""
+    device: str | int = attrs.field(factory=_device_default, validator=_device)
+    """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or a GPU index."""
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunnerConfig:
+        """Build from the article's flat dict (``{'model': ..., 'dtype': 'float16', 'compile': True, ...}``).
+
+        Unknown keys are rejected with the closest known key suggested.
+        """
+        if not isinstance(d, dict):
+            raise TypeError(f"config must be a dict, got {type(d).__name__}")
+        sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
+        device = d.get("device", "auto")
+        for key, value in d.items():
+            if key == "device":
+                continue
+            if key not in FLAT_KEYS:
+                close = difflib.get_close_matches(key, [*FLAT_KEYS, "device"], n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
+                raise ValueError(
+                    f"unknown config key {key!r}{hint} (known keys: {', '.join(sorted([*FLAT_KEYS, 'device']))})"
+                )
+            section, field = FLAT_KEYS[key]
+            sections[section][field] = value
+        built = {}
+        for section, section_cls in _SECTIONS.items():
+            try:
+                built[section] = section_cls(**sections[section])
+            except ValueError as e:
+                msg = str(e)
+                if section == "compile":  # name the flat key the user wrote, not the field behind it
+                    for flat, field in _RENAMED.items():
+                        if msg.startswith(f"{field} must"):
+                            msg = flat + msg[len(field):]
+                raise ValueError(msg) from None
+        return cls(**built, device=device)
+
+
+_SECTIONS = {
+    "model": ModelConfig,
+    "cache": CacheConfig,
+    "parallel": ParallelConfig,
+    "compile": CompileConfig,
+    "scheduler": SchedulerConfig,
+}
+
+_RENAMED = {"compile": "enabled", "compile_backend": "backend", "compile_mode": "mode",
+            "compile_cache_dir": "cache_dir", "compile_options": "options"}
+
+FLAT_KEYS: dict[str, tuple[str, str]] = {}
+"""Flat key → (section, field): every field of every section, compile's under ``compile_*``."""
+for _section, _cls in _SECTIONS.items():
+    for _f in attrs.fields(_cls):
+        _flat = next((k for k, v in _RENAMED.items() if v == _f.name), _f.name) if _section == "compile" else _f.name
+        FLAT_KEYS[_flat] = (_section, _f.name)

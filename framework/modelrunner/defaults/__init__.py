@@ -1,0 +1,1 @@
+"""The kernel's own plugins, registered trylast so that any installed plugin overrides them."""

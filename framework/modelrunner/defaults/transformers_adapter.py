@@ -1,0 +1,95 @@
+"""The generic adapter: any causal LM transformers knows, run with transformers' own KV cache.
+
+It keeps one ``DynamicCache`` per sequence and runs sequences one after another, so it is
+correct for every architecture but not fast; native adapters (installed separately) win over it.
+It has no paged KV cache, so the runner turns prefix caching off for it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ..hookspecs import hookimpl
+from ..loaded_model import LoadedModel
+
+NAME = "default-transformers"
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    registry.architectures("AutoModelForCausalLM")
+
+
+@hookimpl
+def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> LoadedModel | None:
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = getattr(source.hf_config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.model.trust_remote_code:
+        return None
+    model = AutoModelForCausalLM.from_pretrained(
+        str(source.path), dtype=dtype, trust_remote_code=config.model.trust_remote_code
+    ).to(device)
+    model.eval()
+    return LoadedModel(
+        model=model,
+        tokenizer=source.load_tokenizer(),
+        hf_config=model.config,
+        kv_cache_spec=None,
+        adapter=NAME,
+        extra={"caches": {}},
+    )
+
+
+@hookimpl
+def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
+    if loaded.adapter != NAME:
+        return None
+    if parallel.world_size > 1:
+        raise ValueError(
+            f"the generic transformers adapter cannot shard {type(loaded.model).__name__} across "
+            f"{parallel.world_size} processes; install a native adapter for it or use "
+            "tensor_parallel_size=1, pipeline_parallel_size=1"
+        )
+    return loaded
+
+
+@hookimpl
+def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor | None:
+    if loaded.adapter != NAME:
+        return None
+    from transformers import DynamicCache
+
+    caches: dict[int, Any] = loaded.extra["caches"]
+    for seq_id in batch.finished_seq_ids:
+        caches.pop(seq_id, None)
+    starts = batch.query_start_loc.tolist()
+    context_lens = batch.context_lens.tolist()
+    wanted = batch.logits_indices.tolist()
+    rows: list[torch.Tensor] = []
+    for i, seq_id in enumerate(batch.seq_ids):
+        start, end = starts[i], starts[i + 1]
+        cache = caches.get(seq_id)
+        if context_lens[i] == 0 or cache is None:
+            if context_lens[i] != 0:
+                raise RuntimeError(f"sequence {seq_id} resumes at token {context_lens[i]} but has no cache")
+            cache = caches[seq_id] = DynamicCache()
+        elif cache.get_seq_length() > context_lens[i]:
+            cache.crop(context_lens[i])
+        mine = [w - start for w in wanted if start <= w < end]
+        keep = (end - start - min(mine)) if mine else 1
+        out = loaded.runnable(
+            input_ids=batch.input_ids[start:end].unsqueeze(0),
+            position_ids=batch.positions[start:end].unsqueeze(0),
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=keep,
+        )
+        if mine:
+            logits = out.logits[0]
+            offset = (end - start) - keep
+            rows.append(logits[[m - offset for m in mine]])
+    return torch.cat(rows).float() if rows else batch.input_ids.new_zeros((0, loaded.vocab_size), dtype=torch.float32)

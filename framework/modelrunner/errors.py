@@ -1,0 +1,19 @@
+"""The kernel's exceptions: each says what was wrong and what would be accepted."""
+
+from __future__ import annotations
+
+
+class ModelRunnerError(Exception):
+    """Base class of every error modelrunner raises on purpose."""
+
+
+class PluginError(ModelRunnerError):
+    """A plugin could not be loaded or broke the hook contract (e.g. a misspelled hook)."""
+
+
+class UnknownNameError(ModelRunnerError, ValueError):
+    """A name (architecture, allocator, compile backend) that no installed plugin provides."""
+
+
+class ModelSourceError(ModelRunnerError, ValueError):
+    """The ``model`` given cannot be resolved to a local checkpoint."""

