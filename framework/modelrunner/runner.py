@@ -72,10 +72,10 @@ class ModelRunner:
         if self.loaded is not None:
             return self.loaded
         cfg = self.config
-        self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
-        self.dtype = resolve_dtype(cfg.model.dtype, self.source.hf_config, self.device)
         self.plugins.require("compile_backends", cfg.compile.backend_name)
         self.plugins.require("allocators", cfg.cache.kv_allocator)
+        self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
+        self.dtype = resolve_dtype(cfg.model.dtype, self.source.hf_config, self.device)
         torch.manual_seed(cfg.model.seed)
         loaded = self.plugins.hook.load(
             source=self.source, config=cfg, device=self.device, dtype=self.dtype, parallel=self.parallel

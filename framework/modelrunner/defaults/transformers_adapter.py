@@ -84,7 +84,7 @@ def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor | None:
         out = loaded.runnable(
             input_ids=batch.input_ids[start:end].unsqueeze(0),
             position_ids=batch.positions[start:end].unsqueeze(0),
-            past_key_values=cache,
+            cache=cache,
             use_cache=True,
             logits_to_keep=keep,
         )

@@ -1,0 +1,105 @@
+"""The ``modelrunner`` command: ``generate`` and ``plugins``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from .errors import ModelRunnerError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="modelrunner", description="Run LLMs through pluggable adapters.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate text from a prompt, streamed to stdout")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--model", default="smollm2", help="HF directory, .gguf file or 'smollm2' (default)")
+    gen.add_argument("--max-tokens", type=int, default=64, help="most new tokens (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1.0)")
+    gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (default off)")
+    gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--stats", action="store_true", help="print KV-cache statistics to stderr afterwards")
+    gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                     help="any config key (e.g. --set kv_allocator=contiguous --set dtype=float32)")
+
+    plugins = sub.add_parser("plugins", help="list installed plugins, their hooks and names")
+    plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return json.loads(raw)
+    except json.JSONDecodeError:
+        return raw
+
+
+def _config_overrides(pairs: list[str]) -> dict[str, Any]:
+    out = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
+        out[key] = _parse_value(value)
+    return out
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from .engine.sampling_params import SamplingParams
+    from .llm import LLM
+
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    llm = LLM(model=args.model, **_config_overrides(args.set))
+    prompt = args.prompt
+    if args.chat:
+        prompt = llm.get_tokenizer().apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
+    for delta in llm.generate_stream(prompt, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    if args.stats:
+        stats = llm.memory_stats()
+        width = max(len(k) for k in stats)
+        for key, value in stats.items():
+            shown = f"{value:.4f}" if isinstance(value, float) else value
+            print(f"{key:<{width}}  {shown}", file=sys.stderr)
+    return 0
+
+
+def _plugins(args: argparse.Namespace) -> int:
+    from .plugins import get_plugins
+
+    infos = get_plugins().list()
+    if args.json:
+        print(json.dumps([i.as_dict() for i in infos], indent=2))
+        return 0
+    for info in infos:
+        status = f"BROKEN: {info.error}" if info.error else ", ".join(info.hooks)
+        print(f"{info.name}  ({info.distribution} {info.version})  hooks: {status}")
+        for kind, names in info.provides.items():
+            print(f"    {kind}: {', '.join(names)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``modelrunner`` console script."""
+    args = _parser().parse_args(argv)
+    try:
+        return {"generate": _generate, "plugins": _plugins}[args.command](args)
+    except (ModelRunnerError, ValueError, OSError) as e:
+        print(f"modelrunner: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
