@@ -1,0 +1,82 @@
+"""modelrunner-llama: Llama-family checkpoints run natively on modelrunner's paged KV cache.
+
+Handles ``LlamaForCausalLM`` (Llama 2/3, SmolLM2), ``MistralForCausalLM`` and ``Qwen2ForCausalLM``.
+
+Tensor-parallel plan (applied while building, so each rank only ever loads its shard):
+``qkv_proj`` and ``gate_up_proj`` are column-split (by heads / intermediate features),
+``o_proj`` and ``down_proj`` row-split with an all-reduce, the embedding and LM head split by
+vocabulary rows. Key/value heads are replicated when there are fewer of them than ranks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from modelrunner.hookspecs import hookimpl
+from modelrunner.loaded_model import LoadedModel
+
+from .loader import build_model, kv_cache_spec_for, load_tokenizer
+from .model import LlamaForCausalLM
+
+__all__ = ["ARCHITECTURES", "LlamaForCausalLM", "forward", "load", "parallelize", "register"]
+
+ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+"""The HF ``architectures`` this adapter loads."""
+
+ADAPTER_NAME = "llama"
+"""The entry-point name, shown as ``LoadedModel.adapter``."""
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the architectures this adapter loads."""
+    registry.architectures(*ARCHITECTURES)
+
+
+@hookimpl
+def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, parallel: Any) -> LoadedModel | None:
+    """Build the model for ``source`` if it is a Llama-family checkpoint, with this rank's weights."""
+    if source.architecture not in ARCHITECTURES:
+        return None
+    model = build_model(source.hf_config, source.path, device, dtype, parallel, config.model.max_model_len)
+    return LoadedModel(
+        model=model,
+        tokenizer=load_tokenizer(source),
+        hf_config=source.hf_config,
+        kv_cache_spec=kv_cache_spec_for(model, dtype, config.cache.block_size),
+        adapter=ADAPTER_NAME,
+        runnable=model,
+    )
+
+
+@hookimpl
+def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+    """Float32 logits for the rows ``batch.logits_indices`` of the step's flattened tokens."""
+    model = loaded.model
+    if not isinstance(model, LlamaForCausalLM):
+        return None
+    run = loaded.runnable or model
+    with torch.inference_mode():
+        hidden = run(batch.input_ids, batch.positions, batch, kv_caches).index_select(0, batch.logits_indices)
+    # Logits leave inference mode so callers (samplers, tests) may still edit them in place.
+    with torch.no_grad():
+        return model.compute_logits(hidden).float()
+
+
+@hookimpl
+def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
+    """Check the model was built for this rank's shard (the split happens at load); nothing else to do."""
+    model = loaded.model
+    if not isinstance(model, LlamaForCausalLM):
+        return None
+    built = model.parallel
+    if (built.tp_rank, built.tp_size) != (parallel.tp_rank, parallel.tp_size):
+        raise ValueError(
+            f"model was loaded for tensor-parallel rank {built.tp_rank}/{built.tp_size}, "
+            f"but parallelize was called for {parallel.tp_rank}/{parallel.tp_size}; pass the same ParallelState to load"
+        )
+    if parallel.pp_size != 1:
+        raise ValueError(f"the llama adapter does not implement pipeline parallelism (pp_size={parallel.pp_size})")
+    return loaded

@@ -1,0 +1,16 @@
+"""Activations of gated MLPs."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """``silu(gate) * up`` for the fused ``gate_up`` projection output ``[..., 2 * intermediate]``."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[..., 2 * d]`` → ``[..., d]``."""
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up

@@ -1,0 +1,154 @@
+"""The batched sampler: one call picks the next token of every sampled row, each with its own rules."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+_TINY = torch.finfo(torch.float32).tiny
+
+
+@attrs.frozen
+class SamplingMetadata:
+    """Per-row sampling parameters for one step, as tensors (build with :meth:`from_rows`)."""
+
+    temperature: torch.Tensor
+    """[S] float32; 0 marks a greedy row."""
+    top_k: torch.Tensor | None
+    """[S] int64, 0 = off; None when no row uses top-k."""
+    top_p: torch.Tensor | None
+    """[S] float32, 1 = off; None when no row uses top-p."""
+    generators: tuple[torch.Generator | None, ...]
+    """Each row's own generator (seeded requests) or None to use the shared one."""
+    all_greedy: bool
+    """Every row is greedy (then sampling is a plain argmax)."""
+    any_greedy: bool
+    """At least one row is greedy."""
+
+    @classmethod
+    def from_rows(
+        cls,
+        temperatures: Sequence[float],
+        top_ks: Sequence[int],
+        top_ps: Sequence[float],
+        generators: Sequence[torch.Generator | None],
+    ) -> SamplingMetadata:
+        """Gather per-row Python values into tensors. ``top_k`` <= 0 and ``top_p`` == 1 mean off."""
+        if not len(temperatures) == len(top_ks) == len(top_ps) == len(generators):
+            raise ValueError(
+                f"per-row sampling lists must have equal lengths, got temperatures={len(temperatures)}, "
+                f"top_ks={len(top_ks)}, top_ps={len(top_ps)}, generators={len(generators)}"
+            )
+        greedy = [t == 0.0 for t in temperatures]
+        all_greedy = all(greedy)
+        sampled_rows = [i for i, g in enumerate(greedy) if not g]
+        use_top_k = any(top_ks[i] > 0 for i in sampled_rows)
+        use_top_p = any(top_ps[i] < 1.0 for i in sampled_rows)
+        return cls(
+            temperature=torch.tensor(temperatures, dtype=torch.float32),
+            top_k=torch.tensor([max(k, 0) for k in top_ks], dtype=torch.int64) if use_top_k else None,
+            top_p=torch.tensor(top_ps, dtype=torch.float32) if use_top_p else None,
+            generators=tuple(generators),
+            all_greedy=all_greedy,
+            any_greedy=any(greedy),
+        )
+
+
+def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Set to -inf every logit outside each row's top-k / top-p (nucleus) set. Returns a new tensor.
+
+    :param top_k: [S] int64, 0 = off. :param top_p: [S] float32, 1 = off.
+    """
+    vocab = logits.shape[-1]
+    if top_p is None:
+        if top_k is None:
+            return logits
+        # top-k alone: a partial top-k is much cheaper than sorting the vocabulary.
+        k_on = top_k > 0
+        k_max = min(int(top_k.max()), vocab)
+        values = logits.topk(k_max, dim=-1).values
+        k = top_k.clamp(1, k_max).to(logits.device)
+        threshold = values.gather(1, (k - 1).unsqueeze(1))
+        threshold = threshold.masked_fill(~k_on.to(logits.device).unsqueeze(1), float("-inf"))
+        return logits.masked_fill(logits < threshold, float("-inf"))
+
+    sorted_logits, order = logits.sort(dim=-1, descending=False)
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab).to(logits.device)
+        threshold = sorted_logits.gather(1, (vocab - k).unsqueeze(1))
+        sorted_logits.masked_fill_(sorted_logits < threshold, float("-inf"))
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop = cumulative <= (1.0 - top_p.to(logits.device)).unsqueeze(1)
+    drop[:, -1] = False  # the most likely token always stays
+    sorted_logits.masked_fill_(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, order, sorted_logits)
+
+
+def _exponential_noise(
+    shape: tuple[int, int], generators: tuple[torch.Generator | None, ...],
+    shared: torch.Generator | None, device: torch.device,
+) -> torch.Tensor:
+    noise = torch.empty(shape, dtype=torch.float32, device=device)
+    if any(g is None for g in generators):
+        noise.exponential_(generator=shared)
+    for row, gen in enumerate(generators):
+        if gen is None:
+            continue
+        if gen.device == noise.device:
+            noise[row].exponential_(generator=gen)
+        else:
+            noise[row] = torch.empty(shape[1], dtype=torch.float32).exponential_(generator=gen).to(device)
+    return noise.clamp_min_(_TINY)
+
+
+def sample(
+    logits: torch.Tensor, metadata: SamplingMetadata, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """Pick one token per row of ``logits``.
+
+    Greedy rows take the argmax. The others are scaled by their temperature, cut to their top-k /
+    top-p set, and sampled with the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws
+    exactly from ``p``. A seeded row's noise comes from its own generator only, so its tokens do not
+    depend on which other rows share the batch.
+
+    :param logits: [S, V] logits of the rows to sample.
+    :param metadata: per-row parameters (S rows).
+    :param generator: the shared generator for rows without their own (None: torch's default).
+    :returns: [S] int64 token ids.
+    """
+    if logits.dim() != 2 or logits.shape[0] != metadata.temperature.shape[0]:
+        raise ValueError(
+            f"logits must be [num_rows, vocab] with num_rows={metadata.temperature.shape[0]}, "
+            f"got shape {tuple(logits.shape)}"
+        )
+    logits = logits.float()
+    if metadata.all_greedy:
+        return logits.argmax(dim=-1)
+    greedy_ids = logits.argmax(dim=-1) if metadata.any_greedy else None
+    temperature = metadata.temperature.to(logits.device)
+    is_greedy = temperature == 0.0
+    scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+    scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+    probs = scaled.softmax(dim=-1)
+    noise = _exponential_noise(tuple(probs.shape), metadata.generators, generator, probs.device)
+    sampled = probs.div_(noise).argmax(dim=-1)
+    if greedy_ids is None:
+        return sampled
+    return torch.where(is_greedy, greedy_ids, sampled)
+
+
+class Sampler:
+    """Callable form of :func:`sample` holding the shared generator (seeded from the runner config)."""
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.generator: torch.Generator | None = None if seed is None else torch.Generator().manual_seed(seed)
+        """Generator for rows whose request has no seed of its own."""
+
+    def __call__(self, logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+        """Next token ids ``[S]`` for ``logits`` ``[S, V]``."""
+        generator = self.generator
+        if generator is not None and generator.device != logits.device:
+            generator = None
+        return sample(logits, metadata, generator)

@@ -1,0 +1,147 @@
+"""The portable paged-attention backend: block-table gather plus one ``scaled_dot_product_attention`` call.
+
+Per layer and step, with no Python loop over sequences:
+
+1. the new keys/values are written to their flat cache slots (``index_copy_`` at ``slot_mapping``);
+2. every sequence's blocks are gathered (one ``index_select`` over its block table) into a padded
+   ``[num_seqs, kv_len, kv_heads, head_dim]`` view, ``kv_len`` = the longest sequence rounded up to
+   whole blocks;
+3. queries are scattered into ``[num_seqs, max_query_len, heads, head_dim]`` and one SDPA call runs
+   with a boolean mask built once per step from the token positions: key ``j`` is visible to a query
+   at position ``p`` iff ``j <= p`` (and ``j > p - sliding_window``), which also hides the padding.
+
+Decode-only steps skip the query scatter and fold each group of query heads that share a key/value
+head into the query-length axis (``[S, kv_heads, heads // kv_heads, head_dim]``), so grouped-query
+attention needs no repeated keys/values. A lone prompt with nothing cached attends to its own
+keys/values directly with ``is_causal``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from .attention import Attention, AttentionBackend, register_attention_backend
+
+if TYPE_CHECKING:
+    from ..forward_batch import ForwardBatch
+
+
+@dataclass
+class SDPAMetadata:
+    """Per-step tensors of the ``torch_sdpa`` backend, shared by every layer."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] flat cache slot of each new token."""
+    block_ids: torch.Tensor
+    """[num_seqs * blocks_per_seq] the blocks to gather, sequence after sequence."""
+    num_seqs: int
+    """Sequences in the step."""
+    kv_len: int
+    """Gathered key positions per sequence (whole blocks covering the longest sequence)."""
+    max_query_len: int
+    """Longest query; the padded query length."""
+    decode_only: bool
+    """Every sequence has exactly one new token (queries need no scatter)."""
+    fresh_single_prompt: bool
+    """One sequence with nothing cached: plain causal attention over the new tokens."""
+    query_index: torch.Tensor | None
+    """[tokens] row of each token in the padded ``[num_seqs * max_query_len]`` queries (None for decode)."""
+    masks: dict[int | None, torch.Tensor]
+    """Sliding window (None = full) → boolean mask ``[num_seqs, 1, max_query_len, kv_len]``, True = visible."""
+
+
+@register_attention_backend
+class TorchSDPABackend(AttentionBackend):
+    """Paged attention with torch's ``scaled_dot_product_attention``; runs on any device."""
+
+    name = "torch_sdpa"
+    priority = 0
+
+    def build_metadata(self, batch: ForwardBatch, sliding_windows: Iterable[int | None] = (None,)) -> SDPAMetadata:
+        # A tensor's length rather than len(batch.seq_ids): torch.compile then treats it as dynamic.
+        num_seqs, block_size = batch.seq_lens.shape[0], batch.block_size
+        blocks = min(-(-batch.max_seq_len // block_size), batch.block_tables.shape[1])
+        kv_len = blocks * block_size
+        device = batch.positions.device
+        max_query_len = batch.max_query_len
+        decode_only = max_query_len == 1
+        query_index = None
+        if decode_only:
+            query_positions = batch.positions.view(num_seqs, 1)
+        else:
+            num_tokens = batch.num_tokens
+            starts = batch.query_start_loc[:-1]
+            seq_of_token = torch.repeat_interleave(
+                torch.arange(num_seqs, device=device), batch.query_lens, output_size=num_tokens
+            )
+            offset = torch.arange(num_tokens, device=device) - starts[seq_of_token]
+            query_index = seq_of_token * max_query_len + offset
+            # Padding rows get position 0: they see key 0 only, stay finite, and are dropped afterwards.
+            query_positions = batch.positions.new_zeros(num_seqs * max_query_len)
+            query_positions = query_positions.index_copy_(0, query_index, batch.positions).view(num_seqs, max_query_len)
+        key_positions = torch.arange(kv_len, device=device)
+        query_positions = query_positions.unsqueeze(-1)
+        causal = key_positions <= query_positions
+        masks = {}
+        for window in set(sliding_windows):
+            mask = causal if window is None else causal & (key_positions > query_positions - window)
+            masks[window] = mask.unsqueeze(1)
+        return SDPAMetadata(
+            slot_mapping=batch.slot_mapping,
+            block_ids=batch.block_tables[:, :blocks].reshape(-1),
+            num_seqs=num_seqs,
+            kv_len=kv_len,
+            max_query_len=max_query_len,
+            decode_only=decode_only,
+            fresh_single_prompt=num_seqs == 1 and batch.max_seq_len == max_query_len,
+            query_index=query_index,
+            masks=masks,
+        )
+
+    def forward(
+        self,
+        layer: Attention,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache: torch.Tensor,
+        metadata: SDPAMetadata,
+    ) -> torch.Tensor:
+        num_tokens = query.shape[0]
+        heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
+        key_cache.view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, key)
+        value_cache.view(-1, kv_heads, head_dim).index_copy_(0, metadata.slot_mapping, value)
+
+        if metadata.fresh_single_prompt and layer.sliding_window is None:
+            out = F.scaled_dot_product_attention(
+                query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
+                is_causal=True, scale=layer.scale, enable_gqa=heads != kv_heads,
+            )
+            return out.transpose(0, 1).reshape(num_tokens, heads * head_dim)
+
+        num_seqs, kv_len = metadata.num_seqs, metadata.kv_len
+        shape = (num_seqs, kv_len, kv_heads, head_dim)
+        keys = key_cache.index_select(0, metadata.block_ids).view(shape).transpose(1, 2)
+        values = value_cache.index_select(0, metadata.block_ids).view(shape).transpose(1, 2)
+        mask = metadata.masks[layer.sliding_window]
+
+        if metadata.decode_only:
+            grouped = query.reshape(num_seqs, kv_heads, heads // kv_heads, head_dim)
+            out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=layer.scale)
+            return out.reshape(num_tokens, heads * head_dim)
+
+        max_query_len = metadata.max_query_len
+        padded = query.new_zeros(num_seqs * max_query_len, heads, head_dim)
+        padded.index_copy_(0, metadata.query_index, query)
+        padded = padded.view(num_seqs, max_query_len, heads, head_dim).transpose(1, 2)
+        out = F.scaled_dot_product_attention(
+            padded, keys, values, attn_mask=mask, scale=layer.scale, enable_gqa=heads != kv_heads
+        )
+        out = out.transpose(1, 2).reshape(num_seqs * max_query_len, heads * head_dim)
+        return out.index_select(0, metadata.query_index)

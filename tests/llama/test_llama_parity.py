@@ -1,0 +1,145 @@
+"""The native Llama-family adapter gives transformers' logits on the same weights, step by step on a paged cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+from modelrunner.config import CacheConfig, RunnerConfig
+from modelrunner.parallel_state import ParallelState
+from modelrunner.plugins import get_plugins
+from modelrunner.source import resolve_source
+
+from .paged_driver import PagedDriver
+
+TOLERANCE = 1e-4
+"""Largest absolute logit difference accepted in float32."""
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=128, max_position_embeddings=256)
+
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+"""With head_dim 16 and 32 original positions, every branch of the llama3 scaling is exercised."""
+
+CONFIGS = {
+    "llama-gqa-tied": lambda: LlamaConfig(**TINY, tie_word_embeddings=True),
+    "llama-gqa-untied-biases": lambda: LlamaConfig(**TINY, tie_word_embeddings=False, attention_bias=True,
+                                                   mlp_bias=True),
+    "llama-mha": lambda: LlamaConfig(**{**TINY, "num_key_value_heads": 4}, tie_word_embeddings=False),
+    "llama3-rope-scaling": lambda: LlamaConfig(**TINY, rope_parameters=LLAMA3_ROPE),
+    "mistral-sliding-window": lambda: MistralConfig(**TINY, sliding_window=6),
+    "qwen2-qkv-bias": lambda: Qwen2Config(**TINY, tie_word_embeddings=False),
+    "qwen2-sliding-layers": lambda: Qwen2Config(**TINY, tie_word_embeddings=True, use_sliding_window=True,
+                                                sliding_window=5, max_window_layers=1),
+}
+
+
+def _checkpoint(name: str, path):
+    """A random transformers model for config ``name`` (every weight and bias non-trivial), saved to ``path``."""
+    config = CONFIGS[name]()
+    config.architectures = [{"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                             "qwen2": "Qwen2ForCausalLM"}[config.model_type]]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in pname else 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    return model
+
+
+def _load(path, block_size: int = 4):
+    plugins = get_plugins(allow=["llama"])
+    config = RunnerConfig(cache=CacheConfig(block_size=block_size))
+    loaded = plugins.hook.load(source=resolve_source(str(path)), config=config, device=torch.device("cpu"),
+                               dtype=torch.float32, parallel=ParallelState())
+    assert loaded is not None and loaded.adapter == "llama"
+    loaded = plugins.hook.parallelize(loaded=loaded, parallel=ParallelState())
+    loaded.runnable = plugins.compile_model("eager", loaded, config.compile)
+    return plugins, loaded
+
+
+def _reference(model, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0]
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_logits_match_transformers(name, tmp_path):
+    reference = _checkpoint(name, tmp_path)
+    plugins, loaded = _load(tmp_path)
+    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
+                         loaded.kv_cache_spec, num_blocks=64)
+    gen = torch.Generator().manual_seed(1)
+    prompts = {i: torch.randint(0, 128, (n,), generator=gen).tolist() for i, n in enumerate((7, 13, 3, 10))}
+    got: dict[int, list[torch.Tensor]] = {i: [] for i in prompts}
+
+    def run(chunks):
+        logits = driver.step(chunks, all_logits=True)
+        assert logits.dtype == torch.float32 and logits.shape == (sum(map(len, chunks.values())), 128)
+        rows = iter(logits)
+        for seq_id, chunk in chunks.items():
+            got[seq_id] += [next(rows) for _ in chunk]
+        return logits
+
+    # Step 1: three whole prompts and the first 6 tokens of the fourth, prefilled together.
+    run({0: prompts[0], 1: prompts[1], 2: prompts[2], 3: prompts[3][:6]})
+    # Step 2: decode three sequences while the fourth prefills its remaining chunk on top of its cache.
+    run({0: [5], 1: [6], 2: [7], 3: prompts[3][6:]})
+    # Steps 3-6: decode-only steps of all four, continuing greedily; sequences cross block boundaries.
+    for _ in range(4):
+        run({i: [int(got[i][-1].argmax())] for i in prompts})
+    # A fifth prompt alone with nothing cached, then decoded alone.
+    got[4] = []
+    run({4: torch.randint(0, 128, (9,), generator=gen).tolist()})
+    run({4: [int(got[4][-1].argmax())]})
+
+    worst = 0.0
+    for seq_id, rows in got.items():
+        expected = _reference(reference, driver.tokens[seq_id])
+        diff = (torch.stack(rows) - expected).abs().max().item()
+        worst = max(worst, diff)
+    print(f"{name}: max |logits - transformers| = {worst:.2e}")
+    assert worst <= TOLERANCE
+
+
+def test_forward_returns_only_the_asked_rows(tmp_path):
+    reference = _checkpoint("llama-gqa-tied", tmp_path)
+    plugins, loaded = _load(tmp_path, block_size=16)
+    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
+                         loaded.kv_cache_spec, num_blocks=8)
+    prompts = {10: [1, 2, 3, 4, 5], 11: [9, 8, 7]}
+    logits = driver.step(prompts)  # last token of each sequence only
+    assert logits.shape == (2, 128)
+    for row, tokens in zip(logits, prompts.values()):
+        assert (row - _reference(reference, tokens)[-1]).abs().max().item() <= TOLERANCE
+
+
+def test_kv_cache_spec_and_registration(tmp_path):
+    _checkpoint("qwen2-qkv-bias", tmp_path)
+    plugins, loaded = _load(tmp_path, block_size=8)
+    spec = loaded.kv_cache_spec
+    assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size) == (
+        2, 2, 16, torch.float32, 8)
+    assert loaded.tokenizer is None  # the tiny checkpoint ships no tokenizer
+    names = plugins.registry.by_plugin("llama")["architectures"]
+    assert names == ["LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"]
+
+
+def test_bfloat16_weights_and_cache(tmp_path):
+    reference = _checkpoint("qwen2-qkv-bias", tmp_path)
+    plugins = get_plugins(allow=["llama"])
+    loaded = plugins.hook.load(source=resolve_source(str(tmp_path)), config=RunnerConfig(cache=CacheConfig(block_size=4)),
+                               device=torch.device("cpu"), dtype=torch.bfloat16, parallel=ParallelState())
+    assert loaded.kv_cache_spec.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
+                         loaded.kv_cache_spec, num_blocks=16)
+    prompt = [3, 14, 15, 92, 65, 35, 89]
+    logits = driver.step({0: prompt}, all_logits=True)
+    logits = torch.cat([logits, driver.step({0: [79]}, all_logits=True)])
+    assert logits.dtype == torch.float32
+    expected = _reference(reference, prompt + [79])
+    assert (logits - expected).abs().max().item() < 0.1 * expected.abs().max().item()
