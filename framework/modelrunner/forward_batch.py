@@ -76,3 +76,14 @@ class ForwardBatch:
             if isinstance(getattr(self, f.name), torch.Tensor)
         }
         return attrs.evolve(self, **tensors)
+
+
+@attrs.frozen
+class ForwardOutput:
+    """What a forward hook may return instead of a bare logits tensor, to pass extra outputs along."""
+
+    logits: torch.Tensor
+    """[len(batch.logits_indices), vocab] logits, as the bare-tensor form."""
+    aux: dict[str, Any] = attrs.field(factory=dict)
+    """Named extra outputs of the step (e.g. ``"router_logits"``: one ``[num_tokens, num_experts]``
+    tensor per MoE layer); the runner keeps the last step's in ``ModelRunner.last_aux``."""

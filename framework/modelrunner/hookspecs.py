@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     import torch
 
     from .config import CacheConfig, CompileConfig, RunnerConfig
-    from .forward_batch import ForwardBatch
+    from .forward_batch import ForwardBatch, ForwardOutput
     from .kv_cache.allocator import BlockAllocator
     from .loaded_model import LoadedModel
     from .parallel_state import ParallelState
@@ -60,7 +60,9 @@ def load(
 
 
 @hookspec(firstresult=True)
-def forward(loaded: LoadedModel, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+def forward(
+    loaded: LoadedModel, batch: ForwardBatch, kv_caches: list[torch.Tensor]
+) -> torch.Tensor | ForwardOutput | None:
     """Run the model over one step's flattened batch.
 
     Return None unless ``loaded.model`` is yours. Call ``loaded.runnable`` (the compiled form
@@ -71,7 +73,8 @@ def forward(loaded: LoadedModel, batch: ForwardBatch, kv_caches: list[torch.Tens
     :param batch: tokens, positions, slot mapping and block tables of every scheduled sequence.
     :param kv_caches: one tensor per attention layer, ``[2, num_blocks, block_size, kv_heads,
         head_dim]``, already allocated; write new K/V at ``batch.slot_mapping``.
-    :returns: float logits ``[len(batch.logits_indices), vocab_size]``.
+    :returns: float logits ``[len(batch.logits_indices), vocab_size]``, or a
+        :class:`~modelrunner.forward_batch.ForwardOutput` carrying them plus named extra outputs.
 
     Stops at first non-None result.
     """

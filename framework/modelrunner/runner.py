@@ -10,7 +10,7 @@ import torch
 
 from .config import RunnerConfig
 from .errors import ModelRunnerError, UnknownNameError
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
 from .loaded_model import LoadedModel
 from .parallel_state import ParallelState
@@ -63,6 +63,8 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.allocator: Any = None
         self.max_model_len = 0
+        self.last_aux: dict[str, Any] = {}
+        """Extra outputs of the last step (e.g. ``router_logits``), when the adapter returned them."""
         self._engine: Any = None
 
     # -- loading -------------------------------------------------------------------------------
@@ -152,6 +154,10 @@ class ModelRunner:
             logits = self.plugins.hook.forward(loaded=self.loaded, batch=batch, kv_caches=kv_caches)
         if logits is None:
             raise ModelRunnerError(f"no plugin's forward hook runs models loaded by {self.loaded.adapter!r}")
+        if isinstance(logits, ForwardOutput):
+            self.last_aux = logits.aux
+            return logits.logits
+        self.last_aux = {}
         return logits
 
     def execute_model(self, batch: ForwardBatch) -> torch.Tensor:
@@ -183,6 +189,20 @@ class ModelRunner:
         stats["kv_cache_bytes"] = sum(t.numel() * t.element_size() for t in self.kv_caches)
         stats["bytes_per_token"] = spec.bytes_per_token if spec else 0
         return stats
+
+    def stats(self) -> dict[str, Any]:
+        """Every statistic the runner knows: ``kv_cache`` (see :meth:`memory_stats`), plus ``model``
+        (from the model's ``runner_stats()`` when it has one, e.g. MoE expert token counts) and
+        ``compile`` (from the compiled callable's ``stats()`` when it has one, e.g. recompiles)."""
+        loaded = self._require_loaded()
+        out: dict[str, Any] = {"kv_cache": self.memory_stats()}
+        model_stats = getattr(loaded.model, "runner_stats", None)
+        if callable(model_stats):
+            out["model"] = model_stats()
+        compile_stats = getattr(loaded.runnable, "stats", None)
+        if callable(compile_stats):
+            out["compile"] = compile_stats()
+        return out
 
     # -- the article's convenience API ---------------------------------------------------------
 
