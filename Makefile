@@ -7,6 +7,8 @@ STAMP := $(VENV)/.installed
 
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
+# Threads that spin while waiting starve when other processes share the cores.
+export OMP_WAIT_POLICY := PASSIVE
 
 .PHONY: demo test bench install clean
 

@@ -22,7 +22,7 @@ class TestInstalledAllocator(AllocatorContract):
         probe = self.make_allocator(8, 4, 16, True)
         # An allocator that cannot cache prefixes reports enable_prefix_caching=False when asked for it.
         self.supports_prefix_caching = probe.enable_prefix_caching
-        self.shares_blocks_on_fork = getattr(probe, "shares_blocks_on_fork", False)
+        self.shares_blocks_on_fork = probe.shares_blocks_on_fork
         return self.name
 
     def make_allocator(self, num_blocks, block_size, max_model_len, enable_prefix_caching=True):

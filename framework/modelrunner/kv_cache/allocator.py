@@ -74,6 +74,9 @@ class BlockAllocator(abc.ABC):
 
     name: str = "?"
     """The name the allocator is registered under (``kv_allocator`` in the config)."""
+    shares_blocks_on_fork: bool = False
+    """True when :meth:`fork` shares the parent's blocks (copy-on-write) instead of copying them;
+    the contract suite then also checks the sharing rules."""
 
     def __init__(
         self,
