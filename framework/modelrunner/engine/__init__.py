@@ -1,0 +1,24 @@
+"""The engine: sequences, the continuous-batching scheduler, and the step loop behind ``LLM``."""
+
+from .input_processor import InputProcessor
+from .llm_engine import LLMEngine
+from .outputs import CompletionOutput, RequestOutput
+from .sampling_params import SamplingParams
+from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
+from .sequence import Request, Sequence, SequenceStatus
+from .stop_checker import StopChecker
+
+__all__ = [
+    "LLMEngine",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "Scheduler",
+    "SchedulerOutput",
+    "ScheduledSequence",
+    "Request",
+    "Sequence",
+    "SequenceStatus",
+    "InputProcessor",
+    "StopChecker",
+]

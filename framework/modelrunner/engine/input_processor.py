@@ -1,0 +1,146 @@
+"""Turn what a caller gives ``add_request`` into a validated prompt, or a clear ``ValueError``."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import attrs
+import torch
+
+from .sampling_params import SamplingParams
+
+
+@attrs.frozen
+class ProcessedPrompt:
+    """A prompt ready to be queued."""
+
+    text: str | None
+    """The prompt text, when it was given as text."""
+    token_ids: list[int]
+    """The prompt's token ids (never empty)."""
+    extra: dict[str, Any]
+    """Adapter inputs (e.g. ``images``)."""
+    extra_keys: tuple
+    """A hashable content fingerprint of ``extra`` for the prefix cache."""
+    params: SamplingParams
+    """Validated sampling parameters."""
+
+
+class InputProcessor:
+    """Tokenizes and validates requests against the model and the engine's limits.
+
+    Policy on length: a prompt must leave room for one generated token (at most
+    ``max_model_len - 1`` tokens); prompt + ``max_tokens`` may exceed ``max_model_len``, and the
+    completion then ends there with ``finish_reason="length"`` (as vLLM's offline API does).
+    """
+
+    def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_capacity_tokens: int,
+                 max_num_seqs: int) -> None:
+        self.tokenizer = tokenizer
+        """Encodes text prompts."""
+        self.vocab_size = vocab_size
+        """Valid token ids are ``0 … vocab_size - 1``."""
+        self.max_model_len = max_model_len
+        """Longest sequence (prompt + output)."""
+        self.kv_capacity_tokens = kv_capacity_tokens
+        """Token slots in the whole KV cache (a longer prompt could never be scheduled)."""
+        self.max_num_seqs = max_num_seqs
+        """Most sequences running at once (bounds ``n``)."""
+
+    def process(self, request_id: str, prompt: Any, params: SamplingParams | dict | None,
+                extra: dict[str, Any] | None = None) -> ProcessedPrompt:
+        """Validate one request.
+
+        :param prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
+            whose other keys (e.g. ``"images"``) join ``extra``.
+        :raises ValueError: empty or too long prompt, token ids outside the vocabulary, invalid
+            sampling parameters, ``n`` above ``max_num_seqs``.
+        """
+        params = SamplingParams.from_optional(params)
+        text, token_ids, prompt_extra = self._parse(prompt)
+        extra = {**prompt_extra, **(extra or {})}
+        self._check_lengths(request_id, token_ids, params)
+        return ProcessedPrompt(text, token_ids, extra, extra_keys(extra), params)
+
+    def _parse(self, prompt: Any) -> tuple[str | None, list[int], dict[str, Any]]:
+        extra: dict[str, Any] = {}
+        if isinstance(prompt, dict):
+            extra = {k: v for k, v in prompt.items() if k not in ("prompt", "prompt_token_ids")}
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._check_token_ids(prompt["prompt_token_ids"]), extra
+            if "prompt" not in prompt:
+                raise ValueError(f"a prompt dict needs 'prompt' or 'prompt_token_ids', got keys {sorted(prompt)}")
+            prompt = prompt["prompt"]
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty; give at least one character or token id")
+            return prompt, list(self.tokenizer.encode(prompt)), extra
+        if isinstance(prompt, (list, tuple, torch.Tensor)):
+            return None, self._check_token_ids(prompt), extra
+        raise ValueError(
+            f"prompt must be a string, a list of token ids or a dict with 'prompt'/'prompt_token_ids', "
+            f"got {type(prompt).__name__}"
+        )
+
+    def _check_token_ids(self, ids: Any) -> list[int]:
+        if isinstance(ids, torch.Tensor):
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt_token_ids must be a list of ints, got {type(ids).__name__}")
+        vocab = self.vocab_size
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt token id {bad!r} is not in the vocabulary (accepted: 0 … {vocab - 1})")
+        return list(ids)
+
+    def _check_lengths(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+        if not token_ids:
+            raise ValueError(f"request {request_id!r}: prompt is empty (0 tokens); give at least one token")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {len(token_ids)} tokens but max_model_len is "
+                f"{self.max_model_len}, which leaves no room for output; accepted: at most "
+                f"{self.max_model_len - 1} prompt tokens"
+            )
+        if len(token_ids) > self.kv_capacity_tokens:
+            raise ValueError(
+                f"request {request_id!r}: prompt has {len(token_ids)} tokens but the KV cache holds only "
+                f"{self.kv_capacity_tokens}; raise kv_cache_memory"
+            )
+        if params.n > self.max_num_seqs:
+            raise ValueError(f"request {request_id!r}: n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+
+
+def extra_keys(extra: dict[str, Any]) -> tuple:
+    """A hashable fingerprint of a request's extra inputs (tensors by content), so the prefix cache
+    never shares blocks between the same tokens with different images."""
+    if not extra:
+        return ()
+    keys = []
+    for name in sorted(extra):
+        digest = hashlib.sha256()
+        _fingerprint(extra[name], digest)
+        keys.append((name, digest.hexdigest()))
+    return tuple(keys)
+
+
+def _fingerprint(value: Any, digest: Any) -> None:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().cpu().contiguous()
+        digest.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        digest.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    elif isinstance(value, (list, tuple)):
+        digest.update(f"{type(value).__name__}{len(value)}".encode())
+        for item in value:
+            _fingerprint(item, digest)
+    elif isinstance(value, dict):
+        for key in sorted(value, key=repr):
+            digest.update(repr(key).encode())
+            _fingerprint(value[key], digest)
+    elif isinstance(value, (bytes, bytearray)):
+        digest.update(bytes(value))
+    elif hasattr(value, "tobytes"):  # numpy arrays, PIL images
+        digest.update(value.tobytes())
+    else:
+        digest.update(repr(value).encode())
