@@ -85,7 +85,8 @@ class Plugins:
         try:
             self.pm.check_pending()
         except pluggy.PluginValidationError as e:
-            raise PluginError(f"plugin {e.plugin_name!r} implements a hook that does not exist: {e}") from e
+            name = self.pm.get_name(e.plugin) or repr(e.plugin)
+            raise PluginError(f"plugin {name!r} implements a hook that does not exist: {e}") from e
         self._collect_names()
 
     @property

@@ -165,6 +165,24 @@ class ModelRunner:
         self._require_loaded()
         return self._run(batch.to(self.device), self.kv_caches).float().cpu()
 
+    def process_inputs(self, prompt_text: str | None, token_ids: list[int],
+                       extra: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        """A request's prompt and extra inputs as the model runs them (the ``process_inputs`` hook).
+
+        :raises ValueError: the adapter rejected them, or the request carries ``images`` and no
+            adapter takes images for this model.
+        """
+        loaded = self._require_loaded()
+        result = self.plugins.hook.process_inputs(loaded=loaded, prompt_text=prompt_text, token_ids=token_ids,
+                                                  extra=extra)
+        if result is not None:
+            return result
+        if "images" in extra:
+            arch = self.source.architecture if self.source is not None else type(loaded.model).__name__
+            raise ValueError(f"model {arch!r} (adapter {loaded.adapter!r}) takes no images; send a text-only "
+                             "prompt, or load a vision-language checkpoint (e.g. LlavaForConditionalGeneration)")
+        return token_ids, extra
+
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks ``src → dst`` in every layer (copy-on-write before a step)."""
         if copies and self.kv_caches:
@@ -206,21 +224,31 @@ class ModelRunner:
 
     # -- the article's convenience API ---------------------------------------------------------
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits for every position of ``input_ids`` (``[L]`` or ``[B, L]``): ``[B, L, vocab]``."""
+    def forward(self, input_ids: torch.Tensor, return_router_logits: bool = False) -> torch.Tensor | dict[str, Any]:
+        """Logits for every position of ``input_ids`` (``[L]`` or ``[B, L]``): ``[B, L, vocab]``.
+
+        With ``return_router_logits`` (MoE models): ``{"logits": [B, L, vocab], "router_logits":
+        one [B, L, num_experts] tensor per MoE layer}``.
+        """
         self._require_loaded()
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
         if ids.dim() != 2 or ids.shape[1] == 0:
             raise ValueError(f"input_ids must be [L] or [B, L] with L > 0, got shape {tuple(ids.shape)}")
-        out = []
+        extra = {"return_router_logits": True} if return_router_logits else {}
+        out, routers = [], []
         for row in ids.tolist():
             seq_id = -1000 - len(out)
-            out.append(self._forward_one(row, seq_id))
-        return torch.stack(out)
+            out.append(self._forward_one(row, seq_id, extra))
+            routers.append(self.last_aux.get("router_logits"))
+        if not return_router_logits:
+            return torch.stack(out)
+        if any(r is None for r in routers):
+            raise ModelRunnerError(f"the {self.loaded.adapter!r} adapter returned no router_logits (not an MoE model?)")
+        return {"logits": torch.stack(out), "router_logits": [torch.stack(layer) for layer in zip(*routers)]}
 
-    def _forward_one(self, tokens: list[int], seq_id: int) -> torch.Tensor:
+    def _forward_one(self, tokens: list[int], seq_id: int, extra: dict[str, Any] | None = None) -> torch.Tensor:
         # A scratch sequence: no prefix reuse (all positions' logits are wanted), freed at once.
         alloc = self.allocator
         alloc.allocate(seq_id, tokens, extra_keys=("forward", seq_id, id(self)))
@@ -228,14 +256,18 @@ class ModelRunner:
             batch = _single_sequence_batch(tokens, alloc.block_table(seq_id), self.block_size,
                                            list(range(len(tokens))), seq_id,
                                            slots=alloc.slot_mapping(seq_id, 0, len(tokens)))
-            return self.execute_model(batch)
+            return self.execute_model(attrs.evolve(batch, extra=extra or {}))
         finally:
             alloc.free(seq_id)
             if self.loaded.kv_cache_spec is None:
                 self.loaded.extra.get("caches", {}).pop(seq_id, None)
 
-    def generate(self, input_ids: torch.Tensor | list[int], max_new_tokens: int = 16, **sampling: Any) -> torch.Tensor:
-        """Generate up to ``max_new_tokens`` after ``input_ids`` (``[L]`` or ``[B, L]``); returns the new ids.
+    def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int = 16,
+                 **sampling: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Generate up to ``max_new_tokens`` after ``input_ids``; returns the new ids.
+
+        ``input_ids`` is one prompt (``[L]``: returns a tensor) or several (``[B, L]`` or a list of
+        lists of any lengths: returns a list of tensors).
 
         Keyword arguments are :class:`~modelrunner.SamplingParams` fields (default greedy).
         """
@@ -243,13 +275,16 @@ class ModelRunner:
         from .engine.sampling_params import SamplingParams
 
         self._require_loaded()
-        ids = torch.as_tensor(input_ids)
-        rows = [ids.tolist()] if ids.dim() == 1 else ids.tolist()
+        if isinstance(input_ids, torch.Tensor):
+            input_ids = input_ids.tolist()
+        # One prompt ([L]) or several, possibly of different lengths ([[...], [...]]).
+        rows = input_ids if input_ids and isinstance(input_ids[0], (list, tuple)) else [input_ids]
         params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": max_new_tokens})
         if self._engine is None:
             self._engine = LLMEngine(self)
         outputs = self._engine.generate_token_ids(rows, params)
-        return [torch.tensor(o, dtype=torch.long) for o in outputs] if len(rows) > 1 else torch.tensor(outputs[0])
+        tensors = [torch.tensor(o, dtype=torch.long) for o in outputs]
+        return tensors if rows is input_ids else tensors[0]
 
 
 def _single_sequence_batch(tokens: list[int], block_table: list[int], block_size: int, logits_rows: list[int],

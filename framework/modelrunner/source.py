@@ -29,12 +29,23 @@ class ModelSource:
     """The transformers config read from ``path``."""
     origin: str = "hf"
     """``hf`` for a directory the user gave, ``gguf`` for one converted from a GGUF file."""
+    weight_renames: tuple[tuple[str, str], ...] = ()
+    """For one part of a composite checkpoint (e.g. the language model inside a LLaVA checkpoint):
+    ``(checkpoint prefix, replacement)`` pairs, the first match wins; tensors that match none are
+    not this part's and are skipped. Empty: every tensor, named as stored."""
 
     @property
     def architecture(self) -> str:
         """The first entry of the config's ``architectures`` (e.g. ``LlamaForCausalLM``), or ``""``."""
         archs = getattr(self.hf_config, "architectures", None) or []
         return archs[0] if archs else ""
+
+    def iter_weights(self) -> Any:
+        """This source's ``(name, tensor)`` pairs (see :func:`modelrunner.weights.iter_weights`),
+        restricted and renamed by :attr:`weight_renames`."""
+        from .weights import iter_weights
+
+        return iter_weights(self.path, self.weight_renames)
 
     def load_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (transformers ``AutoTokenizer``)."""
@@ -92,11 +103,21 @@ def resolve_source(model: str, cache_dir: str | None = None, trust_remote_code: 
             f"model {model!r} is a file but not a .gguf checkpoint; pass a Hugging Face directory "
             "(config.json + *.safetensors), a .gguf file, or one of: " + ", ".join(DEFAULT_MODEL_ALIASES)
         )
+    if not _looks_like_hub_id(model):
+        raise ModelSourceError(
+            f"model {model!r}: no such file or directory; pass a Hugging Face checkpoint directory, a .gguf "
+            f"file, or one of: {', '.join(DEFAULT_MODEL_ALIASES)}"
+        )
     raise ModelSourceError(
         f"model {model!r} is not a local directory or file, and modelrunner never downloads from a hub. "
         f"Download it yourself (e.g. `huggingface-cli download {model} --local-dir ./my-model`) and pass "
         f"model='./my-model', or use a .gguf file, or one of: {', '.join(DEFAULT_MODEL_ALIASES)}"
     )
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    parts = name.split("/")
+    return len(parts) == 2 and all(parts) and not name.startswith((".", "~")) and "\\" not in name
 
 
 def _read_config(path: Path, trust_remote_code: bool) -> Any:

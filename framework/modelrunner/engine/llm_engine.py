@@ -53,6 +53,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len,
             runner.allocator.num_blocks * runner.allocator.block_size, runner.config.scheduler.max_num_seqs,
+            process_inputs=getattr(runner, "process_inputs", None),
         )
         """Tokenizes and validates new requests."""
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -327,10 +328,6 @@ class LLMEngine:
         stats["num_running_seqs"] = len(self.scheduler.running)
         stats["num_preemptions"] = self.scheduler.num_preemptions
         return stats
-
-
-def _forward_error(exc: Exception) -> str:
-    return f"model forward failed: {type(exc).__name__}: {exc}"
 
 
 def _forward_error(exc: Exception) -> str:
