@@ -1,0 +1,106 @@
+"""modelrunner-moe: mixture-of-experts checkpoints run natively on modelrunner's paged KV cache.
+
+Handles ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and ``Qwen3MoeForCausalLM`` (routing rules
+in :mod:`.spec`), reusing the Llama adapter's decoder and the kernel's
+:class:`~modelrunner.layers.fused_moe.FusedMoE` experts.
+
+Router logits: the forward hook returns a :class:`~modelrunner.forward_batch.ForwardOutput` whose
+``aux["router_logits"]`` lists one ``[num_tokens, num_experts]`` tensor per sparse layer when the
+batch asks (``batch.extra["return_router_logits"]``) or the config's ``output_router_logits`` is
+set. Per-expert token counts are in ``ModelRunner.stats()["model"]``.
+
+Tensor-parallel plan (applied while building, so each rank only ever loads its shard): attention,
+dense MLPs and Qwen2-MoE's shared expert split like the Llama adapter's (column/row with an
+all-reduce); routed experts are *expert parallel* — rank ``r`` holds experts
+``[r·E/tp, (r+1)·E/tp)`` whole, the router is replicated, and the ranks' partial outputs are
+all-reduced. Whole experts keep each expert's matmuls unsplit (better on small decode batches than
+splitting every expert's ``intermediate`` across ranks) and need ``num_experts % tp_size == 0``.
+
+The hooks are ``tryfirst``: :class:`MoeForCausalLM` subclasses the Llama model, so the Llama
+adapter's ``isinstance`` checks would otherwise claim it too.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from modelrunner.forward_batch import ForwardOutput
+from modelrunner.hookspecs import hookimpl
+from modelrunner.loaded_model import LoadedModel
+from modelrunner_llama.loader import kv_cache_spec_for, load_tokenizer
+
+from .loader import build_moe_model
+from .model import MoeForCausalLM
+from .spec import ARCHITECTURES as _BY_MODEL_TYPE
+from .spec import MoeSpec
+
+__all__ = ["ARCHITECTURES", "MoeForCausalLM", "MoeSpec", "build_moe_model", "forward", "load", "parallelize",
+           "register"]
+
+ARCHITECTURES = tuple(_BY_MODEL_TYPE.values())
+"""The HF ``architectures`` this adapter loads."""
+
+ADAPTER_NAME = "moe"
+"""The entry-point name, shown as ``LoadedModel.adapter``."""
+
+RETURN_ROUTER_LOGITS = "return_router_logits"
+"""The ``ForwardBatch.extra`` key that asks for router logits."""
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the architectures this adapter loads."""
+    registry.architectures(*ARCHITECTURES)
+
+
+@hookimpl
+def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, parallel: Any) -> LoadedModel | None:
+    """Build the model for ``source`` if it is a Mixtral / Qwen-MoE checkpoint, with this rank's weights."""
+    if source.architecture not in ARCHITECTURES:
+        return None
+    model = build_moe_model(source.hf_config, source.path, device, dtype, parallel, config.model.max_model_len)
+    return LoadedModel(
+        model=model,
+        tokenizer=load_tokenizer(source),
+        hf_config=source.hf_config,
+        kv_cache_spec=kv_cache_spec_for(model, dtype, config.cache.block_size),
+        adapter=ADAPTER_NAME,
+        runnable=model,
+    )
+
+
+@hookimpl(tryfirst=True)
+def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> ForwardOutput | None:
+    """Float32 logits for the rows ``batch.logits_indices``, and the router logits when asked."""
+    model = loaded.model
+    if not isinstance(model, MoeForCausalLM):
+        return None
+    asked = batch.extra.get(RETURN_ROUTER_LOGITS)
+    want_router_logits = model.return_router_logits if asked is None else bool(asked)
+    run = loaded.runnable or model
+    with torch.inference_mode():
+        hidden = run(batch.input_ids, batch.positions, batch, kv_caches).index_select(0, batch.logits_indices)
+    # Logits leave inference mode so callers (samplers, tests) may still edit them in place.
+    with torch.no_grad():
+        logits = model.compute_logits(hidden).float()
+    aux = {"router_logits": model.router_logits()} if want_router_logits else {}
+    return ForwardOutput(logits=logits, aux=aux)
+
+
+@hookimpl(tryfirst=True)
+def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
+    """Check the model was built for this rank's shard (the split happens at load); nothing else to do."""
+    model = loaded.model
+    if not isinstance(model, MoeForCausalLM):
+        return None
+    built = model.parallel
+    if (built.tp_rank, built.tp_size) != (parallel.tp_rank, parallel.tp_size):
+        raise ValueError(
+            f"model was loaded for tensor-parallel rank {built.tp_rank}/{built.tp_size}, "
+            f"but parallelize was called for {parallel.tp_rank}/{parallel.tp_size}; pass the same ParallelState to load"
+        )
+    if parallel.pp_size != 1:
+        raise ValueError(f"the moe adapter does not implement pipeline parallelism (pp_size={parallel.pp_size})")
+    return loaded

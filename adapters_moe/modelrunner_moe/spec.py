@@ -1,0 +1,109 @@
+"""What differs between the MoE architectures, read once from their transformers configs.
+
+transformers 5.24 defines the three rules this adapter follows:
+
+- Mixtral: every layer sparse; softmax → top-k, always renormalised; no shared expert; no biases.
+- Qwen2-MoE: layer ``i`` is sparse unless ``i in mlp_only_layers`` or ``(i + 1) % decoder_sparse_step``
+  (then a dense MLP of ``intermediate_size``); top-k weights renormalised only with
+  ``norm_topk_prob``; a shared expert of ``shared_expert_intermediate_size`` scaled by
+  ``sigmoid(shared_expert_gate(x))`` added to every sparse layer; q/k/v biases with ``qkv_bias``.
+- Qwen3-MoE: Qwen2-MoE's sparse-layer and renormalisation rules, no shared expert, RMSNorm over
+  each query and key head before RoPE, ``attention_bias`` on all four projections.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from modelrunner.layers.moe_router import check_top_k
+
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
+"""``model_type`` → the HF ``architectures`` name of each model this adapter runs."""
+
+
+class ConfigView:
+    """A transformers config seen with a few attributes replaced; the config itself is untouched.
+
+    Lets the Llama adapter's layers, which read their options from a config, build the variant an
+    MoE architecture needs (Qwen2-MoE's q/k/v biases, a shared expert's width).
+    """
+
+    def __init__(self, base: Any, **overrides: Any) -> None:
+        self.__dict__["_base"] = base
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["_base"], name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"ConfigView is read-only (tried to set {name!r})")
+
+
+@attrs.frozen
+class MoeSpec:
+    """The MoE-specific shape of one checkpoint."""
+
+    architecture: str
+    """HF architecture name (``MixtralForCausalLM`` …)."""
+    num_experts: int
+    """Routed experts per sparse layer."""
+    top_k: int
+    """Experts each token is routed to."""
+    moe_intermediate_size: int
+    """Width of each routed expert's MLP."""
+    renormalize: bool
+    """Whether the kept top-k weights are rescaled to sum to one."""
+    shared_expert_intermediate_size: int
+    """Width of the sigmoid-gated shared expert (0: none)."""
+    sparse_layers: tuple[bool, ...]
+    """Per decoder layer: MoE block (True) or dense MLP (False)."""
+    qk_norm: bool
+    """RMSNorm over each query and key head before RoPE (Qwen3)."""
+    attention_overrides: tuple[tuple[str, Any], ...] = ()
+    """Config attributes the Llama attention must see differently (as ``(name, value)`` pairs)."""
+
+    @classmethod
+    def from_config(cls, config: Any) -> MoeSpec:
+        """Read and validate the MoE settings of a Mixtral / Qwen2-MoE / Qwen3-MoE config.
+
+        :raises ValueError: another ``model_type``, a non-SiLU activation, ``num_experts_per_tok``
+            outside ``[1, num_experts]``, or a ``decoder_sparse_step`` below 1.
+        """
+        model_type = getattr(config, "model_type", None)
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"model_type {model_type!r} is not an MoE model this adapter runs; "
+                             f"supported: {', '.join(sorted(ARCHITECTURES))}")
+        name = ARCHITECTURES[model_type]
+        if config.hidden_act != "silu":
+            raise ValueError(f"{name}: hidden_act {config.hidden_act!r} is not supported (only 'silu')")
+        layers = range(config.num_hidden_layers)
+        if model_type == "mixtral":
+            check_top_k(config.num_experts_per_tok, config.num_local_experts,
+                        f"{name} (num_experts_per_tok vs num_local_experts)")
+            return cls(name, config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
+                       renormalize=True, shared_expert_intermediate_size=0,
+                       sparse_layers=tuple(True for _ in layers), qk_norm=False)
+        step = config.decoder_sparse_step
+        if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+            raise ValueError(f"{name}: decoder_sparse_step must be a positive integer, got {step!r}")
+        dense = set(config.mlp_only_layers or ())
+        sparse = tuple(config.num_experts > 0 and i not in dense and (i + 1) % step == 0 for i in layers)
+        if any(sparse):
+            check_top_k(config.num_experts_per_tok, config.num_experts, f"{name} (num_experts_per_tok vs num_experts)")
+        qwen2 = model_type == "qwen2_moe"
+        overrides: tuple[tuple[str, Any], ...] = ()
+        if qwen2:
+            # The Llama attention gives q/k/v (not o) biases to model_type "qwen2", none otherwise.
+            qkv_bias = getattr(config, "qkv_bias", True)
+            overrides = (("model_type", "qwen2"),) if qkv_bias else (("attention_bias", False),)
+        return cls(name, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
+                   renormalize=bool(config.norm_topk_prob),
+                   shared_expert_intermediate_size=int(config.shared_expert_intermediate_size or 0) if qwen2 else 0,
+                   sparse_layers=sparse, qk_norm=not qwen2, attention_overrides=overrides)
+
+    def attention_config(self, config: Any) -> Any:
+        """The config the Llama decoder skeleton is built from (``config`` itself when nothing differs)."""
+        return ConfigView(config, **dict(self.attention_overrides)) if self.attention_overrides else config
