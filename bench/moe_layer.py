@@ -109,15 +109,15 @@ def main() -> None:
 def matmul_ceiling(budget_s: float) -> str:
     """This machine's fp32 rate on one expert's gate/up product at 256 tokens' share (64 rows):
     the bound both blocks run against, through MKL (``F.linear``, transformers) and oneDNN (ours)."""
-    from modelrunner.layers.fused_moe import expert_linear
+    from modelrunner.layers.dense import dense
 
     x, w = torch.randn(2 * 256 // EXPERTS, HIDDEN), torch.randn(2 * INTERMEDIATE, HIDDEN)
     with torch.inference_mode():
         med = time_alternating({"mkl": lambda h: torch.nn.functional.linear(h, w),
-                                "ours": lambda h: expert_linear(h, w)}, x, budget_s / 2)
+                                "ours": lambda h: dense(h, w)}, x, budget_s / 2)
     flops = 2 * x.shape[0] * w.shape[0] * w.shape[1]
     return (f"fp32 matmul [{x.shape[0]}×{HIDDEN}]·[{HIDDEN}×{2 * INTERMEDIATE}] on this machine now: "
-            f"F.linear (MKL) {flops / med['mkl'] / 1e9:.0f} GFLOP/s, expert_linear (oneDNN) "
+            f"F.linear (MKL) {flops / med['mkl'] / 1e9:.0f} GFLOP/s, dense (oneDNN) "
             f"{flops / med['ours'] / 1e9:.0f} GFLOP/s — the experts' matmuls are ~95% of either block's time.")
 
 

@@ -19,7 +19,7 @@ def _scenario(context_lens, query_lens, heads, kv_heads, num_blocks=64, seed=0):
     gen = torch.Generator().manual_seed(seed)
     cache = torch.zeros(2, num_blocks, BLOCK, kv_heads, HEAD_DIM)
     free = torch.randperm(num_blocks, generator=gen).tolist()
-    seqs, ids, positions, slots, starts, tables = [], [], [], [0], [0], []
+    seqs, positions, starts, tables = [], [], [0], []
     slots = []
     for ctx, q in zip(context_lens, query_lens):
         total = ctx + q

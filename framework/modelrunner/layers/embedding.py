@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .dense import dense
 from .linear import all_gather_last_dim
 
 
@@ -101,7 +102,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits ``[tokens, num_embeddings]`` (every rank returns all of them when split)."""
-        logits = F.linear(hidden_states, self.weight, self.bias)
+        logits = dense(hidden_states, self.weight, self.bias)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits, self.tp_size, self.tp_group)
         if logits.shape[-1] != self.num_embeddings:

@@ -2,7 +2,7 @@
 
 Each token's ``top_k`` (token, expert) assignments are sorted by expert id, so every expert's
 tokens sit in one contiguous slice; each expert that received tokens then runs its gated MLP once,
-as two matmuls over its slice (:func:`expert_linear`), and the outputs are gathered back into
+as two matmuls over its slice (:func:`~modelrunner.layers.dense.dense`), and the outputs are gathered back into
 (token, slot) order and summed with their routing weights. The work is proportional to
 ``tokens × top_k`` (experts with no tokens cost nothing), with one Python iteration per *active*
 expert and none per token. (``torch.nn.functional.grouped_mm`` runs the same loop inside ATen on
@@ -22,14 +22,14 @@ replicated), computes its own experts' share, and the shares are all-reduced.
 
 from __future__ import annotations
 
-from functools import cache, partial
+from functools import partial
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from .activation import SiluAndMul
+from .dense import dense
 from .linear import copy_checked
 from .moe_router import check_top_k, select_experts
 
@@ -87,7 +87,7 @@ def fused_experts(
         if count == 0:
             continue
         end = start + count
-        out[start:end] = expert_linear(act(expert_linear(x[start:end], w13[expert])), w2[expert])
+        out[start:end] = dense(act(dense(x[start:end], w13[expert])), w2[expert])
         start = end
     # Back to (token, slot) order — a gather, with another rank's slots reading a zero row — then
     # the weighted sum over each token's slots, as transformers sums them.
@@ -97,26 +97,6 @@ def fused_experts(
         out = torch.cat((out, out.new_zeros(1, out.shape[1])))
     slots = out.index_select(0, position).view(num_tokens, top_k, hidden.shape[1])
     return (slots * topk_weights.unsqueeze(-1)).sum(dim=1).to(hidden.dtype)
-
-
-@cache
-def _onednn_usable() -> bool:
-    try:
-        return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-    except (AttributeError, RuntimeError):
-        return False
-
-
-def expert_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x @ weight.T`` for one expert's rows: oneDNN's matmul for float32 CPU batches, else ``F.linear``.
-
-    On this project's reference CPU (AMD Zen 3) MKL's sgemm, behind ``F.linear``, runs the
-    expert-sized products (tens of rows × thousands of features) at half the speed of oneDNN's
-    matmul on the same unpacked weight; a single row is a mat-vec, where MKL is as fast.
-    """
-    if x.shape[0] > 1 and x.dtype == torch.float32 and x.device.type == "cpu" and _onednn_usable():
-        return torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")
-    return F.linear(x, weight)
 
 
 class FusedMoE(nn.Module):

@@ -15,8 +15,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from .dense import dense
 
 
 def _divide(numerator: int, denominator: int, what: str) -> int:
@@ -91,7 +92,7 @@ class ReplicatedLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b``."""
-        return F.linear(x, self.weight, self.bias)
+        return dense(x, self.weight, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -123,7 +124,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with ``gather_output``)."""
-        y = F.linear(x, self.weight, self.bias)
+        y = dense(x, self.weight, self.bias)
         if self.gather_output and self.tp_size > 1:
             y = all_gather_last_dim(y, self.tp_size, self.tp_group)
         return y
@@ -246,8 +247,8 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output from this rank's input slice (partial products summed across ranks)."""
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = F.linear(x, self.weight)
+            return dense(x, self.weight, self.bias)
+        y = dense(x, self.weight)
         if self.reduce_results:
             import torch.distributed as dist
 
