@@ -173,3 +173,14 @@ def test_shared_prefix_admitted_together_hits_the_cache_and_stays_exact(llm, tin
     alone = [uncached.generate([p], params, use_tqdm=False)[0] for p in prompts]
     assert [o.num_cached_tokens for o in alone] == [0, 0, 0, 0]
     assert [o.outputs[0].token_ids for o in together] == [o.outputs[0].token_ids for o in alone]
+
+
+def test_min_tokens_holds_back_eos_on_a_real_model(llm):
+    eos = llm.get_tokenizer().eos_token_id
+    # Make EOS the greedy choice at once by stopping on whatever the model would say first ...
+    first = llm.generate("Hello", SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    token = first.outputs[0].token_ids[0]
+    params = SamplingParams(temperature=0, max_tokens=4, min_tokens=3, stop_token_ids=[token])
+    out = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
+    # ... then min_tokens must keep it (and EOS) from ending the completion before 3 tokens.
+    assert len(out.token_ids) >= 3 and token not in out.token_ids[:3] and eos not in out.token_ids[:3]

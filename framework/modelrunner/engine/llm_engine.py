@@ -123,6 +123,7 @@ class LLMEngine:
 
     # -- the step --------------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of every request that changed.
 
