@@ -6,6 +6,12 @@ Tensor-parallel plan (applied while building, so each rank only ever loads its s
 ``qkv_proj`` and ``gate_up_proj`` are column-split (by heads / intermediate features),
 ``o_proj`` and ``down_proj`` row-split with an all-reduce, the embedding and LM head split by
 vocabulary rows. Key/value heads are replicated when there are fewer of them than ranks.
+
+Pipeline-parallel plan: stage ``r`` builds only its contiguous range of decoder layers (see
+:func:`modelrunner.distributed.stage_layer_range`), the first stage the embedding, the last the
+final norm and LM head; the others are :class:`~.model.StageMissingLayer` placeholders that load
+nothing. A stage other than the first starts from ``batch.extra[STAGE_INPUTS]``; one other than the
+last returns ``{"hidden_states", "residual"}`` in ``aux[STAGE_OUTPUTS]`` (and empty logits).
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ from typing import Any
 
 import torch
 
+from modelrunner.distributed import STAGE_INPUTS, STAGE_OUTPUTS
+from modelrunner.forward_batch import ForwardOutput
 from modelrunner.hookspecs import hookimpl
 from modelrunner.loaded_model import LoadedModel
 
@@ -40,7 +48,8 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
     """Build the model for ``source`` if it is a Llama-family checkpoint, with this rank's weights."""
     if source.architecture not in ARCHITECTURES:
         return None
-    model = build_model(source.hf_config, source.path, device, dtype, parallel, config.model.max_model_len)
+    model = build_model(source.hf_config, source.path, device, dtype, parallel, config.model.max_model_len,
+                        weights=source.iter_weights())
     return LoadedModel(
         model=model,
         tokenizer=load_tokenizer(source),
@@ -52,14 +61,20 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
 
 
 @hookimpl
-def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
-    """Float32 logits for the rows ``batch.logits_indices`` of the step's flattened tokens."""
+def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor | ForwardOutput | None:
+    """Float32 logits for the rows ``batch.logits_indices`` of the step's flattened tokens (on a
+    pipeline stage other than the last: empty logits and the next stage's inputs in ``aux``)."""
     model = loaded.model
     if not isinstance(model, LlamaForCausalLM):
         return None
     run = loaded.runnable or model
+    stage = {} if model.parallel.is_first_stage else {"stage_inputs": batch.extra.get(STAGE_INPUTS)}
     with torch.inference_mode():
-        hidden = run(batch.input_ids, batch.positions, batch, kv_caches).index_select(0, batch.logits_indices)
+        out = run(batch.input_ids, batch.positions, batch, kv_caches, **stage)
+    if not model.parallel.is_last_stage:
+        return ForwardOutput(logits=torch.empty(0, loaded.vocab_size), aux={STAGE_OUTPUTS: out})
+    with torch.inference_mode():
+        hidden = out.index_select(0, batch.logits_indices)
     # Logits leave inference mode so callers (samplers, tests) may still edit them in place.
     with torch.no_grad():
         return model.compute_logits(hidden).float()
@@ -77,6 +92,9 @@ def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
             f"model was loaded for tensor-parallel rank {built.tp_rank}/{built.tp_size}, "
             f"but parallelize was called for {parallel.tp_rank}/{parallel.tp_size}; pass the same ParallelState to load"
         )
-    if parallel.pp_size != 1:
-        raise ValueError(f"the llama adapter does not implement pipeline parallelism (pp_size={parallel.pp_size})")
+    if (built.pp_rank, built.pp_size) != (parallel.pp_rank, parallel.pp_size):
+        raise ValueError(
+            f"model was loaded for pipeline stage {built.pp_rank}/{built.pp_size}, "
+            f"but parallelize was called for {parallel.pp_rank}/{parallel.pp_size}; pass the same ParallelState to load"
+        )
     return loaded

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,7 @@ from modelrunner.layers import select_attention_backend
 from modelrunner.parallel_state import ParallelState
 from modelrunner.weights import iter_weights, load_weights, materialize
 
-from .model import LlamaForCausalLM, head_dim_of
+from .model import LlamaForCausalLM, StageMissingLayer, head_dim_of
 
 DEFAULT_MAX_MODEL_LEN = 8192
 """Cap on the default sequence length (the RoPE table size) when the config does not set one."""
@@ -35,9 +36,12 @@ def build_model(
     dtype: torch.dtype,
     parallel: ParallelState | None = None,
     max_model_len: int | None = None,
+    weights: Iterable[tuple[str, torch.Tensor]] | None = None,
 ) -> LlamaForCausalLM:
     """The model for ``hf_config`` with this rank's weights from the safetensors under ``path``.
 
+    :param weights: the ``(name, tensor)`` pairs to load instead of every tensor under ``path``
+        (e.g. ``source.iter_weights()`` for the language model of a composite checkpoint).
     :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor.
     """
     device = torch.device(device)
@@ -45,15 +49,43 @@ def build_model(
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_model_len_for(hf_config, max_model_len), parallel, backend)
     materialize(model, device, dtype)
-    load_weights(model, iter_weights(path), model.packed_modules_mapping, ignore=model.ignored_weights)
+    weights = iter_weights(path) if weights is None else weights
+    if model.parallel.pp_size > 1:
+        weights = StageWeights(weights, model)
+    load_weights(model, weights, model.packed_modules_mapping, ignore=model.ignored_weights)
     return model.eval()
 
 
+class StageWeights:
+    """The checkpoint tensors of the modules on ``model``'s pipeline stage; other stages' are skipped.
+
+    :param weights: ``(name, tensor)`` pairs, e.g. :func:`modelrunner.weights.iter_weights`.
+    :param model: a model built for one pipeline stage (other stages' modules are :class:`StageMissingLayer`).
+    """
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], model: torch.nn.Module) -> None:
+        self.weights = weights
+        """The whole checkpoint."""
+        self.path = getattr(weights, "path", "checkpoint")
+        """The checkpoint directory (named in errors)."""
+        self.skipped_prefixes = tuple(f"{name}." for name, module in model.named_modules()
+                                      if isinstance(module, StageMissingLayer))
+        """Name prefixes of the modules that live on other stages."""
+
+    def __iter__(self) -> Any:
+        return ((name, t) for name, t in self.weights if not name.startswith(self.skipped_prefixes))
+
+    def file_of(self, name: str) -> Path | None:
+        """The file a tensor came from, when the underlying checkpoint knows."""
+        file_of = getattr(self.weights, "file_of", None)
+        return file_of(name) if file_of else None
+
+
 def kv_cache_spec_for(model: LlamaForCausalLM, dtype: torch.dtype, block_size: int) -> KVCacheSpec:
-    """The paged cache this rank's layers read and write."""
-    attn = model.model.layers[0].self_attn
+    """The paged cache this rank's layers (those of its pipeline stage) read and write."""
+    attn = model.model.layers[model.model.start_layer].self_attn
     return KVCacheSpec(
-        num_layers=len(model.model.layers),
+        num_layers=model.model.end_layer - model.model.start_layer,
         num_kv_heads=attn.num_kv_heads,
         head_dim=head_dim_of(model.config),
         dtype=dtype,

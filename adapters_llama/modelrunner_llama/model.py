@@ -30,6 +30,7 @@ from modelrunner.layers import (
     VocabParallelEmbedding,
     select_attention_backend,
 )
+from modelrunner.distributed import stage_layer_range
 from modelrunner.parallel_state import ParallelState
 
 
@@ -127,18 +128,44 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
+class StageMissingLayer(nn.Module):
+    """Stands where a module of another pipeline stage would be, so layer indices and weight names
+    still match the checkpoint; it holds no weights and refuses to be used."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"{name!r}: this module belongs to another pipeline stage (code walking "
+                             "model.layers must skip StageMissingLayer)")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, nn.Module):
+            raise AttributeError(f"cannot set {name!r}: this module belongs to another pipeline stage")
+        super().__setattr__(name, value)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Always raises: the module runs on another pipeline stage."""
+        raise RuntimeError("called a module that belongs to another pipeline stage")
+
+
 class LlamaModel(nn.Module):
-    """Embedding, decoder layers, final norm."""
+    """Embedding, decoder layers, final norm — those of them on this pipeline stage."""
 
     def __init__(self, config: Any, max_position: int, parallel: ParallelState, backend: AttentionBackend) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, **_tp(parallel))
+        self.start_layer, self.end_layer = stage_layer_range(config.num_hidden_layers, parallel.pp_rank,
+                                                             parallel.pp_size)
+        """This stage's decoder layers are ``layers[start_layer:end_layer]``; the rest are placeholders."""
+        # The last stage keeps a tied embedding: it is the LM head's weight.
+        tied = bool(getattr(config, "tie_word_embeddings", False))
+        has_embedding = parallel.is_first_stage or (tied and parallel.is_last_stage)
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size, **_tp(parallel))
+                             if has_embedding else StageMissingLayer())
         windows = sliding_windows_of(config, max_position)
         self.layers = nn.ModuleList(
             LlamaDecoderLayer(config, max_position, windows[i], parallel, backend)
+            if self.start_layer <= i < self.end_layer else StageMissingLayer()
             for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if parallel.is_last_stage else StageMissingLayer()
         self.sliding_windows = tuple(sorted(set(windows), key=lambda w: -1 if w is None else w))
         """The distinct sliding windows of the layers (None = full attention)."""
 
@@ -159,18 +186,17 @@ class LlamaForCausalLM(nn.Module):
                  attn_backend: AttentionBackend | None = None) -> None:
         super().__init__()
         parallel = parallel or ParallelState()
-        if parallel.pp_size != 1:
-            raise ValueError(f"the llama adapter does not implement pipeline parallelism (pp_size={parallel.pp_size})")
         self.config = config
         self.parallel = parallel
-        """The tensor-parallel rank the layers were built for."""
+        """The tensor-parallel rank and pipeline stage the layers were built for."""
         self.attn_backend = attn_backend or select_attention_backend("cpu")
         """The attention implementation every layer uses; builds the per-step metadata."""
         self.model = LlamaModel(config, max_position, parallel, self.attn_backend)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, **_tp(parallel))
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, **_tp(parallel))
+                        if parallel.is_last_stage else StageMissingLayer())
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         """Whether the LM head shares the embedding's parameter."""
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and parallel.is_last_stage:
             self.lm_head.tie(self.model.embed_tokens)
 
     @property
@@ -178,21 +204,40 @@ class LlamaForCausalLM(nn.Module):
         """Checkpoint name suffixes not loaded (RoPE tables; the LM head when tied)."""
         return ("rotary_emb.inv_freq",) + (("lm_head.weight",) if self.tie_word_embeddings else ())
 
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Input embeddings ``[tokens, hidden]`` of token ids (what :meth:`forward` starts from)."""
+        return self.model.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
-        """Final hidden states ``[tokens, hidden]`` of the batch's flattened tokens.
+                kv_caches: list[torch.Tensor], inputs_embeds: torch.Tensor | None = None,
+                stage_inputs: dict[str, torch.Tensor] | None = None) -> torch.Tensor | dict[str, torch.Tensor]:
+        """Final hidden states ``[tokens, hidden]`` of the batch's flattened tokens; on a pipeline
+        stage other than the last, ``{"hidden_states", "residual"}`` for the next stage.
 
         :param batch: the step's :class:`~modelrunner.forward_batch.ForwardBatch` (for attention).
         :param kv_caches: one ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per layer.
+        :param inputs_embeds: ``[tokens, hidden]`` embeddings to start from instead of
+            ``embed_input_ids(input_ids)`` (a multimodal model writes image features into them).
+        :param stage_inputs: on a stage after the first, what the previous stage returned; when
+            absent there (a dummy step, e.g. the runner's memory profile) the stage starts from zeros.
         """
-        layers = self.model.layers
+        layers = self.model.layers[self.model.start_layer:self.model.end_layer]
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV-cache tensors (one per layer), got {len(kv_caches)}")
         metadata = self.attn_backend.build_metadata(batch, self.model.sliding_windows)
-        hidden = self.model.embed_tokens(input_ids)
-        residual = None
+        if self.parallel.is_first_stage:
+            hidden = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+            residual = None
+        elif stage_inputs is not None:
+            hidden, residual = stage_inputs["hidden_states"], stage_inputs["residual"]
+        else:
+            weight = layers[0].input_layernorm.weight
+            hidden = torch.zeros(input_ids.shape[0], self.config.hidden_size, dtype=weight.dtype, device=weight.device)
+            residual = torch.zeros_like(hidden)
         for layer, kv_cache in zip(layers, kv_caches):
             hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+        if not self.parallel.is_last_stage:
+            return {"hidden_states": hidden, "residual": residual}
         hidden, _ = self.model.norm(hidden, residual)
         return hidden
 

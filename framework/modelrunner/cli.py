@@ -23,6 +23,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=-1, help="sample among the k likeliest (default off)")
     gen.add_argument("--seed", type=int, default=None, help="seed for sampling")
     gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--image", action="append", default=[], metavar="PATH",
+                     help="an image for the prompt's next image placeholder (e.g. <image>); repeatable, in order")
     gen.add_argument("--stats", action="store_true", help="print KV-cache statistics to stderr afterwards")
     gen.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                      help="any config key (e.g. --set kv_allocator=contiguous --set dtype=float32)")
@@ -49,19 +51,42 @@ def _config_overrides(pairs: list[str]) -> dict[str, Any]:
     return out
 
 
+def _open_images(paths: list[str]) -> list[Any]:
+    """The ``--image`` files as PIL images, read in full now so a bad file fails before the model loads."""
+    if not paths:
+        return []
+    try:
+        from PIL import Image, UnidentifiedImageError
+    except ImportError as e:
+        raise ValueError("--image needs Pillow; run: pip install pillow") from e
+    images = []
+    for path in paths:
+        try:
+            with Image.open(path) as image:
+                image.load()
+                images.append(image.copy())
+        except UnidentifiedImageError:
+            raise ValueError(f"--image {path}: not an image file (Pillow recognises no image format in it)") from None
+        except OSError as e:
+            raise ValueError(f"--image {path}: cannot read it as an image ({e})") from None
+    return images
+
+
 def _generate(args: argparse.Namespace) -> int:
     from .engine.sampling_params import SamplingParams
     from .llm import LLM
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
+    images = _open_images(args.image)
     llm = LLM(model=args.model, **_config_overrides(args.set))
     prompt = args.prompt
     if args.chat:
         prompt = llm.get_tokenizer().apply_chat_template(
             [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
         )
-    for delta in llm.generate_stream(prompt, params):
+    request: Any = {"prompt": prompt, "images": images} if images else prompt
+    for delta in llm.generate_stream(request, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -17,3 +17,10 @@ class UnknownNameError(ModelRunnerError, ValueError):
 
 class ModelSourceError(ModelRunnerError, ValueError):
     """The ``model`` given cannot be resolved to a local checkpoint."""
+
+
+class FatalError(ModelRunnerError):
+    """An error after which the runner cannot serve any request (e.g. a parallel worker died).
+
+    The engine re-raises it instead of failing one request at a time.
+    """

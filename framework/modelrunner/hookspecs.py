@@ -75,6 +75,34 @@ def forward(
         head_dim]``, already allocated; write new K/V at ``batch.slot_mapping``.
     :returns: float logits ``[len(batch.logits_indices), vocab_size]``, or a
         :class:`~modelrunner.forward_batch.ForwardOutput` carrying them plus named extra outputs.
+        Under pipeline parallelism a stage after the first reads the previous stage's tensors
+        from ``batch.extra["stage_inputs"]``, and a stage before the last returns
+        ``ForwardOutput(<empty logits>, aux={"stage_outputs": {name: tensor}})`` for the next one
+        (``modelrunner.distributed.STAGE_INPUTS`` / ``STAGE_OUTPUTS``).
+
+    Stops at first non-None result.
+    """
+
+
+@hookspec(firstresult=True)
+def process_inputs(
+    loaded: LoadedModel, prompt_text: str | None, token_ids: list[int], extra: dict[str, Any]
+) -> tuple[list[int], dict[str, Any]] | None:
+    """Turn a request's prompt and extra inputs into what the model runs, before it is queued.
+
+    Called once per request, after tokenization. Return None unless ``loaded.model`` is yours and
+    the request needs changing (text-only models never implement it). Multimodal adapters
+    preprocess images here (e.g. ``extra["images"]`` → ``pixel_values``) and expand each image
+    placeholder into the number of tokens its features fill. The returned ``extra`` is what the
+    forward hook later sees in ``batch.extra`` and what the prefix cache fingerprints, so it must
+    describe the inputs by content. Raise ``ValueError`` naming the bad value to reject the
+    request (only that request fails).
+
+    :param loaded: the loaded model.
+    :param prompt_text: the prompt as text, when it was given as text.
+    :param token_ids: the prompt's token ids.
+    :param extra: the request's other inputs (e.g. ``{"images": [PIL.Image, ...]}``).
+    :returns: ``(token_ids, extra)`` to queue instead.
 
     Stops at first non-None result.
     """

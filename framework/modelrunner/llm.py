@@ -19,9 +19,10 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2", **config: Any) -> None:
-        from .runner import ModelRunner
+        from .executor import create_executor
 
-        self.runner = ModelRunner(RunnerConfig.from_dict({"model": model, **config}))
+        # A ModelRunner, or with tensor/pipeline_parallel_size > 1 a ParallelExecutor driving the other ranks.
+        self.runner = create_executor(RunnerConfig.from_dict({"model": model, **config}))
         """The model runner (device, dtype, KV cache)."""
         self.runner.load_model()
         self.engine = LLMEngine(self.runner)

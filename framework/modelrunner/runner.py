@@ -9,6 +9,7 @@ import attrs
 import torch
 
 from .config import RunnerConfig
+from .distributed import min_over_ranks
 from .errors import ModelRunnerError, UnknownNameError
 from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
@@ -116,6 +117,9 @@ class ModelRunner:
             weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
             budget = kv_cache_budget(cache_cfg, self.device, weights, self._profile_activation_peak())
             num_blocks = num_blocks_for_budget(spec, budget, self.max_model_len)
+            if self.parallel.world_size > 1:
+                # One allocator (rank 0's) decides block ids for every rank: all must hold as many blocks.
+                num_blocks = min_over_ranks(num_blocks, self.device)
             self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
         self.allocator = self.plugins.create_allocator(
             cache_cfg.kv_allocator, num_blocks, block_size, self.max_model_len, cache_cfg
@@ -177,7 +181,8 @@ class ModelRunner:
                                                   extra=extra)
         if result is not None:
             return result
-        if "images" in extra:
+        images = extra.get("images")
+        if images is not None and not (isinstance(images, (list, tuple)) and not images):
             arch = self.source.architecture if self.source is not None else type(loaded.model).__name__
             raise ValueError(f"model {arch!r} (adapter {loaded.adapter!r}) takes no images; send a text-only "
                              "prompt, or load a vision-language checkpoint (e.g. LlavaForConditionalGeneration)")

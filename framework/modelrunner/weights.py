@@ -42,12 +42,24 @@ class SafetensorsCheckpoint:
     :raises CheckpointError: the directory has no weight files, or the index names a missing one.
     """
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, renames: Sequence[tuple[str, str]] = ()) -> None:
         self.path = Path(path)
         """The checkpoint directory."""
         self.files = self._find_files()
         """The weight files, in reading order."""
+        self.renames = tuple(renames)
+        """``(prefix, replacement)`` pairs: when given, only tensors under a prefix are read, renamed
+        (first match wins), e.g. one part of a composite checkpoint; empty: every tensor as stored."""
         self._file_of: dict[str, Path] = {}
+
+    def rename(self, name: str) -> str | None:
+        """The name a stored tensor is yielded under, or None when :attr:`renames` leave it out."""
+        if not self.renames:
+            return name
+        for prefix, replacement in self.renames:
+            if name.startswith(prefix):
+                return replacement + name[len(prefix):]
+        return None
 
     def _find_files(self) -> list[Path]:
         index = self.path / INDEX_FILE
@@ -80,18 +92,25 @@ class SafetensorsCheckpoint:
             except Exception as e:  # safetensors raises its own error types for corrupt headers
                 raise CheckpointError(f"{file}: cannot read as safetensors ({e})") from e
             with handle as f:
-                for name in f.keys():
+                for stored in f.keys():
+                    name = self.rename(stored)
+                    if name is None:
+                        continue
                     self._file_of[name] = file
-                    yield name, f.get_tensor(name)
+                    yield name, f.get_tensor(stored)
 
     def file_of(self, name: str) -> Path | None:
         """The file a tensor already yielded came from."""
         return self._file_of.get(name)
 
 
-def iter_weights(path: str | Path) -> SafetensorsCheckpoint:
-    """Iterate ``(name, tensor)`` over an HF directory's safetensors weights (see :class:`SafetensorsCheckpoint`)."""
-    return SafetensorsCheckpoint(path)
+def iter_weights(path: str | Path, renames: Sequence[tuple[str, str]] = ()) -> SafetensorsCheckpoint:
+    """Iterate ``(name, tensor)`` over an HF directory's safetensors weights (see :class:`SafetensorsCheckpoint`).
+
+    :param renames: ``(prefix, replacement)`` pairs selecting and renaming one part of a composite
+        checkpoint (``[("language_model.", "")]`` reads a LLaVA checkpoint's language model).
+    """
+    return SafetensorsCheckpoint(path, renames)
 
 
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import torch
@@ -36,7 +36,8 @@ class InputProcessor:
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_capacity_tokens: int,
-                 max_num_seqs: int) -> None:
+                 max_num_seqs: int, process_inputs: Callable[..., tuple[list[int], dict[str, Any]]] | None = None,
+                 ) -> None:
         self.tokenizer = tokenizer
         """Encodes text prompts."""
         self.vocab_size = vocab_size
@@ -47,6 +48,9 @@ class InputProcessor:
         """Token slots in the whole KV cache (a longer prompt could never be scheduled)."""
         self.max_num_seqs = max_num_seqs
         """Most sequences running at once (bounds ``n``)."""
+        self.process_inputs = process_inputs
+        """The model's own request transform (``ModelRunner.process_inputs``: image preprocessing,
+        placeholder expansion), called with ``prompt_text``, ``token_ids`` and ``extra``; None: none."""
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | dict | None,
                 extra: dict[str, Any] | None = None) -> ProcessedPrompt:
@@ -55,11 +59,17 @@ class InputProcessor:
         :param prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
             whose other keys (e.g. ``"images"``) join ``extra``.
         :raises ValueError: empty or too long prompt, token ids outside the vocabulary, invalid
-            sampling parameters, ``n`` above ``max_num_seqs``.
+            sampling parameters, ``n`` above ``max_num_seqs``, extra inputs the model rejects
+            (e.g. more images than image placeholders).
         """
         params = SamplingParams.from_optional(params)
         text, token_ids, prompt_extra = self._parse(prompt)
         extra = {**prompt_extra, **(extra or {})}
+        if self.process_inputs is not None:
+            try:
+                token_ids, extra = self.process_inputs(prompt_text=text, token_ids=token_ids, extra=extra)
+            except ValueError as e:
+                raise ValueError(f"request {request_id!r}: {e}") from e
         self._check_lengths(request_id, token_ids, params)
         return ProcessedPrompt(text, token_ids, extra, extra_keys(extra), params)
 

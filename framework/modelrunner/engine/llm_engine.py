@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ..errors import FatalError
 from ..kv_cache.allocator import KVCacheError
 from ..layers.sampler import Sampler, SamplingMetadata
 from .batch_builder import build_forward_batch
@@ -168,6 +169,8 @@ class LLMEngine:
         batch, rows = build_forward_batch(scheduled, self.allocator, out.finished_seq_ids)
         try:
             return self.runner.execute_model(batch), rows, scheduled
+        except FatalError:
+            raise
         except Exception as exc:  # noqa: BLE001 - isolated below, reported per request
             first_error = exc
         requests = list(dict.fromkeys(item.seq.request for item in scheduled))
@@ -181,6 +184,8 @@ class LLMEngine:
             try:
                 batch, _ = build_forward_batch(mine, self.allocator, out.finished_seq_ids)
                 logits = self.runner.execute_model(batch)
+            except FatalError:
+                raise
             except Exception as exc:  # noqa: BLE001
                 self._fail(request, _forward_error(exc), outputs)
                 continue

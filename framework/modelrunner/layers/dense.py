@@ -25,6 +25,8 @@ def onednn_usable() -> bool:
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T + bias`` for ``x`` of shape ``[rows, in]``."""
-    if x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 1 and onednn_usable():
+    # Compilers get the plain linear: inductor picks (and with freezing prepacks) its own matmul.
+    if (not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2
+            and x.shape[0] > 1 and onednn_usable()):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)

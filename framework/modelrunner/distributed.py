@@ -1,0 +1,310 @@
+"""Process groups for tensor × pipeline parallelism, and the collectives the ranks of a step use.
+
+Ranks are laid out stage by stage: ``rank = pp_rank * tp_size + tp_rank``. Every process joins
+
+- the world group (``nccl`` on GPU, ``gloo`` on CPU) for the model's own collectives: the
+  all-reduces and gathers inside tensor-parallel layers, and hidden states sent between stages;
+- its tensor-parallel and pipeline-parallel subgroups (in :class:`ParallelState`);
+- a ``gloo`` *control* group over all ranks that carries the driver's step messages and the
+  logits coming back. Its timeout is long because ranks wait on it between requests; a dead peer
+  still fails it at once (gloo sees the closed connection).
+
+The rendezvous is a ``TCPStore``: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``MASTER_ADDR``, ``MASTER_PORT``, its agent hosting the store), or one rank 0 hosts for workers it
+spawned itself. Ranks also leave failure reports in that store (see :mod:`modelrunner.worker`).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from collections.abc import Callable, Mapping
+from datetime import timedelta
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from .parallel_state import ParallelState
+
+TIMEOUT_ENV = "MODELRUNNER_DIST_TIMEOUT"
+"""Seconds a model collective may wait for its peers before failing (default :data:`DEFAULT_TIMEOUT_S`)."""
+DEFAULT_TIMEOUT_S = 300.0
+"""Collective timeout when ``$MODELRUNNER_DIST_TIMEOUT`` is unset. A peer that dies is noticed much
+sooner on gloo (closed connection); this bounds a peer that hangs."""
+CONTROL_TIMEOUT = timedelta(days=30)
+"""Timeout of the control group: ranks other than 0 may wait this long for the next step."""
+STORE_PREFIX = "modelrunner/"
+"""Prefix of the keys this package keeps in the rendezvous store (joins, failure reports)."""
+
+STAGE_INPUTS = "stage_inputs"
+"""``ForwardBatch.extra`` key holding, on every pipeline stage but the first, the tensors the
+previous stage produced (the Llama adapter: ``{"hidden_states", "residual"}``)."""
+STAGE_OUTPUTS = "stage_outputs"
+"""``ForwardOutput.aux`` key under which a forward hook on a stage other than the last returns the
+tensors for the next stage (its logits are then an empty ``[0, vocab]`` tensor)."""
+
+
+@attrs.frozen
+class LaunchInfo:
+    """Where this process sits in the world and where the rendezvous store is."""
+
+    rank: int
+    """Global rank (``pp_rank * tp_size + tp_rank``)."""
+    world_size: int
+    """Number of processes."""
+    local_rank: int
+    """Rank on this machine (selects the GPU)."""
+    master_addr: str
+    """Host of the rendezvous store (rank 0's machine)."""
+    master_port: int
+    """Port of the rendezvous store."""
+    agent_store: bool = False
+    """torchrun's agent hosts the store, so no rank starts one (``TORCHELASTIC_USE_AGENT_STORE``)."""
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> LaunchInfo | None:
+        """The values torchrun exports, or None when ``WORLD_SIZE`` is unset or 1.
+
+        :raises ValueError: a variable is missing or not an integer (naming it).
+        """
+        env = os.environ if env is None else env
+        if _env_int(env, "WORLD_SIZE", default=1) <= 1:
+            return None
+        return cls(
+            rank=_env_int(env, "RANK"),
+            world_size=_env_int(env, "WORLD_SIZE"),
+            local_rank=_env_int(env, "LOCAL_RANK", default=_env_int(env, "RANK")),
+            master_addr=env.get("MASTER_ADDR") or _missing("MASTER_ADDR"),
+            master_port=_env_int(env, "MASTER_PORT"),
+            agent_store=env.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+        )
+
+
+def _missing(name: str) -> Any:
+    raise ValueError(f"environment variable {name} is not set; torchrun sets RANK, WORLD_SIZE, LOCAL_RANK, "
+                     "MASTER_ADDR and MASTER_PORT for every process it starts")
+
+
+def _env_int(env: Mapping[str, str], name: str, default: int | None = None) -> int:
+    value = env.get(name)
+    if value is None or value == "":
+        return _missing(name) if default is None else default
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"environment variable {name} must be an integer, got {value!r}") from None
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that was free a moment ago on ``host`` (for a rendezvous on one machine)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def collective_timeout() -> float:
+    """Seconds from ``$MODELRUNNER_DIST_TIMEOUT``, else :data:`DEFAULT_TIMEOUT_S`."""
+    raw = os.environ.get(TIMEOUT_ENV)
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return value
+
+
+def global_rank(tp_rank: int, pp_rank: int, tp_size: int) -> int:
+    """The world rank of tensor-parallel rank ``tp_rank`` on pipeline stage ``pp_rank``."""
+    return pp_rank * tp_size + tp_rank
+
+
+def stage_layer_range(num_layers: int, pp_rank: int, pp_size: int) -> tuple[int, int]:
+    """The contiguous decoder layers ``[start, end)`` pipeline stage ``pp_rank`` runs.
+
+    Layers are split as evenly as possible; the first ``num_layers % pp_size`` stages take one more
+    (the last stage also runs the final norm and the LM head).
+
+    :raises ValueError: more stages than layers, or a rank outside ``[0, pp_size)``.
+    """
+    if not 0 <= pp_rank < pp_size:
+        raise ValueError(f"pp_rank must be in [0, {pp_size}), got {pp_rank}")
+    if pp_size > num_layers:
+        raise ValueError(f"pipeline_parallel_size={pp_size} exceeds the model's {num_layers} layers; "
+                         f"use at most {num_layers} stages")
+    per_stage, extra = divmod(num_layers, pp_size)
+    start = pp_rank * per_stage + min(pp_rank, extra)
+    return start, start + per_stage + (1 if pp_rank < extra else 0)
+
+
+@attrs.define
+class DistributedContext:
+    """This process's membership of the parallel group, as :func:`init_distributed` set it up."""
+
+    launch: LaunchInfo
+    """Rank, world size and rendezvous address."""
+    parallel: ParallelState
+    """Tensor/pipeline ranks and subgroups, handed to the model runner."""
+    backend: str
+    """Backend of the world group: ``nccl`` or ``gloo``."""
+    device: torch.device
+    """The device this rank's model runs on."""
+    control_group: Any
+    """The gloo group over all ranks for step messages and logits."""
+    store: Any
+    """The rendezvous store under :data:`STORE_PREFIX` (failure reports)."""
+
+    @property
+    def rank(self) -> int:
+        """Global rank."""
+        return self.launch.rank
+
+    @property
+    def world_size(self) -> int:
+        """Number of processes."""
+        return self.launch.world_size
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """The rank of the previous stage with the same tensor-parallel rank (sends this rank its inputs)."""
+        p = self.parallel
+        return global_rank(p.tp_rank, p.pp_rank - 1, p.tp_size)
+
+    @property
+    def next_stage_rank(self) -> int:
+        """The rank of the next stage with the same tensor-parallel rank (receives this rank's outputs)."""
+        p = self.parallel
+        return global_rank(p.tp_rank, p.pp_rank + 1, p.tp_size)
+
+    @property
+    def logits_rank(self) -> int:
+        """The rank whose logits go back to rank 0: tensor-parallel rank 0 of the last stage."""
+        p = self.parallel
+        return global_rank(0, p.pp_size - 1, p.tp_size)
+
+
+def init_distributed(
+    launch: LaunchInfo,
+    tp_size: int,
+    pp_size: int,
+    device: torch.device,
+    timeout_s: float | None = None,
+    while_waiting: Callable[[], None] | None = None,
+) -> DistributedContext:
+    """Join the process group and build the tensor- and pipeline-parallel subgroups.
+
+    :param launch: this process's rank and the rendezvous address.
+    :param device: where this rank's model runs; CUDA selects ``nccl``, anything else ``gloo``.
+    :param timeout_s: timeout of model collectives (default :func:`collective_timeout`).
+    :param while_waiting: called every 50 ms while waiting for the other ranks to join; rank 0
+        passes a check that raises when a worker it spawned has died, so a failed start is reported
+        at once instead of after the timeout.
+    :raises ValueError: ``launch.world_size`` is not ``tp_size * pp_size``.
+    """
+    if launch.world_size != tp_size * pp_size:
+        raise ValueError(
+            f"{launch.world_size} processes were started, but tensor_parallel_size × pipeline_parallel_size = "
+            f"{tp_size} × {pp_size} = {tp_size * pp_size}; start as many processes (torchrun --nproc_per_node "
+            "× --nnodes) as the two sizes multiply to"
+        )
+    if dist.is_initialized():
+        raise RuntimeError(
+            f"torch.distributed is already initialised in this process (world size {dist.get_world_size()}); "
+            "modelrunner sets up its own process group: create the LLM first, or destroy_process_group() before"
+        )
+    timeout = timedelta(seconds=timeout_s or collective_timeout())
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
+                          is_master=launch.rank == 0 and not launch.agent_store, timeout=timeout,
+                          wait_for_workers=False, multi_tenant=True)
+    ours = dist.PrefixStore(STORE_PREFIX, store)
+    ours.set(f"joined/{launch.rank}", str(os.getpid()))
+    _wait_for_keys(ours, [f"joined/{r}" for r in range(launch.world_size)], timeout, while_waiting)
+    dist.init_process_group(backend, store=dist.PrefixStore("pg/", store), rank=launch.rank,
+                            world_size=launch.world_size, timeout=timeout)
+    tp_group = pp_group = None
+    tp_rank, pp_rank = launch.rank % tp_size, launch.rank // tp_size
+    # Every rank must create every group, in the same order, even those it is not in.
+    for stage in range(pp_size):
+        ranks = [global_rank(t, stage, tp_size) for t in range(tp_size)]
+        group = dist.new_group(ranks) if tp_size > 1 else None
+        if stage == pp_rank:
+            tp_group = group
+    for t in range(tp_size):
+        ranks = [global_rank(t, stage, tp_size) for stage in range(pp_size)]
+        group = dist.new_group(ranks) if pp_size > 1 else None
+        if t == tp_rank:
+            pp_group = group
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    parallel = ParallelState(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
+                             tp_group=tp_group, pp_group=pp_group)
+    return DistributedContext(launch, parallel, backend, device, control, ours)
+
+
+def _wait_for_keys(store: Any, keys: list[str], timeout: timedelta, while_waiting: Callable[[], None] | None) -> None:
+    if while_waiting is None:
+        store.wait(keys, timeout)
+        return
+    deadline = time.monotonic() + timeout.total_seconds()
+    while not store.check(keys):
+        while_waiting()
+        if time.monotonic() > deadline:
+            missing = [k for k in keys if not store.check([k])]
+            raise TimeoutError(f"ranks did not join within {timeout.total_seconds():.0f} s: missing {missing}")
+        time.sleep(0.05)
+
+
+def destroy_distributed() -> None:
+    """Leave the process group (every group of this process), if one is initialised."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+# -- the collectives of a step -------------------------------------------------------------------
+
+
+def broadcast_object(obj: Any, group: Any, src: int = 0) -> Any:
+    """``obj`` from rank ``src`` on every rank of ``group`` (pickled; pass None on the others)."""
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=group)
+    return box[0]
+
+
+def gather_objects(obj: Any, group: Any, dst: int = 0) -> list[Any] | None:
+    """Every rank's ``obj``, in rank order, on rank ``dst`` (None elsewhere)."""
+    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
+    dist.gather_object(obj, out, dst=dst, group=group)
+    return out
+
+
+def send_tensor_dict(tensors: Mapping[str, torch.Tensor], dst: int, control_group: Any, group: Any = None) -> None:
+    """Send named tensors to rank ``dst``: their shapes and dtypes over ``control_group``, the data over
+    ``group`` (default: the world group, so on GPU the bytes move by NCCL)."""
+    meta = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
+    dist.send_object_list([meta], dst=dst, group=control_group)
+    for _, tensor in tensors.items():
+        dist.send(tensor.contiguous(), dst=dst, group=group)
+
+
+def recv_tensor_dict(src: int, device: torch.device, control_group: Any, group: Any = None) -> dict[str, torch.Tensor]:
+    """Receive what :func:`send_tensor_dict` on rank ``src`` sent, into new tensors on ``device``."""
+    box: list[Any] = [None]
+    dist.recv_object_list(box, src=src, group=control_group)
+    out = {}
+    for name, shape, dtype in box[0]:
+        tensor = torch.empty(shape, dtype=dtype, device=device)
+        dist.recv(tensor, src=src, group=group)
+        out[name] = tensor
+    return out
+
+
+def min_over_ranks(value: int, device: torch.device) -> int:
+    """The smallest ``value`` any rank of the world group holds (e.g. how many KV blocks all can fit)."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())
