@@ -1,0 +1,102 @@
+"""The README's example adapter (tests/plugins/example_gpt2) works through the public API alone:
+it is listed, chosen for GPT-2 checkpoints, and matches transformers' logits and greedy tokens."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from conftest import save_tiny_checkpoint
+from safetensors.torch import load_file, save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import modelrunner_example_gpt2
+from modelrunner import LLM, SamplingParams
+from modelrunner.config import RunnerConfig
+from modelrunner.parallel_state import ParallelState
+from modelrunner.source import resolve_source
+
+TOLERANCE = 1e-4
+"""Largest absolute logit difference accepted in float32."""
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory, smollm2_tokenizer):
+    """A 2-layer random GPT-2 (hidden 64, 4 heads) with SmolLM2's tokenizer."""
+    tok = smollm2_tokenizer
+    config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tok), n_positions=256,
+                        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config.architectures = ["GPT2LMHeadModel"]
+    return save_tiny_checkpoint(config, tok, tmp_path_factory.mktemp("tiny-gpt2"))
+
+
+@pytest.fixture(scope="module")
+def llm(gpt2_dir):
+    return LLM(model=str(gpt2_dir), dtype="float32")
+
+
+@pytest.fixture(scope="module")
+def reference(gpt2_dir):
+    return GPT2LMHeadModel.from_pretrained(str(gpt2_dir), dtype=torch.float32).eval()
+
+
+def test_listed_with_its_hooks_and_architecture():
+    out = subprocess.run([sys.executable, "-m", "modelrunner.cli", "plugins", "--json"],
+                         capture_output=True, text=True, check=True).stdout
+    plugin = {p["name"]: p for p in json.loads(out)}["example_gpt2"]
+    assert plugin["distribution"] == "modelrunner-example-gpt2" and plugin["error"] is None
+    assert plugin["hooks"] == ["forward", "load", "parallelize", "register"]
+    assert plugin["provides"] == {"architectures": ["GPT2LMHeadModel"]}
+
+
+def test_chosen_over_the_generic_adapter(llm):
+    assert llm.runner.loaded.adapter == "example_gpt2"
+    assert llm.runner.loaded.kv_cache_spec.num_layers == 2
+
+
+def test_logits_match_transformers(llm, reference):
+    ids = torch.randint(0, reference.config.vocab_size, (2, 37), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(ids).logits
+    diff = (llm.runner.forward(ids) - expected).abs().max().item()
+    print(f"example_gpt2: max |logits - transformers| = {diff:.2e}")
+    assert diff <= TOLERANCE
+
+
+def test_greedy_generation_matches_transformers(llm, reference):
+    prompts = ["Hello", "The capital of France is a city that", "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14"]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    tok = llm.get_tokenizer()
+    for prompt, output in zip(prompts, outputs):
+        ids = torch.tensor([tok.encode(prompt)])
+        # eos_token_id=None: transformers' greedy loop neither stops at nor avoids EOS (ignore_eos).
+        expected = reference.generate(ids, do_sample=False, max_new_tokens=12, eos_token_id=None,
+                                      pad_token_id=tok.eos_token_id)[0, ids.shape[1]:]
+        assert list(output.outputs[0].token_ids) == expected.tolist(), prompt
+
+
+def test_loads_checkpoints_saved_without_the_transformer_prefix(gpt2_dir, tmp_path, llm):
+    """Like openai-community/gpt2: tensors named ``h.0.…``/``wte.weight``, plus old causal-mask buffers."""
+    shutil.copytree(gpt2_dir, tmp_path, dirs_exist_ok=True)
+    stored = load_file(str(gpt2_dir / "model.safetensors"))
+    tensors = {name.removeprefix("transformer."): t for name, t in stored.items()}
+    tensors |= {f"h.{i}.attn.bias": torch.ones(1, 1, 256, 256) for i in range(2)}
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loaded = modelrunner_example_gpt2.load(source=resolve_source(str(tmp_path)), config=RunnerConfig(),
+                                               device=torch.device("cpu"), dtype=torch.float32)
+    assert not [w for w in caught if "tensor(s) the model does not use" in str(w.message)]
+    expected = llm.runner.loaded.model.state_dict()
+    assert all(torch.equal(t, expected[name]) for name, t in loaded.model.state_dict().items())
+
+
+def test_parallel_runs_are_refused_clearly(llm):
+    with pytest.raises(ValueError, match="tensor_parallel_size=2"):
+        modelrunner_example_gpt2.parallelize(loaded=llm.runner.loaded, parallel=ParallelState(tp_size=2))
