@@ -40,6 +40,12 @@ def save_tiny_checkpoint(config, tokenizer, path: Path, seed: int = 0) -> Path:
 
 
 @pytest.fixture(scope="session")
+def save_checkpoint():
+    """:func:`save_tiny_checkpoint`, for test modules (conftest modules are not importable by name)."""
+    return save_tiny_checkpoint
+
+
+@pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer) -> Path:
     """A 2-layer random Llama (hidden 64, 4 heads, 2 kv heads) with SmolLM2's tokenizer."""
     from transformers import LlamaConfig

@@ -11,7 +11,6 @@ import warnings
 
 import pytest
 import torch
-from conftest import save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -26,13 +25,13 @@ TOLERANCE = 1e-4
 
 
 @pytest.fixture(scope="module")
-def gpt2_dir(tmp_path_factory, smollm2_tokenizer):
+def gpt2_dir(tmp_path_factory, smollm2_tokenizer, save_checkpoint):
     """A 2-layer random GPT-2 (hidden 64, 4 heads) with SmolLM2's tokenizer."""
     tok = smollm2_tokenizer
     config = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=len(tok), n_positions=256,
                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     config.architectures = ["GPT2LMHeadModel"]
-    return save_tiny_checkpoint(config, tok, tmp_path_factory.mktemp("tiny-gpt2"))
+    return save_checkpoint(config, tok, tmp_path_factory.mktemp("tiny-gpt2"))
 
 
 @pytest.fixture(scope="module")
