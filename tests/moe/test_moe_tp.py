@@ -39,6 +39,7 @@ def _worker(rank: int, world: int, init_file: str, root: str) -> None:
             decode = driver.step({0: [11], 1: [12]}, all_logits=True)
             if rank == 0:
                 torch.save({"prefill": prefill, "decode": decode}, f"{root}/{name}.pt")
+        dist.barrier()  # both ranks done before either tears gloo down (else a peer can abort)
     finally:
         dist.destroy_process_group()
 
