@@ -57,6 +57,8 @@ class SDPAMetadata:
     """[tokens] flat cache slot of each new token."""
     block_ids: torch.Tensor
     """[num_seqs * blocks_per_seq] the blocks to gather, sequence after sequence."""
+    block_table: torch.Tensor
+    """[num_seqs, blocks_per_seq] the same blocks per sequence (compiled graphs gather with it)."""
     num_seqs: int
     """Sequences in the step."""
     kv_len: int
@@ -112,6 +114,7 @@ class TorchSDPABackend(AttentionBackend):
         return SDPAMetadata(
             slot_mapping=batch.slot_mapping,
             block_ids=batch.block_tables[:, :blocks].reshape(-1),
+            block_table=batch.block_tables[:, :blocks],
             num_seqs=num_seqs,
             kv_len=kv_len,
             max_query_len=max_query_len,
@@ -146,8 +149,12 @@ class TorchSDPABackend(AttentionBackend):
 
         num_seqs, kv_len = metadata.num_seqs, metadata.kv_len
         shape = (num_seqs, kv_len, kv_heads, head_dim)
-        keys = key_cache.index_select(0, metadata.block_ids).view(shape).transpose(1, 2)
-        values = value_cache.index_select(0, metadata.block_ids).view(shape).transpose(1, 2)
+        if torch.compiler.is_compiling():
+            # Inductor turns the flat index_select into scalar index arithmetic; this into a vector copy.
+            keys, values = key_cache[metadata.block_table], value_cache[metadata.block_table]
+        else:
+            keys, values = key_cache.index_select(0, metadata.block_ids), value_cache.index_select(0, metadata.block_ids)
+        keys, values = keys.view(shape).transpose(1, 2), values.view(shape).transpose(1, 2)
         mask = metadata.masks[layer.sliding_window]
 
         if metadata.decode_only:

@@ -1,0 +1,120 @@
+"""modelrunner-compile-aot: the ``aot`` compile backend: an ahead-of-time compiled decode step.
+
+The first decode step exports the model's decode step with ``torch.export`` and compiles it with
+AOTInductor into a package under ``compile_cache_dir``; later processes load that package with
+torch's loader and start decoding at once, with no tracing or compiling. Prompt (prefill) steps
+run eagerly. Select it with ``LLM(model, compile=True, compile_backend="aot",
+compile_cache_dir=...)``; see the package README.
+"""
+
+from __future__ import annotations
+
+import atexit
+import difflib
+import importlib.metadata
+import platform
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping
+from typing import Any, Callable
+
+import torch
+
+from modelrunner.hookspecs import hookimpl
+from modelrunner_compile_inductor import CompileCache
+from modelrunner_compile_inductor.options import torch_compile_modes
+
+from .decode_step import DecodeStep
+from .package import DecodePackage
+from .runnable import AOTModel
+
+__all__ = ["BACKEND_NAME", "AOTModel", "DecodePackage", "DecodeStep", "compile", "register"]
+
+BACKEND_NAME = "aot"
+"""The compile backend name this plugin registers."""
+
+OPTION_KEYS = ("inductor",)
+"""The ``compile_options`` keys this backend accepts."""
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the ``aot`` compile backend."""
+    registry.compile_backends(BACKEND_NAME)
+
+
+@hookimpl
+def compile(name: str, loaded: Any, config: Any) -> Callable[..., Any] | None:
+    """Wrap the model of ``loaded`` so its decode steps run an AOTInductor package, when ``name`` is ``aot``.
+
+    :raises ValueError: the mode or options are invalid, or the model keeps its own KV cache (the
+        exported step reads and writes the kernel's paged cache).
+    """
+    if name != BACKEND_NAME:
+        return None
+    if loaded.kv_cache_spec is None:
+        raise ValueError(f"the aot compile backend needs a model on the kernel's paged KV cache; adapter "
+                         f"{loaded.adapter!r} keeps its own cache. Use compile_backend='inductor' or 'eager'")
+    settings = inductor_settings(config.mode, config.options)
+    root = config.cache_dir
+    if root is None:  # nowhere to persist: compile into a directory of this process only
+        root = tempfile.mkdtemp(prefix="modelrunner-aot-")
+        atexit.register(shutil.rmtree, root, True)
+    block_size = loaded.kv_cache_spec.block_size
+    cache = CompileCache(root, BACKEND_NAME, cache_key(loaded, block_size, settings))
+    package = DecodePackage(DecodeStep(loaded.model, block_size).eval(), cache, settings)
+    return AOTModel(loaded.model, package)
+
+
+def inductor_settings(mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``torch._inductor.config`` settings of the AOT compile: the mode's (CUDA graphs aside) and
+    ``compile_options["inductor"]``.
+
+    :raises ValueError: naming the unknown mode, option key or inductor setting.
+    """
+    import torch._inductor.config as inductor_config
+
+    modes = torch_compile_modes()
+    if mode not in modes:
+        raise ValueError(f"compile_mode {mode!r} is not a torch.compile mode; choose one of {', '.join(modes)}")
+    for key in options:
+        if key not in OPTION_KEYS:
+            close = difflib.get_close_matches(str(key), OPTION_KEYS, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(f"unknown aot compile option {key!r}{hint} (known: {', '.join(OPTION_KEYS)})")
+    extra = options.get("inductor", {})
+    if not isinstance(extra, Mapping):
+        raise ValueError(f"compile option inductor must be a dict of torch._inductor.config settings; got {extra!r}")
+    known = set(inductor_config.get_config_copy())
+    for key in extra:
+        if key not in known:
+            close = difflib.get_close_matches(str(key), sorted(known), n=3)
+            hint = f"; close matches: {', '.join(close)}" if close else ""
+            raise ValueError(f"compile option inductor has {key!r}, which is not a torch._inductor.config setting{hint}")
+    settings = {k: v for k, v in modes[mode].items() if not k.startswith("triton.cudagraph")}
+    return {**settings, **extra}
+
+
+def cache_key(loaded: Any, block_size: int, settings: dict[str, Any]) -> dict[str, Any]:
+    """Everything the compiled decode step depends on (names its cache directory). Not the weights:
+    the package holds none."""
+    model = loaded.model
+    param = next(model.parameters(), None)
+    hf_config = loaded.hf_config
+    parallel = getattr(model, "parallel", None)
+    return {
+        "backend": BACKEND_NAME,
+        "plugin": importlib.metadata.version("modelrunner-compile-aot"),
+        "modelrunner": importlib.metadata.version("modelrunner"),
+        "torch": torch.__version__,
+        "python": list(sys.version_info[:2]),
+        "machine": platform.machine(),
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "model_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else repr(hf_config),
+        "dtype": str(param.dtype) if param is not None else None,
+        "device": str(param.device.type) if param is not None else None,
+        "tensor_parallel": [getattr(parallel, "tp_rank", 0), getattr(parallel, "tp_size", 1)],
+        "block_size": block_size,
+        "inductor": settings,
+    }

@@ -1,0 +1,214 @@
+"""The callable the ``inductor`` backend hands the runner: the model under ``torch.compile``.
+
+Two compiled entry points share the model. Decode steps (one token per sequence) are padded to a
+bucket of rows (see :mod:`.buckets`) and compiled with static row counts, one graph per bucket, so
+matmuls get fixed shapes and a new batch size never recompiles. Every other step (prefills, chunked
+prefills mixed with decodes) runs through a graph with dynamic token and sequence counts. In both,
+the number of block-table columns and the sequence lengths are dynamic, so growing sequences never
+recompile either.
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import attrs
+import torch
+import torch._dynamo
+import torch.fx.experimental._config
+
+from modelrunner.forward_batch import ForwardBatch
+
+from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows, repeat_last_row
+from .cache import CompileCache
+from .options import InductorOptions
+
+_MIN_RECOMPILE_LIMIT = 64  # torch's default of 8 graphs per frame is fewer than the decode buckets
+
+
+def _decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                 kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    return model(input_ids, positions, batch, kv_caches, **kwargs)
+
+
+def _general_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                  kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    return model(input_ids, positions, batch, kv_caches, **kwargs)
+
+
+class InductorModel:
+    """Runs ``model(input_ids, positions, batch, kv_caches, **kwargs)`` through ``torch.compile``.
+
+    :param model: the loaded module (its forward takes the runner's arguments).
+    :param options: mode, freezing and buckets.
+    :param cache: the persistent cache directory inductor compiles into.
+    """
+
+    def __init__(self, model: torch.nn.Module, options: InductorOptions, cache: CompileCache) -> None:
+        self.model = model
+        """The eager module."""
+        self.options = options
+        """How graphs are compiled."""
+        self.cache = cache
+        """Where compiled artifacts persist."""
+        # Static by default (constants such as the block size stay constants in the kernels); what
+        # varies is marked dynamic explicitly on every call.
+        self._decode = torch.compile(_decode_step, backend=self._backend)
+        self._general = torch.compile(_general_step, backend=self._backend)
+        self._shape: tuple[str, int | None] = ("general", None)  # the step being run, for the backend
+        self._compiles: collections.Counter[str] = collections.Counter()
+        self._steps: collections.Counter[str] = collections.Counter()
+        self._fx_cache = collections.Counter()
+        self._compile_seconds = 0.0
+        self._padded_rows = 0
+        self._from_cache = 0
+        self._checked = False
+        self._cleared = False
+        self._dirty = False
+
+    # -- running -------------------------------------------------------------------------------
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                 kv_caches: list[torch.Tensor], **kwargs: Any) -> Any:
+        """The model's output for this step, computed by the graph for its shape."""
+        if not self._checked:
+            self.cache.check()
+            self._checked = True
+        for cache in kv_caches:
+            torch._dynamo.mark_static(cache)
+        # Graphs guard on whether inputs are inference tensors: make them all so, whoever built them.
+        with torch.inference_mode():
+            original = batch
+            batch = attrs.evolve(batch, **{f.name: _inference_tensors(getattr(batch, f.name))
+                                           for f in attrs.fields(ForwardBatch)
+                                           if isinstance(getattr(batch, f.name), torch.Tensor)})
+            # Keep the arguments' identity with the batch's tensors: graphs guard on that aliasing too.
+            input_ids = batch.input_ids if input_ids is original.input_ids else _inference_tensors(input_ids)
+            positions = batch.positions if positions is original.positions else _inference_tensors(positions)
+            kwargs = _inference_tensors(kwargs)
+            if batch.is_decode_only:
+                out = self._run_decode(input_ids, positions, batch, kv_caches, kwargs)
+            else:
+                self._shape = ("prefill" if batch.num_seqs == 1 else "mixed", None)
+                batch = normalize_key_length(batch)
+                for tensor in (input_ids, positions, batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+                               batch.context_lens, batch.query_start_loc, batch.logits_indices, batch.block_tables):
+                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
+                torch._dynamo.maybe_mark_dynamic(batch.block_tables, 1)
+                out = self._call(self._general, input_ids, positions, batch, kv_caches, kwargs,
+                                 dynamic_ints=("max_seq_len", "max_query_len"))
+        if self._dirty:
+            self.cache.record()
+            self._dirty = False
+        return out
+
+    def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                    kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+        rows = batch.num_seqs
+        bucket = bucket_for(rows, self.options.batch_buckets)
+        padded = normalize_key_length(pad_decode_batch(batch, bucket))
+        if bucket != rows:
+            extra = bucket - rows
+            input_ids = padded.input_ids if input_ids is batch.input_ids else repeat_last_row(input_ids, extra)
+            positions = padded.positions if positions is batch.positions else repeat_last_row(positions, extra)
+            kwargs = pad_rows(kwargs, rows, extra)
+            self._padded_rows += extra
+        for tensor in (input_ids, positions, padded.input_ids, padded.positions, padded.slot_mapping, padded.seq_lens,
+                       padded.context_lens, padded.query_start_loc, padded.logits_indices, padded.block_tables):
+            torch._dynamo.mark_static(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(padded.block_tables, 1)
+        self._shape = ("decode", bucket)
+        out = self._call(self._decode, input_ids, positions, padded, kv_caches, kwargs, dynamic_ints=("max_seq_len",))
+        return drop_padding(out, rows, bucket) if bucket != rows else out
+
+    def _call(self, fn: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+              kv_caches: list[torch.Tensor], kwargs: dict[str, Any], dynamic_ints: tuple[str, ...]) -> Any:
+        self._steps[self._shape_name()] += 1
+        limit = max(torch._dynamo.config.recompile_limit, _MIN_RECOMPILE_LIMIT, len(self.options.batch_buckets) + 8)
+        # The batch's varying integers are symbols from the first graph on (not specialized, then
+        # recompiled); no duck sizing: sizes equal once are not assumed equal forever.
+        sources = ",".join(f"L['batch'].{name}" for name in dynamic_ints)
+        with self.cache.active(), torch._dynamo.config.patch(recompile_limit=limit), \
+                torch.compiler.config.patch(dynamic_sources=sources), \
+                torch.fx.experimental._config.patch(use_duck_shape=False):
+            return fn(self.model, input_ids, positions, batch, kv_caches, kwargs)
+
+    def _shape_name(self) -> str:
+        kind, rows = self._shape
+        return f"decode[{rows}]" if kind == "decode" else kind
+
+    # -- compiling -----------------------------------------------------------------------------
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        """The torch.compile backend: inductor with this step's settings, counted."""
+        from torch._dynamo.utils import counters
+        from torch._inductor.compile_fx import compile_fx
+
+        kind, rows = self._shape
+        settings = self.options.inductor_settings(self.options.freeze(rows if kind == "decode" else None))
+        before = {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
+        start = time.perf_counter()
+        try:
+            compiled = compile_fx(gm, example_inputs, config_patches=settings)
+        except torch._dynamo.exc.TorchDynamoException:
+            raise  # dynamo's own control flow (e.g. restart analysis), not a failure
+        except Exception as e:
+            # Entries from an earlier process that inductor could not use: start the namespace afresh, once.
+            if not self.cache.had_entries or self._cleared:
+                raise
+            self._cleared = True
+            self.cache.warn(f"compiling with the cache at {self.cache.path} failed ({type(e).__name__}: {e}); "
+                            "cleared it and compiling again")
+            self.cache.clear()
+            compiled = compile_fx(gm, example_inputs, config_patches=settings)
+        self._compile_seconds += time.perf_counter() - start
+        delta = {k: counters["inductor"][f"fxgraph_cache_{k}"] - v for k, v in before.items()}
+        self._fx_cache.update(delta)
+        self._from_cache += delta["hit"] > 0
+        self._compiles[self._shape_name()] += 1
+        self._dirty = True
+        return compiled
+
+    # -- statistics ----------------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Compiles and recompiles by step shape, FX-graph-cache hits, padding, and the cache's state.
+
+        ``graphs_from_cache`` were loaded from inductor's FX graph cache (``compile_cache_dir``),
+        ``graphs_from_scratch`` were not. Step shapes are ``decode[rows]`` (a padded decode bucket),
+        ``prefill`` (one sequence's new tokens) and ``mixed`` (several sequences, some with more than
+        one new token). ``recompiles`` counts graphs compiled for a shape that already had one: zero
+        when bucketing and dynamic shapes work as intended.
+        """
+        return {
+            "backend": "inductor",
+            "mode": self.options.mode,
+            "freezing": self.options.freezing,
+            "batch_buckets": list(self.options.batch_buckets),
+            "compiles": sum(self._compiles.values()),
+            "graphs_from_cache": self._from_cache,
+            "graphs_from_scratch": sum(self._compiles.values()) - self._from_cache,
+            "recompiles": sum(n - 1 for n in self._compiles.values() if n > 1),
+            "compiles_by_shape": dict(self._compiles),
+            "steps_by_shape": dict(self._steps),
+            "padded_rows": self._padded_rows,
+            "compile_seconds": round(self._compile_seconds, 3),
+            "fx_graph_cache": {"hits": self._fx_cache["hit"], "misses": self._fx_cache["miss"],
+                               "bypasses": self._fx_cache["bypass"]},
+            "cache_dir": str(self.cache.path) if self.cache.path else None,
+            "cache_files_removed": self.cache.removed_files,
+            "cache_warnings": list(self.cache.warnings),
+        }
+
+
+def _inference_tensors(value: Any) -> Any:
+    """``value`` (a tensor, or a tuple/list/dict of them) with every tensor an inference tensor (copied if not)."""
+    if isinstance(value, torch.Tensor):
+        return value if value.is_inference() else value.clone()
+    if type(value) in (tuple, list):
+        return type(value)(_inference_tensors(v) for v in value)
+    if type(value) is dict:
+        return {k: _inference_tensors(v) for k, v in value.items()}
+    return value
