@@ -25,13 +25,16 @@ def compile_backends() -> list[str]:
     return [name for name in get_registry().names("compile_backends") if name != "eager"]
 
 
-def make_llm(model_dir: Path, backend: str | None, cache_dir: Path | None = None) -> Any:
-    """An LLM on ``model_dir`` with ``backend`` (None: eager), prefix caching off so every step is recomputed."""
+def make_llm(model_dir: Path, backend: str | None, cache_dir: Path | None = None,
+             options: dict[str, Any] | None = None) -> Any:
+    """An LLM on ``model_dir`` with ``backend`` (None: eager) and its ``compile_options``, prefix
+    caching off so every step is recomputed."""
     from modelrunner import LLM
 
     config: dict[str, Any] = {"dtype": "float32", "enable_prefix_caching": False, "kv_cache_memory": 32 * 2**20}
     if backend is not None:
-        config.update(compile=True, compile_backend=backend, compile_cache_dir=str(cache_dir))
+        config.update(compile=True, compile_backend=backend, compile_cache_dir=str(cache_dir),
+                      compile_options=options or {})
     return LLM(model=str(model_dir), **config)
 
 

@@ -8,7 +8,7 @@ import torch
 from modelrunner import ForwardBatch, LLM
 from modelrunner.errors import UnknownNameError
 
-from .helpers import PROMPTS, step_logits
+from .helpers import PROMPTS, make_llm, step_logits
 
 pytest.importorskip("modelrunner_compile_inductor")
 
@@ -26,6 +26,21 @@ def test_decode_steps_reuse_their_bucket_without_recompiling(compiled_llm, eager
     assert stats["compiles_by_shape"]["decode[4]"] == 1, stats
     assert stats["steps_by_shape"]["decode[4]"] >= 2 * 20
     assert stats["padded_rows"] > 0  # the three-row steps were padded
+
+
+def test_frozen_decode_matches_eager_with_one_graph_for_every_row_count(tiny_llama_dir, eager_llm, tmp_path):
+    llm = make_llm(tiny_llama_dir, "inductor", tmp_path, options={"freeze_min_batch": 2})
+    tokenizer = eager_llm.get_tokenizer()
+    for prompts in (PROMPTS, PROMPTS + ["Four", "and a fifth prompt"]):
+        ids = [tokenizer.encode(p) for p in prompts]
+        decode = [[20 + row for row in range(len(ids))]] * 3
+        for actual, expected in zip(step_logits(llm.runner, ids, decode), step_logits(eager_llm.runner, ids, decode)):
+            assert (actual - expected).abs().max().item() <= 1e-4
+    stats = llm.runner.stats()["compile"]
+    assert stats["compiles_by_shape"]["decode[2+,frozen]"] == 1, stats
+    assert stats["steps_by_shape"]["decode[2+,frozen]"] == 6
+    assert stats["recompiles"] == 0 and stats["padded_rows"] == 0
+    assert stats["fx_graph_cache"]["bypasses"] >= 1  # prepacked weights cannot be cached by torch
 
 
 def test_bucket_for_rounds_up_and_passes_large_steps_through():
@@ -82,7 +97,7 @@ def test_padding_refuses_prefill_steps_and_shrinking():
         ("default", {"batch_buckets": [4, 2]}, r"strictly increasing; got \[4, 2\]"),
         ("default", {"batch_buckets": [0]}, "positive integers; got 0"),
         ("default", {"freeze_min_batch": 0}, "freeze_min_batch must be a positive integer; got 0"),
-        ("default", {"inductor": {"max_autotun": True}}, "'max_autotun', which is not a torch._inductor.config setting"),
+        ("default", {"inductor": {"max_autotun": True}}, "'max_autotun', which is not a torch._inductor.config"),
         ("default", {"inductor": {"freezing": True}}, "through the compile option 'freezing'"),
     ],
 )

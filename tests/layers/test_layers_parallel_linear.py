@@ -46,6 +46,7 @@ def test_qkv_shards_by_heads_and_replicates_scarce_kv_heads(tp_size):
 
 
 def test_merged_column_and_row_parallel_recombine():
+    torch.manual_seed(0)  # the inputs must not depend on which tests ran before
     gate, up, down = torch.randn(16, HIDDEN), torch.randn(16, HIDDEN), torch.randn(HIDDEN, 16)
     x = torch.randn(3, HIDDEN)
     full = F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
@@ -58,7 +59,8 @@ def test_merged_column_and_row_parallel_recombine():
         _load(row.weight, down)
         g, u = gate_up(x).chunk(2, dim=-1)
         partials.append(F.linear(F.silu(g) * u, row.weight))  # what each rank adds into the all-reduce
-    torch.testing.assert_close(sum(partials), full, atol=1e-5, rtol=1e-5)
+    # The layers multiply through oneDNN, the reference through MKL: float32 sums in another order.
+    torch.testing.assert_close(sum(partials), full, atol=1e-4, rtol=1e-5)
 
 
 def test_column_and_replicated_load_whole_or_sliced():

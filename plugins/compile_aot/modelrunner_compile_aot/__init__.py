@@ -29,7 +29,8 @@ from .decode_step import DecodeStep
 from .package import DecodePackage
 from .runnable import AOTModel
 
-__all__ = ["BACKEND_NAME", "AOTModel", "DecodePackage", "DecodeStep", "compile", "register"]
+__all__ = ["BACKEND_NAME", "AOTModel", "DecodePackage", "DecodeStep", "cache_key", "compile", "inductor_settings",
+           "register"]
 
 BACKEND_NAME = "aot"
 """The compile backend name this plugin registers."""
@@ -91,7 +92,8 @@ def inductor_settings(mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=3)
             hint = f"; close matches: {', '.join(close)}" if close else ""
-            raise ValueError(f"compile option inductor has {key!r}, which is not a torch._inductor.config setting{hint}")
+            raise ValueError(f"compile option inductor has {key!r}, which is not a torch._inductor.config "
+                             f"setting{hint}")
     settings = {k: v for k, v in modes[mode].items() if not k.startswith("triton.cudagraph")}
     return {**settings, **extra}
 

@@ -97,8 +97,9 @@ def bind_weights(program: Any, module: nn.Module) -> None:
 
     :raises RuntimeError: the package expects a tensor the module does not have.
     """
-    tensors = dict(module.named_parameters())
-    tensors.update(module.named_buffers())
+    # Every name of a shared tensor (a tied LM head is the embedding under a second name).
+    tensors = dict(module.named_parameters(remove_duplicate=False))
+    tensors.update(module.named_buffers(remove_duplicate=False))
     wanted = program.get_constant_fqns()
     missing = [name for name in wanted if name not in tensors]
     if missing:

@@ -73,7 +73,8 @@ def pad_decode_batch(batch: ForwardBatch, rows: int) -> ForwardBatch:
     ``logits_indices`` keeps pointing at the real rows, which stay first.
     """
     if not batch.is_decode_only:
-        raise ValueError(f"only decode steps (one new token per sequence) are padded; max_query_len={batch.max_query_len}")
+        raise ValueError(f"only decode steps (one new token per sequence) are padded; "
+                         f"max_query_len={batch.max_query_len}")
     extra = rows - batch.num_seqs
     if extra < 0:
         raise ValueError(f"cannot pad a step of {batch.num_seqs} sequences down to {rows} rows")

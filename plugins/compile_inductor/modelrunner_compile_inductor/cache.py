@@ -61,7 +61,8 @@ class CompileCache:
     def __init__(self, root: str | os.PathLike | None, prefix: str, key: dict[str, Any]) -> None:
         self.key = key
         """What the namespace is keyed by."""
-        self.path: Path | None = Path(root).expanduser().resolve() / f"{prefix}-{namespace_digest(key)}" if root else None
+        self.path: Path | None = (Path(root).expanduser().resolve() / f"{prefix}-{namespace_digest(key)}"
+                                  if root else None)
         """The namespace directory (None without ``compile_cache_dir``)."""
         self.warnings: list[str] = []
         """Every cache problem found so far in this process (also issued as :class:`CompileCacheWarning`)."""

@@ -15,7 +15,7 @@ FREEZING_CHOICES = ("auto", True, False)
 """Accepted values of the ``freezing`` option."""
 
 DEFAULT_FREEZE_MIN_BATCH = 8
-"""With ``freezing="auto"``, decode buckets at least this large are frozen (see :class:`InductorOptions`)."""
+"""With ``freezing="auto"``, decode steps of at least this many rows are frozen (see :class:`InductorOptions`)."""
 
 
 def torch_compile_modes() -> dict[str, dict[str, Any]]:
@@ -35,16 +35,17 @@ class InductorOptions:
     mode: str = "default"
     """torch.compile's mode; its inductor settings apply to every graph."""
     freezing: str | bool = "auto"
-    """Constant-fold the weights into the graph and prepack them for MKL (``torch._inductor.config.freezing``).
-    Only sound because the runner never changes weights after loading and runs under inference mode.
-    Prepacked weights make batched matmuls ~1.5× faster on CPU, but inductor cannot cache such graphs
-    across processes, so ``"auto"`` freezes only decode graphs of at least ``freeze_min_batch`` rows
-    (where the speed matters most) and keeps the rest cacheable; True and False apply to every graph."""
+    """Constant-fold the weights into the graph and prepack them for MKL/oneDNN (inductor's freezing).
+    Sound because the runner never changes weights after loading and runs under inference mode. It
+    speeds up the matmuls, but torch cannot store graphs with prepacked weights in its FX graph
+    cache, so a frozen graph is lowered again in every process. ``"auto"`` freezes decode steps of
+    at least ``freeze_min_batch`` rows (one graph for all such row counts) and keeps the rest
+    cacheable; True freezes every graph, False none."""
     freeze_min_batch: int = DEFAULT_FREEZE_MIN_BATCH
-    """Smallest decode bucket frozen when ``freezing="auto"``."""
+    """Fewest rows of a decode step frozen when ``freezing="auto"``."""
     batch_buckets: tuple[int, ...] = DEFAULT_BATCH_BUCKETS
-    """Decode batch sizes (strictly increasing); a decode step runs at the smallest bucket that holds it.
-    Larger steps run at their own size (each new size compiles once)."""
+    """Decode batch sizes (strictly increasing) of the unfrozen decode graphs; a decode step runs at
+    the smallest bucket that holds it. Larger steps run at their own size (each compiles once)."""
     inductor: dict[str, Any] = attrs.field(factory=dict)
     """Extra ``torch._inductor.config`` settings (e.g. ``{"cpp.simdlen": 256}``), applied to every graph."""
 
@@ -75,7 +76,7 @@ class InductorOptions:
                    inductor=inductor)
 
     def freeze(self, decode_rows: int | None) -> bool:
-        """Whether a graph is frozen: a decode graph of ``decode_rows`` rows, or (None) any other step."""
+        """Whether a step is frozen: a decode step of ``decode_rows`` rows, or (None) any other step."""
         if self.freezing == "auto":
             return decode_rows is not None and decode_rows >= self.freeze_min_batch
         return bool(self.freezing)
@@ -112,5 +113,6 @@ def _inductor_settings(value: Any) -> dict[str, Any]:
         if key not in known:
             close = difflib.get_close_matches(str(key), sorted(known), n=3)
             hint = f"; close matches: {', '.join(close)}" if close else ""
-            raise ValueError(f"compile option inductor has {key!r}, which is not a torch._inductor.config setting{hint}")
+            raise ValueError(f"compile option inductor has {key!r}, which is not a torch._inductor.config "
+                             f"setting{hint}")
     return dict(value)

@@ -1,11 +1,18 @@
 """The callable the ``inductor`` backend hands the runner: the model under ``torch.compile``.
 
-Two compiled entry points share the model. Decode steps (one token per sequence) are padded to a
-bucket of rows (see :mod:`.buckets`) and compiled with static row counts, one graph per bucket, so
-matmuls get fixed shapes and a new batch size never recompiles. Every other step (prefills, chunked
-prefills mixed with decodes) runs through a graph with dynamic token and sequence counts. In both,
-the number of block-table columns and the sequence lengths are dynamic, so growing sequences never
-recompile either.
+Three compiled entry points share the model:
+
+- decode steps (one token per sequence) with unfrozen weights are padded to a bucket of rows (see
+  :mod:`.buckets`) and compiled with that row count fixed, one graph per bucket, so a new batch
+  size never recompiles and every graph can be stored in inductor's FX graph cache;
+- decode steps with frozen weights (see :attr:`.InductorOptions.freezing`) run one graph with a
+  dynamic row count: inductor prepacks the weights for oneDNN, whose kernels take any row count,
+  and frozen graphs cannot be cached anyway, so one graph is cheaper than one per bucket;
+- every other step (prefills, chunked prefills mixed with decodes) runs a graph with dynamic token
+  and sequence counts.
+
+In all of them the block-table width and the sequence lengths are dynamic, so growing sequences
+never recompile either.
 """
 
 from __future__ import annotations
@@ -33,6 +40,11 @@ def _decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, b
     return model(input_ids, positions, batch, kv_caches, **kwargs)
 
 
+def _frozen_decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+                        kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    return model(input_ids, positions, batch, kv_caches, **kwargs)
+
+
 def _general_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                   kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
     return model(input_ids, positions, batch, kv_caches, **kwargs)
@@ -56,8 +68,10 @@ class InductorModel:
         # Static by default (constants such as the block size stay constants in the kernels); what
         # varies is marked dynamic explicitly on every call.
         self._decode = torch.compile(_decode_step, backend=self._backend)
+        self._frozen_decode = torch.compile(_frozen_decode_step, backend=self._backend)
         self._general = torch.compile(_general_step, backend=self._backend)
-        self._shape: tuple[str, int | None] = ("general", None)  # the step being run, for the backend
+        self._shape = "prefill"  # the step being run, for the backend
+        self._freeze = False  # whether the step being run has frozen weights
         self._compiles: collections.Counter[str] = collections.Counter()
         self._steps: collections.Counter[str] = collections.Counter()
         self._fx_cache = collections.Counter()
@@ -91,14 +105,11 @@ class InductorModel:
             if batch.is_decode_only:
                 out = self._run_decode(input_ids, positions, batch, kv_caches, kwargs)
             else:
-                self._shape = ("prefill" if batch.num_seqs == 1 else "mixed", None)
                 batch = normalize_key_length(batch)
-                for tensor in (input_ids, positions, batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
-                               batch.context_lens, batch.query_start_loc, batch.logits_indices, batch.block_tables):
-                    torch._dynamo.maybe_mark_dynamic(tensor, 0)
-                torch._dynamo.maybe_mark_dynamic(batch.block_tables, 1)
-                out = self._call(self._general, input_ids, positions, batch, kv_caches, kwargs,
-                                 dynamic_ints=("max_seq_len", "max_query_len"))
+                self._mark_rows(input_ids, positions, batch, torch._dynamo.maybe_mark_dynamic)
+                kind = "prefill" if batch.num_seqs == 1 else "mixed"
+                out = self._call(self._general, kind, self.options.freeze(None), input_ids, positions, batch,
+                                 kv_caches, kwargs, dynamic_ints=("max_seq_len", "max_query_len"))
         if self._dirty:
             self.cache.record()
             self._dirty = False
@@ -107,6 +118,12 @@ class InductorModel:
     def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                     kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
         rows = batch.num_seqs
+        if self.options.freeze(rows):
+            batch = normalize_key_length(batch)
+            self._mark_rows(input_ids, positions, batch, torch._dynamo.maybe_mark_dynamic)
+            kind = "decode[1,frozen]" if rows == 1 else "decode[2+,frozen]"
+            return self._call(self._frozen_decode, kind, True, input_ids, positions, batch, kv_caches, kwargs,
+                              dynamic_ints=("max_seq_len",))
         bucket = bucket_for(rows, self.options.batch_buckets)
         padded = normalize_key_length(pad_decode_batch(batch, bucket))
         if bucket != rows:
@@ -115,29 +132,35 @@ class InductorModel:
             positions = padded.positions if positions is batch.positions else repeat_last_row(positions, extra)
             kwargs = pad_rows(kwargs, rows, extra)
             self._padded_rows += extra
-        for tensor in (input_ids, positions, padded.input_ids, padded.positions, padded.slot_mapping, padded.seq_lens,
-                       padded.context_lens, padded.query_start_loc, padded.logits_indices, padded.block_tables):
-            torch._dynamo.mark_static(tensor, 0)
-        torch._dynamo.maybe_mark_dynamic(padded.block_tables, 1)
-        self._shape = ("decode", bucket)
-        out = self._call(self._decode, input_ids, positions, padded, kv_caches, kwargs, dynamic_ints=("max_seq_len",))
+        self._mark_rows(input_ids, positions, padded, torch._dynamo.mark_static)
+        out = self._call(self._decode, f"decode[{bucket}]", False, input_ids, positions, padded, kv_caches, kwargs,
+                         dynamic_ints=("max_seq_len",))
         return drop_padding(out, rows, bucket) if bucket != rows else out
 
-    def _call(self, fn: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-              kv_caches: list[torch.Tensor], kwargs: dict[str, Any], dynamic_ints: tuple[str, ...]) -> Any:
-        self._steps[self._shape_name()] += 1
+    @staticmethod
+    def _mark_rows(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, mark: Any) -> None:
+        """Mark the token and sequence dimensions with ``mark`` (static or dynamic); the block-table
+        width is always dynamic."""
+        for tensor in (input_ids, positions, batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+                       batch.context_lens, batch.query_start_loc, batch.logits_indices, batch.block_tables):
+            mark(tensor, 0)
+        torch._dynamo.maybe_mark_dynamic(batch.block_tables, 1)
+
+    def _call(self, fn: Any, shape: str, freeze: bool, input_ids: torch.Tensor, positions: torch.Tensor,
+              batch: ForwardBatch, kv_caches: list[torch.Tensor], kwargs: dict[str, Any],
+              dynamic_ints: tuple[str, ...]) -> Any:
+        self._shape, self._freeze = shape, freeze
+        self._steps[shape] += 1
         limit = max(torch._dynamo.config.recompile_limit, _MIN_RECOMPILE_LIMIT, len(self.options.batch_buckets) + 8)
         # The batch's varying integers are symbols from the first graph on (not specialized, then
-        # recompiled); no duck sizing: sizes equal once are not assumed equal forever.
+        # recompiled); no duck sizing: sizes equal once are not assumed equal forever. Freezing is
+        # read while dynamo traces (weights become graph constants), so it is set for the call.
         sources = ",".join(f"L['batch'].{name}" for name in dynamic_ints)
         with self.cache.active(), torch._dynamo.config.patch(recompile_limit=limit), \
                 torch.compiler.config.patch(dynamic_sources=sources), \
-                torch.fx.experimental._config.patch(use_duck_shape=False):
+                torch.fx.experimental._config.patch(use_duck_shape=False), \
+                torch._inductor.config.patch(freezing=freeze):
             return fn(self.model, input_ids, positions, batch, kv_caches, kwargs)
-
-    def _shape_name(self) -> str:
-        kind, rows = self._shape
-        return f"decode[{rows}]" if kind == "decode" else kind
 
     # -- compiling -----------------------------------------------------------------------------
 
@@ -146,8 +169,7 @@ class InductorModel:
         from torch._dynamo.utils import counters
         from torch._inductor.compile_fx import compile_fx
 
-        kind, rows = self._shape
-        settings = self.options.inductor_settings(self.options.freeze(rows if kind == "decode" else None))
+        settings = self.options.inductor_settings(self._freeze)
         before = {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss", "bypass")}
         start = time.perf_counter()
         try:
@@ -167,7 +189,7 @@ class InductorModel:
         delta = {k: counters["inductor"][f"fxgraph_cache_{k}"] - v for k, v in before.items()}
         self._fx_cache.update(delta)
         self._from_cache += delta["hit"] > 0
-        self._compiles[self._shape_name()] += 1
+        self._compiles[self._shape] += 1
         self._dirty = True
         return compiled
 
@@ -178,6 +200,7 @@ class InductorModel:
 
         ``graphs_from_cache`` were loaded from inductor's FX graph cache (``compile_cache_dir``),
         ``graphs_from_scratch`` were not. Step shapes are ``decode[rows]`` (a padded decode bucket),
+        ``decode[2+,frozen]`` (frozen decode graph, any row count; ``decode[1,frozen]`` for one row),
         ``prefill`` (one sequence's new tokens) and ``mixed`` (several sequences, some with more than
         one new token). ``recompiles`` counts graphs compiled for a shape that already had one: zero
         when bucketing and dynamic shapes work as intended.
