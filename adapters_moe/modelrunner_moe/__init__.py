@@ -16,6 +16,10 @@ all-reduce); routed experts are *expert parallel* — rank ``r`` holds experts
 all-reduced. Whole experts keep each expert's matmuls unsplit (better on small decode batches than
 splitting every expert's ``intermediate`` across ranks) and need ``num_experts % tp_size == 0``.
 
+Pipeline parallelism works as in the Llama adapter (whose model this one extends): each stage builds
+and loads only its layers, and passes ``{"hidden_states", "residual"}`` on. Router logits are then
+per stage: each stage's forward returns those of its own sparse layers.
+
 The hooks are ``tryfirst``: :class:`MoeForCausalLM` subclasses the Llama model, so the Llama
 adapter's ``isinstance`` checks would otherwise claim it too.
 """
@@ -26,6 +30,7 @@ from typing import Any
 
 import torch
 
+from modelrunner.distributed import STAGE_INPUTS, STAGE_OUTPUTS
 from modelrunner.forward_batch import ForwardOutput
 from modelrunner.hookspecs import hookimpl
 from modelrunner.loaded_model import LoadedModel
@@ -73,19 +78,25 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
 
 @hookimpl(tryfirst=True)
 def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> ForwardOutput | None:
-    """Float32 logits for the rows ``batch.logits_indices``, and the router logits when asked."""
+    """Float32 logits for the rows ``batch.logits_indices``, and this stage's router logits when asked
+    (on a pipeline stage other than the last: empty logits and the next stage's inputs in ``aux``)."""
     model = loaded.model
     if not isinstance(model, MoeForCausalLM):
         return None
     asked = batch.extra.get(RETURN_ROUTER_LOGITS)
     want_router_logits = model.return_router_logits if asked is None else bool(asked)
     run = loaded.runnable or model
+    stage = {} if model.parallel.is_first_stage else {"stage_inputs": batch.extra.get(STAGE_INPUTS)}
     with torch.inference_mode():
-        hidden = run(batch.input_ids, batch.positions, batch, kv_caches).index_select(0, batch.logits_indices)
+        out = run(batch.input_ids, batch.positions, batch, kv_caches, **stage)
+    aux = {"router_logits": model.router_logits()} if want_router_logits else {}
+    if not model.parallel.is_last_stage:
+        return ForwardOutput(logits=torch.empty(0, loaded.vocab_size), aux={STAGE_OUTPUTS: out, **aux})
+    with torch.inference_mode():
+        hidden = out.index_select(0, batch.logits_indices)
     # Logits leave inference mode so callers (samplers, tests) may still edit them in place.
     with torch.no_grad():
         logits = model.compute_logits(hidden).float()
-    aux = {"router_logits": model.router_logits()} if want_router_logits else {}
     return ForwardOutput(logits=logits, aux=aux)
 
 
@@ -101,6 +112,9 @@ def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
             f"model was loaded for tensor-parallel rank {built.tp_rank}/{built.tp_size}, "
             f"but parallelize was called for {parallel.tp_rank}/{parallel.tp_size}; pass the same ParallelState to load"
         )
-    if parallel.pp_size != 1:
-        raise ValueError(f"the moe adapter does not implement pipeline parallelism (pp_size={parallel.pp_size})")
+    if (built.pp_rank, built.pp_size) != (parallel.pp_rank, parallel.pp_size):
+        raise ValueError(
+            f"model was loaded for pipeline stage {built.pp_rank}/{built.pp_size}, "
+            f"but parallelize was called for {parallel.pp_rank}/{parallel.pp_size}; pass the same ParallelState to load"
+        )
     return loaded

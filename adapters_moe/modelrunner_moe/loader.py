@@ -26,7 +26,7 @@ from modelrunner.layers import select_attention_backend
 from modelrunner.layers.fused_moe import expert_tensor_name
 from modelrunner.parallel_state import ParallelState
 from modelrunner.weights import CheckpointError, iter_weights, load_weights, materialize
-from modelrunner_llama.loader import max_model_len_for
+from modelrunner_llama.loader import StageWeights, max_model_len_for
 
 from .model import MoeForCausalLM
 
@@ -98,7 +98,8 @@ def build_moe_model(
     parallel: ParallelState | None = None,
     max_model_len: int | None = None,
 ) -> MoeForCausalLM:
-    """The model for ``hf_config`` with this rank's weights (and experts) from the safetensors under ``path``.
+    """The model for ``hf_config`` with this rank's weights (its experts, its pipeline stage's layers)
+    from the safetensors under ``path``.
 
     :raises ValueError: an invalid MoE config (see :meth:`~.spec.MoeSpec.from_config`).
     :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor
@@ -109,8 +110,11 @@ def build_moe_model(
     with torch.device("meta"):
         model = MoeForCausalLM(hf_config, max_model_len_for(hf_config, max_model_len), parallel, backend)
     materialize(model, device, dtype)
+    weights = iter_weights(path)
+    if model.parallel.pp_size > 1:
+        weights = StageWeights(weights, model)  # only this pipeline stage's layers
     try:
-        load_weights(model, MoeCheckpoint(iter_weights(path)), model.packed_modules_mapping,
+        load_weights(model, MoeCheckpoint(weights), model.packed_modules_mapping,
                      ignore=model.ignored_weights)
     except CheckpointError as e:
         message = str(e)

@@ -29,7 +29,8 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     :param config: the checkpoint's transformers config.
     :param max_position: longest sequence the model will see (size of the RoPE table).
-    :param parallel: this process's tensor-parallel rank (experts are partitioned across ranks).
+    :param parallel: this process's tensor-parallel rank (experts are partitioned across ranks) and
+        pipeline stage (only its layers are built; the others are placeholders, as in the Llama model).
     :param attn_backend: the attention implementation (default: chosen for CPU).
     :raises ValueError: see :meth:`MoeSpec.from_config`.
     """
@@ -42,7 +43,8 @@ class MoeForCausalLM(LlamaForCausalLM):
         """The architecture's MoE settings."""
         self.hf_config = config
         """The checkpoint's own config (``self.config`` is what the Llama layers were built from)."""
-        for i, layer in enumerate(self.model.layers):
+        for i in range(self.model.start_layer, self.model.end_layer):  # this pipeline stage's layers
+            layer = self.model.layers[i]
             if spec.qk_norm:
                 layer.self_attn = QKNormAttention(self.config, max_position, layer.self_attn.attn.sliding_window,
                                                   self.parallel, self.attn_backend)
@@ -56,8 +58,10 @@ class MoeForCausalLM(LlamaForCausalLM):
 
     @property
     def moe_layers(self) -> list[tuple[int, SparseMoeBlock]]:
-        """``(layer index, block)`` of every sparse layer, in order."""
-        return [(i, layer.mlp) for i, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoeBlock)]
+        """``(layer index, block)`` of every sparse layer on this pipeline stage, in order."""
+        layers = self.model.layers
+        return [(i, layers[i].mlp) for i in range(self.model.start_layer, self.model.end_layer)
+                if isinstance(layers[i].mlp, SparseMoeBlock)]
 
     def router_logits(self) -> list[torch.Tensor]:
         """The last forward's router logits: one ``[num_tokens, num_experts]`` tensor per sparse layer."""

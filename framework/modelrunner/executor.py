@@ -214,7 +214,7 @@ class ParallelExecutor(ModelRunner):
     ``execute_model`` broadcasts the batch and returns the last stage's logits; ``copy_blocks``
     copies here at once and on the other ranks before the next step. ``forward``, ``generate``
     and ``stats`` work as on a :class:`ModelRunner` (``last_aux`` is rank 0's: with several
-    pipeline stages it holds no router logits).
+    pipeline stages, only the first stage's router logits).
     """
 
     def __init__(self, config: RunnerConfig, ctx: DistributedContext, workers: WorkerProcesses | None) -> None:
@@ -250,6 +250,18 @@ class ParallelExecutor(ModelRunner):
         logits = self._guarded("running a step", self._step, batch, copies)
         self.num_steps += 1
         return logits
+
+    def forward(self, input_ids: torch.Tensor, return_router_logits: bool = False) -> torch.Tensor | dict[str, Any]:
+        """As :meth:`ModelRunner.forward`; router logits only without pipeline stages (rank 0 holds
+        the first stage's layers only).
+
+        :raises ModelRunnerError: ``return_router_logits`` with ``pipeline_parallel_size`` > 1.
+        """
+        if return_router_logits and self.ctx.parallel.pp_size > 1:
+            raise ModelRunnerError(
+                f"return_router_logits needs pipeline_parallel_size=1 (got {self.ctx.parallel.pp_size}): each "
+                "stage computes the router logits of its own layers only")
+        return super().forward(input_ids, return_router_logits)
 
     def _step(self, batch: ForwardBatch, copies: list[tuple[int, int]]) -> torch.Tensor:
         broadcast_object((STEP, batch, copies), self.ctx.control_group)

@@ -8,6 +8,7 @@ import os
 import pytest
 
 from modelrunner import LLM
+from modelrunner.errors import ModelRunnerError
 
 from .conftest import save_tiny_llama, wait_for_no_children
 from .workload import LLM_KW, run_workload
@@ -61,9 +62,22 @@ def test_uneven_pipeline_with_tied_embeddings_agrees_on_kv_blocks(tmp_path, smol
     assert wait_for_no_children() == []
 
 
-def test_mixtral_expert_parallel_matches_one_process(tiny_mixtral):
+@pytest.mark.parametrize(("tp", "pp", "layers"), [(2, 1, [2, 2]), (1, 2, [1, 1])], ids=["tp2", "pp2"])
+def test_mixtral_two_ranks_match_one_process(tiny_mixtral, tp, pp, layers):
     expected = run_workload(LLM(str(tiny_mixtral), **LLM_KW))
-    got, ranks = _run_parallel(tiny_mixtral, 2, 1)
-    _compare("mixtral tp=2", got, expected)
-    assert [r["num_layers"] for r in ranks] == [2, 2]
+    got, ranks = _run_parallel(tiny_mixtral, tp, pp)
+    _compare(f"mixtral tp={tp} pp={pp}", got, expected)
+    assert [r["num_layers"] for r in ranks] == layers
+    assert wait_for_no_children() == []
+
+
+def test_mixtral_pipeline_refuses_router_logits_and_stays_usable(tiny_mixtral):
+    llm = LLM(str(tiny_mixtral), pipeline_parallel_size=2, **LLM_KW)
+    try:
+        with pytest.raises(ModelRunnerError, match=r"return_router_logits needs pipeline_parallel_size=1 \(got 2\)"):
+            llm.runner.forward([1, 2, 3], return_router_logits=True)
+        single = LLM(str(tiny_mixtral), **LLM_KW).runner.forward([1, 2, 3])
+        assert (llm.runner.forward([1, 2, 3]) - single).abs().max().item() <= 1e-4
+    finally:
+        llm.runner.shutdown()
     assert wait_for_no_children() == []

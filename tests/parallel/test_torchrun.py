@@ -20,18 +20,20 @@ SCRIPT = Path(__file__).with_name("torchrun_workload.py")
 RUN_TIMEOUT_S = 180
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def test_torchrun_two_processes_match_one_process(tiny_llama, tmp_path, tp, pp):
-    expected = run_workload(LLM(str(tiny_llama), **LLM_KW))
+@pytest.mark.parametrize(("model", "tp", "pp"), [("tiny_llama", 2, 1), ("tiny_llama", 1, 2), ("tiny_mixtral", 1, 2)],
+                         ids=["llama-tp2", "llama-pp2", "mixtral-pp2"])
+def test_torchrun_two_processes_match_one_process(request, tmp_path, model, tp, pp):
+    checkpoint = request.getfixturevalue(model)
+    expected = run_workload(LLM(str(checkpoint), **LLM_KW))
     out = tmp_path / "got.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_addr=127.0.0.1",
-           f"--master_port={free_port()}", str(SCRIPT), str(tiny_llama), str(tp), str(pp), str(out)]
+           f"--master_port={free_port()}", str(SCRIPT), str(checkpoint), str(tp), str(pp), str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=RUN_TIMEOUT_S)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     got = torch.load(out)
     diff = (got["logits"] - expected["logits"]).abs().max().item()
-    print(f"torchrun tp={tp} pp={pp}: max |logits - single process| = {diff:.2e}")
+    print(f"torchrun {model} tp={tp} pp={pp}: max |logits - single process| = {diff:.2e}")
     assert diff <= 1e-4
     assert got["tokens"] == expected["tokens"]
     ranks = got["ranks"]
