@@ -79,6 +79,9 @@ class ParallelLMHead(VocabParallelEmbedding):
     :param bias: add a (vocabulary-split) bias to the logits.
     """
 
+    DENSE_WEIGHTS = ("weight",)
+    """Parameters :func:`~modelrunner.layers.dense.prepack_weights` packs (forward passes them to ``dense``)."""
+
     def __init__(self, num_embeddings: int, embedding_dim: int, bias: bool = False, **tp: Any) -> None:
         super().__init__(num_embeddings, embedding_dim, **tp)
         self.bias = None

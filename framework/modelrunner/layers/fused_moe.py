@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .activation import SiluAndMul
-from .dense import dense
+from .dense import dense, packed_weight
 from .linear import copy_checked
 from .moe_router import check_top_k, select_experts
 
@@ -53,6 +53,7 @@ def fused_experts(
     topk_ids: torch.Tensor,
     expert_start: int = 0,
     expert_counts: list[int] | None = None,
+    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
 ) -> torch.Tensor:
     """``Σ_k weight_k · expert_{id_k}(x)`` for every token, over the experts held in ``w13``/``w2``.
 
@@ -65,6 +66,8 @@ def fused_experts(
         ``[expert_start, expert_start + local_experts)`` contribute nothing here (another rank's).
     :param expert_counts: assignments per global expert id (at least up to the last local expert),
         when the caller already counted them.
+    :param packed: each local expert's ``w13`` and ``w2`` matrices prepacked for oneDNN (see
+        :func:`~modelrunner.layers.dense.prepack_weights`), to use in place of ``w13``/``w2``.
     :returns: ``[num_tokens, hidden]`` in ``hidden``'s dtype.
     """
     num_tokens, top_k = topk_ids.shape
@@ -82,12 +85,14 @@ def fused_experts(
     x = hidden.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
     out = torch.empty_like(x)
     act = SiluAndMul()
+    packed13, packed2 = packed if packed is not None else ([None] * num_local, [None] * num_local)
     start = 0
     for expert, count in enumerate(local_counts):
         if count == 0:
             continue
         end = start + count
-        out[start:end] = dense(act(dense(x[start:end], w13[expert])), w2[expert])
+        up = dense(x[start:end], w13[expert], packed=packed13[expert])
+        out[start:end] = dense(act(up), w2[expert], packed=packed2[expert])
         start = end
     # Back to (token, slot) order — a gather, with another rank's slots reading a zero row — then
     # the weighted sum over each token's slots, as transformers sums them.
@@ -112,6 +117,9 @@ class FusedMoE(nn.Module):
     :raises ValueError: ``top_k`` outside ``[1, num_experts]``, or experts that do not divide
         evenly among the ranks.
     """
+
+    DENSE_WEIGHTS = ("w13_weight", "w2_weight")
+    """Parameters :func:`~modelrunner.layers.dense.prepack_weights` packs (one matrix per expert)."""
 
     def __init__(self, num_experts: int, top_k: int, hidden_size: int, intermediate_size: int,
                  renormalize: bool, reduce_results: bool = True, tp_rank: int = 0, tp_size: int = 1,
@@ -200,8 +208,9 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
         self.expert_token_counts += counts
         self.last_expert_token_counts = counts.tolist()
+        p13, p2 = packed_weight(self.w13_weight), packed_weight(self.w2_weight)
         out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_start,
-                            self.last_expert_token_counts)
+                            self.last_expert_token_counts, None if p13 is None or p2 is None else (p13, p2))
         if self.tp_size > 1 and self.reduce_results:
             import torch.distributed as dist
 

@@ -55,6 +55,9 @@ def _new_param(shape: Sequence[int], loader: Any) -> nn.Parameter:
 class LinearBase(nn.Module):
     """Common state of the linear layers: sizes, this rank's place in the tensor-parallel group."""
 
+    DENSE_WEIGHTS = ("weight",)
+    """Parameters :func:`~modelrunner.layers.dense.prepack_weights` packs (forward passes them to ``dense``)."""
+
     def __init__(
         self,
         input_size: int,
