@@ -152,6 +152,25 @@ def test_a_request_that_breaks_the_forward_fails_alone(fake_runner):
     assert runner.allocator.stats().used_blocks == 0
 
 
+def test_a_failed_forward_leaves_no_prefix_cache_entries_behind(fake_runner):
+    runner = fake_runner(block_size=4)
+    runner.fail_on_token = 63
+    engine = LLMEngine(runner)
+    poison = [1, 63, 3, 4, 5, 6, 7, 8, 9]
+    engine.add_request("poison", poison, SamplingParams(max_tokens=3, **GREEDY))
+    assert _drain(engine)["poison"].outputs[0].finish_reason == "error"
+    runner.fail_on_token = None
+    # The same prompt again: its blocks were registered but never written, so nothing may be reused
+    # (the fake runner raises when a sequence reads a slot no forward wrote).
+    engine.add_request("again", poison, SamplingParams(max_tokens=3, **GREEDY))
+    again = _drain(engine)["again"]
+    assert again.error is None and len(again.outputs[0].token_ids) == 3
+    assert again.num_cached_tokens == 0
+    engine.add_request("third", poison, SamplingParams(max_tokens=3, **GREEDY))
+    assert _drain(engine)["third"].num_cached_tokens == 8  # computed once, reused from then on
+    assert runner.allocator.stats().used_blocks == 0
+
+
 def test_abort_frees_blocks_and_reports(fake_runner):
     runner = fake_runner()
     engine = LLMEngine(runner)

@@ -160,7 +160,8 @@ class LLMEngine:
     ) -> tuple[torch.Tensor, list[int], list[ScheduledSequence]] | None:
         """One forward over the whole batch. If it raises, each request runs alone so that only the
         one(s) that fail are finished with ``finish_reason="error"`` (their KV slots are rewritten
-        identically by the retry, so the others are unaffected).
+        identically by the retry, so the others are unaffected). The failed step's blocks leave the
+        prefix cache first: a later prompt must not reuse KV that was never written.
 
         :returns: logits, the ``scheduled`` index of each logits row, and the scheduled sequences
             that ran; None when none did.
@@ -173,6 +174,9 @@ class LLMEngine:
             raise
         except Exception as exc:  # noqa: BLE001 - isolated below, reported per request
             first_error = exc
+        # The step's new KV was not (fully) written: its blocks must not serve prefix-cache hits.
+        for item in scheduled:
+            self.allocator.forget_uncomputed(item.seq.seq_id, item.start)
         requests = list(dict.fromkeys(item.seq.request for item in scheduled))
         if len(requests) == 1:
             self._fail(requests[0], _forward_error(first_error), outputs)

@@ -153,6 +153,15 @@ class BlockAllocator(abc.ABC):
             return False
         return True
 
+    def forget_uncomputed(self, seq_id: int, start: int) -> None:
+        """The sequence's tokens from ``start`` on were never computed (their forward failed):
+        make sure no prefix-cache lookup returns the blocks holding them.
+
+        The default does nothing, which is right for allocators without prefix caching; those that
+        register blocks for reuse must override it. :raises KVCacheError: unknown sequence.
+        """
+        self.num_tokens(seq_id)
+
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Flat cache slots of the sequence's tokens ``start:end`` (``block * block_size + offset``)."""
         table = self.block_table(seq_id)

@@ -327,6 +327,14 @@ class PagedBlockAllocator(BlockAllocator):
         self._seqs[child_id] = parent.copy()
         return []
 
+    def forget_uncomputed(self, seq_id: int, start: int) -> None:
+        seq = self._seq(seq_id)
+        for block in seq.block_table[start // self.block_size:]:
+            key = self._block_key[block]
+            if key is not None and self._cache.get(key) == block:
+                del self._cache[key]
+                self._block_key[block] = None
+
     def free(self, seq_id: int) -> None:
         seq = self._seq(seq_id)
         # Tail first, so a prompt's leading blocks are the last of it to be evicted.

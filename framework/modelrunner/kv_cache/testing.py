@@ -305,6 +305,19 @@ class AllocatorContract:
         assert a.allocate(5, [99] * 4 + list(range(4, 12)) + [0]) == 0  # same later blocks, other parent
         assert a.allocate(6, list(range(8)) + [77] * 4 + [0]) == 8
 
+    def test_forgotten_blocks_are_never_prefix_hits(self) -> None:
+        a = self.make_allocator(32, 4, 64)
+        prompt = list(range(13))  # 3 full blocks + 1 token
+        a.allocate(1, prompt)
+        a.forget_uncomputed(1, 4)  # the forward that would write tokens 4.. failed
+        assert a.allocate(2, prompt) == (4 if self.supports_prefix_caching else 0)
+        a.free(1)
+        a.free(2)
+        assert a.allocate(3, prompt) == (12 if self.supports_prefix_caching else 0)  # 2 wrote them
+        with pytest.raises(KVCacheError, match="99"):
+            a.forget_uncomputed(99, 0)
+        check_consistency(a, {3: prompt})
+
     def test_prefix_caching_switched_off(self) -> None:
         a = self.make_allocator(32, 4, 64, False)
         a.allocate(1, list(range(9)))
