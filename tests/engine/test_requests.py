@@ -171,6 +171,20 @@ def test_a_failed_forward_leaves_no_prefix_cache_entries_behind(fake_runner):
     assert runner.allocator.stats().used_blocks == 0
 
 
+def test_a_cached_prefix_longer_than_a_chunk_is_reused_whole(fake_runner):
+    runner = fake_runner(block_size=4, max_num_batched_tokens=8)
+    engine = LLMEngine(runner)
+    prompt = list(range(1, 31))  # 30 tokens: 4 chunks of at most 8
+    engine.add_request("first", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    first = _drain(engine)["first"]
+    steps_before = len(runner.batches)
+    engine.add_request("again", prompt, SamplingParams(max_tokens=2, **GREEDY))
+    again = _drain(engine)["again"]
+    assert again.num_cached_tokens == 28  # every whole block, not just the first chunk's
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+    assert len(runner.batches) - steps_before == 2  # the last 2 prompt tokens in one step, then 1 decode
+
+
 def test_abort_frees_blocks_and_reports(fake_runner):
     runner = fake_runner()
     engine = LLMEngine(runner)

@@ -190,8 +190,10 @@ class Scheduler:
             if seats + self._seats(seq) > max_seqs:
                 break
             tokens = seq.token_ids
-            chunk = tokens[:budget] if len(tokens) > budget else tokens
             extra_keys = seq.request.extra_keys
+            # The first chunk starts after the cached prefix, however many chunks that prefix spans.
+            cached = alloc.cached_prefix_len(tokens, extra_keys) if len(tokens) > budget else 0
+            chunk = tokens[:cached + budget] if len(tokens) > cached + budget else tokens
             if not alloc.can_allocate(chunk, extra_keys):
                 if running:
                     break  # blocks come back as running sequences finish

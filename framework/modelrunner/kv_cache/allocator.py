@@ -153,6 +153,12 @@ class BlockAllocator(abc.ABC):
             return False
         return True
 
+    def cached_prefix_len(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+        """How many leading tokens of ``token_ids`` :meth:`allocate` would find cached now (0 without
+        prefix caching). The scheduler asks before allocating the first chunk of a long prompt, so
+        that a cached prefix longer than one chunk is reused whole."""
+        return 0
+
     def forget_uncomputed(self, seq_id: int, start: int) -> None:
         """The sequence's tokens from ``start`` on were never computed (their forward failed):
         make sure no prefix-cache lookup returns the blocks holding them.

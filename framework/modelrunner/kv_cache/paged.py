@@ -232,6 +232,10 @@ class PagedBlockAllocator(BlockAllocator):
         new = -(-len(token_ids) // self.block_size) - len(hits)
         return new + sum(1 for b in hits if self._ref_counts[b] == 0)
 
+    def cached_prefix_len(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> int:
+        hits, _ = self._find_cached_prefix(token_ids, tuple(extra_keys))
+        return len(hits) * self.block_size
+
     def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> bool:
         if not 0 < len(token_ids) <= self.max_model_len:
             return False
