@@ -7,7 +7,8 @@ process's first line to the end of a first short generation (4 new tokens of one
 loading, compiling or loading compiled code, and running. The *decode step* is
 ``runner.execute_model`` of one decode step (the model's forward and the LM head) over sequences
 with 128 tokens of context, the median of repeated steps once the step's graphs exist. Each
-backend's process also times the eager model on the same runner, in alternating rounds, and the
+backend's process also times the eager model (weights prepacked, as the ``eager`` backend runs it)
+on the same runner, in alternating rounds, and the
 ratio is taken against that: two processes run minutes apart see different loads on a shared
 machine, one process alternating sees the same.
 
@@ -81,9 +82,12 @@ def time_decode(runner: Any, rows: int, steps: int, first_seq_id: int) -> tuple[
     """Median seconds of ``runner.execute_model`` on one decode step of ``rows`` sequences, with the
     backend's callable and with the eager model, measured in alternating rounds in this process (so
     both see the same load from other processes)."""
+    from modelrunner.layers.dense import prepack_weights
+
     batch = decode_batch(runner, rows, CONTEXT, first_seq_id)
     loaded = runner.loaded
     compiled, eager = loaded.runnable, loaded.model
+    prepack_weights(eager)  # eager as the eager backend runs it (compiled graphs keep their own weights)
     for runnable in (compiled, eager):  # compiles the step's graph if needed
         loaded.runnable = runnable
         for _ in range(3):

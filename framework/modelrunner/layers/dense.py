@@ -8,8 +8,9 @@ ran the shapes of LLM layers 1.3–3× faster for float32 batches on this projec
 linear layer of the kernel goes through :func:`dense`, so adapters get the faster path for free.
 
 Prepacking (:func:`prepack_weights`, which the ``eager`` compile backend applies) reorders each
-weight once into the layout oneDNN's kernels read, instead of at every call: another 1.2–1.5× at
-8–64 rows on SmolLM2's layers, for one extra copy of the packed weights' memory. A module opts in
+weight once into the layout oneDNN's kernels read, instead of at every call: another 1.2–1.4× at
+4–64 rows on SmolLM2's layers (used from :data:`PACKED_MIN_ROWS` rows up), for one extra copy of
+the packed weights' memory. A module opts in
 by listing its weight parameters in a ``DENSE_WEIGHTS`` class attribute and passing them to
 :func:`dense` (2-D) or :func:`dense` with ``packed=packed_weight(param)[i]`` (a 3-D stack of
 matrices, e.g. MoE experts).
@@ -23,6 +24,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+PACKED_MIN_ROWS = 4
+"""Fewest rows that use a packed weight. Below it the plain weight is as fast or faster: 1.0× at one
+row on SmolLM2's layers, 0.7× on a Mixtral-like expert's larger matrices (1.3–1.4× from 4 rows up)."""
 
 PACKED_ATTR = "onednn_packed"
 """Attribute of a weight parameter holding its oneDNN-packed copy (a list of them for a 3-D stack)."""
@@ -48,11 +53,14 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
     """``x @ weight.T + bias`` for ``x`` of shape ``[rows, in]``.
 
     :param packed: ``weight`` prepacked for oneDNN (default: the copy :func:`prepack_weights`
-        attached to ``weight``, if any). Used only where the oneDNN path applies.
+        attached to ``weight``, if any). Used only where the oneDNN path applies, from
+        :data:`PACKED_MIN_ROWS` rows up.
     """
     # Compilers get the plain linear: inductor picks (and with freezing prepacks) its own matmul.
     if _onednn_applies(x):
-        if packed is None:
+        if x.shape[0] < PACKED_MIN_ROWS:
+            packed = None
+        elif packed is None:
             packed = getattr(weight, PACKED_ATTR, None)
         return torch.ops.mkldnn._linear_pointwise(x, weight if packed is None else packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
