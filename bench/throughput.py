@@ -76,23 +76,23 @@ class MatmulBound:
         head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
         h, i = c.hidden_size, c.intermediate_size
         qkv = (c.num_attention_heads + 2 * c.num_key_value_heads) * head_dim
-        g = torch.Generator().manual_seed(0)
-        self.layer = [torch.randn(qkv, h, generator=g), torch.randn(h, c.num_attention_heads * head_dim, generator=g),
-                      torch.randn(2 * i, h, generator=g), torch.randn(h, i, generator=g)]
-        self.lm_head = torch.randn(c.vocab_size, h, generator=g)
+        shapes = [(qkv, h), (h, c.num_attention_heads * head_dim), (2 * i, h), (h, i)]
         self.num_layers = c.num_hidden_layers
+        # Every layer its own weights, as in the model: reused ones would be read from the CPU's cache.
+        self.layers = [[torch.empty(shape).normal_() for shape in shapes] for _ in range(self.num_layers)]
+        self.lm_head = torch.empty(c.vocab_size, h).normal_()
         self.hidden, self.inter = h, i
-        self.layer_params = sum(w.numel() for w in self.layer)
-        self.kernels: dict[str, tuple[list[Any], Any, Any]] = {
-            "MKL": (self.layer, self.lm_head, torch.nn.functional.linear)}
+        self.layer_params = sum(o * k for o, k in shapes)
+        self.kernels: dict[str, tuple[list[list[Any]], Any, Any]] = {
+            "MKL": (self.layers, self.lm_head, torch.nn.functional.linear)}
         if onednn_usable():
             pack = torch.ops.mkldnn._reorder_linear_weight
-            self.kernels["oneDNN packed"] = ([pack(w) for w in self.layer], pack(self.lm_head),
+            self.kernels["oneDNN packed"] = ([[pack(w) for w in layer] for layer in self.layers], pack(self.lm_head),
                                              lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
         self._cache: dict[tuple[int, int], dict[str, float]] = {}
 
     def _layer_inputs(self, rows: int) -> list[torch.Tensor]:
-        return [torch.randn(rows, w.shape[1]) for w in self.layer]
+        return [torch.randn(rows, w.shape[1]) for w in self.layers[0]]
 
     def kernel_seconds(self, rows: int, lm_rows: int) -> dict[str, float]:
         """Seconds for one step's matmuls with each kernel: every layer at ``rows`` rows, the LM head
@@ -101,20 +101,17 @@ class MatmulBound:
         if key not in self._cache:
             xs = self._layer_inputs(rows)
             x_lm = torch.randn(lm_rows, self.hidden)
-            layers = min(self.num_layers, 6)  # time a few layers and scale: same shapes each layer
             result = {}
             with torch.inference_mode():
-                for name, (weights, head, linear) in self.kernels.items():
+                for name, (layers, head, linear) in self.kernels.items():
                     times = []
                     for _ in range(3 if rows > 1 else 10):
                         t = time.perf_counter()
-                        for _ in range(layers):
+                        for weights in layers:
                             for x, w in zip(xs, weights):
                                 linear(x, w)
-                        t_layers = (time.perf_counter() - t) * self.num_layers / layers
-                        t = time.perf_counter()
                         linear(x_lm, head)
-                        times.append(t_layers + time.perf_counter() - t)
+                        times.append(time.perf_counter() - t)
                     result[name] = min(times)
             self._cache[key] = result
         return self._cache[key]
