@@ -69,3 +69,26 @@ def test_eager_backend_prepacks_by_default_and_reports_it(tiny_llama_dir):
 def test_prepack_option_must_be_a_bool(tiny_llama_dir):
     with pytest.raises(ValueError, match=r"'prepack_weights' must be true or false, got 'yes'"):
         LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=2**20, compile_options={"prepack_weights": "yes"})
+
+
+@pytest.mark.parametrize("onednn", [True, False])
+def test_compiled_graphs_call_onednn_linear_only_when_asked(onednn):
+    from modelrunner.layers.dense import onednn_in_compiled_graphs
+
+    torch.manual_seed(0)
+    linear = ColumnParallelLinear(32, 48)
+    torch.nn.init.normal_(linear.weight)
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(linear, backend=backend, fullgraph=True)  # fullgraph: no graph break in dense
+    x = torch.randn(3, 32)
+    with onednn_in_compiled_graphs(onednn), torch.inference_mode():
+        out = compiled(x)
+    assert (out - torch.nn.functional.linear(x, linear.weight)).abs().max().item() < 1e-4
+    targets = {str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"}
+    assert ("modelrunner.onednn_linear.default" in targets or "modelrunner.onednn_linear" in targets) == onednn

@@ -18,7 +18,9 @@ matrices, e.g. MoE experts).
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -43,9 +45,39 @@ def onednn_usable() -> bool:
         return False
 
 
+@torch.library.custom_op("modelrunner::onednn_linear", mutates_args=())
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """oneDNN's float32 linear on an unpacked weight, opaque to compilers (inductor's own lowering of
+    the op accepts only frozen, constant weights)."""
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+@onednn_linear.register_fake
+def _(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return x.new_empty(x.shape[0], weight.shape[0])
+
+
+_onednn_in_graphs = False
+
+
+@contextlib.contextmanager
+def onednn_in_compiled_graphs(enabled: bool = True) -> Iterator[None]:
+    """While tracing under this context, :func:`dense` puts oneDNN's linear (:func:`onednn_linear`,
+    which inductor calls as an external kernel) into the graph instead of ``F.linear`` (which
+    inductor lowers to MKL's sgemm, slower on the reference CPU). For graphs whose weights inductor does not freeze: freezing
+    prepacks ``F.linear`` weights itself. Dynamo guards on the setting, so a graph traced with it
+    is reused only with it."""
+    global _onednn_in_graphs
+    previous, _onednn_in_graphs = _onednn_in_graphs, enabled and onednn_usable()
+    try:
+        yield
+    finally:
+        _onednn_in_graphs = previous
+
+
 def _onednn_applies(x: torch.Tensor) -> bool:
-    return (not torch.compiler.is_compiling() and x.dtype == torch.float32 and x.device.type == "cpu"
-            and x.dim() == 2 and x.shape[0] > 0 and onednn_usable())
+    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 0
+            and onednn_usable())
 
 
 def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -56,7 +88,12 @@ def dense(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = Non
         attached to ``weight``, if any). Used only where the oneDNN path applies, from
         :data:`PACKED_MIN_ROWS` rows up.
     """
-    # Compilers get the plain linear: inductor picks (and with freezing prepacks) its own matmul.
+    if torch.compiler.is_compiling():
+        # Compilers get the plain linear (inductor picks, and with freezing prepacks, its own
+        # matmul) unless a backend asked for oneDNN's op in its graphs.
+        if _onednn_in_graphs and x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2:
+            return onednn_linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     if _onednn_applies(x):
         if x.shape[0] < PACKED_MIN_ROWS:
             packed = None

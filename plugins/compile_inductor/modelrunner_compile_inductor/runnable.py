@@ -27,6 +27,7 @@ import torch._dynamo
 import torch.fx.experimental._config
 
 from modelrunner.forward_batch import ForwardBatch
+from modelrunner.layers.dense import onednn_in_compiled_graphs
 
 from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows, repeat_last_row
 from .cache import CompileCache
@@ -159,7 +160,7 @@ class InductorModel:
         with self.cache.active(), torch._dynamo.config.patch(recompile_limit=limit), \
                 torch.compiler.config.patch(dynamic_sources=sources), \
                 torch.fx.experimental._config.patch(use_duck_shape=False), \
-                torch._inductor.config.patch(freezing=freeze):
+                torch._inductor.config.patch(freezing=freeze), onednn_in_compiled_graphs(not freeze):
             return fn(self.model, input_ids, positions, batch, kv_caches, kwargs)
 
     # -- compiling -----------------------------------------------------------------------------
