@@ -11,18 +11,14 @@ from __future__ import annotations
 
 import atexit
 import difflib
-import importlib.metadata
-import platform
 import shutil
-import sys
 import tempfile
 from collections.abc import Mapping
 from typing import Any, Callable
 
-import torch
-
 from modelrunner.hookspecs import hookimpl
 from modelrunner_compile_inductor import CompileCache
+from modelrunner_compile_inductor.cache import model_identity
 from modelrunner_compile_inductor.options import torch_compile_modes
 
 from .decode_step import DecodeStep
@@ -99,24 +95,7 @@ def inductor_settings(mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def cache_key(loaded: Any, block_size: int, settings: dict[str, Any]) -> dict[str, Any]:
-    """Everything the compiled decode step depends on (names its cache directory). Not the weights:
-    the package holds none."""
-    model = loaded.model
-    param = next(model.parameters(), None)
-    hf_config = loaded.hf_config
-    parallel = getattr(model, "parallel", None)
-    return {
-        "backend": BACKEND_NAME,
-        "plugin": importlib.metadata.version("modelrunner-compile-aot"),
-        "modelrunner": importlib.metadata.version("modelrunner"),
-        "torch": torch.__version__,
-        "python": list(sys.version_info[:2]),
-        "machine": platform.machine(),
-        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "model_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else repr(hf_config),
-        "dtype": str(param.dtype) if param is not None else None,
-        "device": str(param.device.type) if param is not None else None,
-        "tensor_parallel": [getattr(parallel, "tp_rank", 0), getattr(parallel, "tp_size", 1)],
-        "block_size": block_size,
-        "inductor": settings,
-    }
+    """Everything the compiled decode step depends on (names its cache directory): the model's
+    identity, the block size and the inductor settings. Not the weights: the package holds none."""
+    return {**model_identity(loaded, BACKEND_NAME, "modelrunner-compile-aot"), "block_size": block_size,
+            "inductor": settings}

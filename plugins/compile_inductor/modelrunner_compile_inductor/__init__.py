@@ -9,17 +9,12 @@ compiles, recompiles and cache hits. See the package README for the options.
 
 from __future__ import annotations
 
-import importlib.metadata
-import platform
-import sys
 from typing import Any, Callable
-
-import torch
 
 from modelrunner.hookspecs import hookimpl
 
 from .buckets import bucket_for, pad_decode_batch
-from .cache import CompileCache, CompileCacheWarning
+from .cache import CompileCache, CompileCacheWarning, model_identity
 from .options import InductorOptions
 
 __all__ = ["BACKEND_NAME", "CompileCache", "CompileCacheWarning", "InductorOptions", "bucket_for", "cache_key",
@@ -52,26 +47,6 @@ def compile(name: str, loaded: Any, config: Any) -> Callable[..., Any] | None:
 
 
 def cache_key(loaded: Any, options: InductorOptions) -> dict[str, Any]:
-    """Everything that shapes the compiled code of ``loaded`` under ``options`` (names its cache directory).
-
-    Weights are not part of it: inductor keys graphs by the weights' shapes and dtypes only and binds
-    the current values when it loads a graph.
-    """
-    model = loaded.model
-    param = next(model.parameters(), None)
-    hf_config = loaded.hf_config
-    parallel = getattr(model, "parallel", None)
-    return {
-        "backend": BACKEND_NAME,
-        "plugin": importlib.metadata.version("modelrunner-compile-inductor"),
-        "modelrunner": importlib.metadata.version("modelrunner"),
-        "torch": torch.__version__,
-        "python": list(sys.version_info[:2]),
-        "machine": platform.machine(),
-        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
-        "model_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else repr(hf_config),
-        "dtype": str(param.dtype) if param is not None else None,
-        "device": str(param.device.type) if param is not None else None,
-        "tensor_parallel": [getattr(parallel, "tp_rank", 0), getattr(parallel, "tp_size", 1)],
-        "options": options.as_dict(),
-    }
+    """Everything that shapes the compiled code of ``loaded`` under ``options`` (names its cache
+    directory): :func:`~.cache.model_identity` and the options."""
+    return {**model_identity(loaded, BACKEND_NAME, "modelrunner-compile-inductor"), "options": options.as_dict()}

@@ -14,13 +14,18 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib.metadata
 import json
 import os
+import platform
 import shutil
+import sys
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+import torch
 
 MANIFEST = "modelrunner-manifest.json"
 """The manifest's file name inside a namespace directory."""
@@ -184,3 +189,30 @@ class CompileCache:
         tmp = self.path / f".{MANIFEST}.{os.getpid()}.tmp"
         tmp.write_text(json.dumps(data, indent=1, sort_keys=True, default=str))
         os.replace(tmp, self.path / MANIFEST)
+
+
+def model_identity(loaded: Any, backend: str, distribution: str) -> dict[str, Any]:
+    """What compiled code for ``loaded`` depends on besides the backend's own settings: versions
+    (of ``distribution``, the kernel, torch, Python), machine, model class and config, dtype,
+    device and tensor-parallel rank. Backends add their settings and use it as a cache key.
+
+    Weights are not part of it: compiled graphs are keyed by the weights' shapes and dtypes and bind
+    the current values when loaded.
+    """
+    model = loaded.model
+    param = next(model.parameters(), None)
+    hf_config = loaded.hf_config
+    parallel = getattr(model, "parallel", None)
+    return {
+        "backend": backend,
+        "plugin": importlib.metadata.version(distribution),
+        "modelrunner": importlib.metadata.version("modelrunner"),
+        "torch": torch.__version__,
+        "python": list(sys.version_info[:2]),
+        "machine": platform.machine(),
+        "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
+        "model_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else repr(hf_config),
+        "dtype": str(param.dtype) if param is not None else None,
+        "device": str(param.device.type) if param is not None else None,
+        "tensor_parallel": [getattr(parallel, "tp_rank", 0), getattr(parallel, "tp_size", 1)],
+    }
