@@ -87,8 +87,12 @@ class MatmulBound:
             "MKL": (self.layers, self.lm_head, torch.nn.functional.linear)}
         if onednn_usable():
             pack = torch.ops.mkldnn._reorder_linear_weight
+
+            def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+                return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
+
             self.kernels["oneDNN packed"] = ([[pack(w) for w in layer] for layer in self.layers], pack(self.lm_head),
-                                             lambda x, w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""))
+                                             onednn)
         self._cache: dict[tuple[int, int], dict[str, float]] = {}
 
     def _layer_inputs(self, rows: int) -> list[torch.Tensor]:

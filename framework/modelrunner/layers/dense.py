@@ -64,9 +64,11 @@ _onednn_in_graphs = False
 def onednn_in_compiled_graphs(enabled: bool = True) -> Iterator[None]:
     """While tracing under this context, :func:`dense` puts oneDNN's linear (:func:`onednn_linear`,
     which inductor calls as an external kernel) into the graph instead of ``F.linear`` (which
-    inductor lowers to MKL's sgemm, slower on the reference CPU). For graphs whose weights inductor does not freeze: freezing
-    prepacks ``F.linear`` weights itself. Dynamo guards on the setting, so a graph traced with it
-    is reused only with it."""
+    inductor lowers to MKL's sgemm, slower on the reference CPU).
+
+    Meant for graphs whose weights inductor does not freeze (freezing prepacks ``F.linear``'s
+    weights itself). Dynamo guards on the setting, so a graph traced with it is reused only with it.
+    """
     global _onednn_in_graphs
     previous, _onednn_in_graphs = _onednn_in_graphs, enabled and onednn_usable()
     try:
