@@ -73,6 +73,8 @@ def _reference(seqs, heads, kv_heads, window):
 
 CASES = {
     "mixed-chunked-prefill": ([0, 5, 9, 0], [6, 3, 1, 11]),
+    "long-chunk-among-decodes": ([5, 0, 12, 3], [1, 14, 1, 1]),
+    "chunk-on-cache-among-decodes": ([9, 6], [1, 7]),
     "decode-only": ([5, 12, 1, 7], [1, 1, 1, 1]),
     "fresh-single-prompt": ([0], [13]),
     "single-chunk-on-cache": ([8], [5]),
@@ -91,6 +93,8 @@ def test_matches_reference(case, heads, kv_heads, window):
     key = torch.cat([s[2][s[0]:] for s in seqs])
     value = torch.cat([s[3][s[0]:] for s in seqs])
     out = attn(query, key, value, cache, metadata)
+    # Steps mixing decodes with longer queries run as two parts (decodes unpadded).
+    assert (metadata.parts is not None) == (1 in query_lens and max(query_lens) > 1)
     assert out.shape == (batch.num_tokens, heads * HEAD_DIM)
     torch.testing.assert_close(out, _reference(seqs, heads, kv_heads, window), atol=1e-5, rtol=1e-5)
     # The new keys/values were written at their slots.

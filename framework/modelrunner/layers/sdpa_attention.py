@@ -10,7 +10,9 @@ Per layer and step, with no Python loop over sequences:
    with a boolean mask built once per step from the token positions: key ``j`` is visible to a query
    at position ``p`` iff ``j <= p`` (and ``j > p - sliding_window``), which also hides the padding.
 
-Decode-only steps skip the query scatter and fold each group of query heads that share a key/value
+A step that mixes decodes with longer queries (a prompt chunk arriving while others generate)
+runs its decodes and its other sequences as two separate parts, so the decodes' single queries
+are not padded to the prompt chunk's length. Decode-only steps skip the query scatter and fold each group of query heads that share a key/value
 head into the query-length axis (``[S, kv_heads, heads // kv_heads, head_dim]``), so grouped-query
 attention needs no repeated keys/values. A lone prompt with nothing cached attends to its own
 keys/values directly with ``is_causal``.
@@ -49,6 +51,29 @@ def store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tens
     _store_kv(kv_cache, slot_mapping, key, value)
 
 
+def _sub_batch(batch: ForwardBatch, seqs: torch.Tensor, rows: torch.Tensor) -> ForwardBatch:
+    """The sequences ``seqs`` of ``batch`` (their tokens are ``rows``), for building their metadata."""
+    from ..forward_batch import ForwardBatch
+
+    query_lens = batch.query_lens.index_select(0, seqs)
+    seq_lens = batch.seq_lens.index_select(0, seqs)
+    picked = seqs.tolist()
+    return ForwardBatch(
+        input_ids=batch.input_ids.index_select(0, rows),
+        positions=batch.positions.index_select(0, rows),
+        seq_ids=tuple(batch.seq_ids[i] for i in picked),
+        query_start_loc=torch.cat((query_lens.new_zeros(1), query_lens.cumsum(0))),
+        seq_lens=seq_lens,
+        context_lens=batch.context_lens.index_select(0, seqs),
+        slot_mapping=batch.slot_mapping.index_select(0, rows),
+        block_tables=batch.block_tables.index_select(0, seqs),
+        logits_indices=rows.new_zeros(0),
+        block_size=batch.block_size,
+        max_query_len=int(query_lens.max()),
+        max_seq_len=int(seq_lens.max()),
+    )
+
+
 @dataclass
 class SDPAMetadata:
     """Per-step tensors of the ``torch_sdpa`` backend, shared by every layer."""
@@ -73,6 +98,9 @@ class SDPAMetadata:
     """[tokens] row of each token in the padded ``[num_seqs * max_query_len]`` queries (None for decode)."""
     masks: dict[int | None, torch.Tensor]
     """Sliding window (None = full) → boolean mask ``[num_seqs, 1, max_query_len, kv_len]``, True = visible."""
+    parts: list[tuple[torch.Tensor, SDPAMetadata]] | None = None
+    """A step mixing decodes with longer queries runs as two parts, ``(token rows, metadata)`` each:
+    the decodes and the rest, so one-token queries are not padded to the longest (eager only)."""
 
 
 @register_attention_backend
@@ -83,6 +111,23 @@ class TorchSDPABackend(AttentionBackend):
     priority = 0
 
     def build_metadata(self, batch: ForwardBatch, sliding_windows: Iterable[int | None] = (None,)) -> SDPAMetadata:
+        sliding_windows = tuple(sliding_windows)
+        metadata = self._metadata(batch, sliding_windows)
+        if metadata.decode_only or metadata.fresh_single_prompt or torch.compiler.is_compiling():
+            return metadata
+        query_lens = batch.query_lens
+        decodes = query_lens == 1
+        num_decodes = int(decodes.sum())
+        if 0 < num_decodes < metadata.num_seqs:
+            seq_of_token = torch.repeat_interleave(decodes, query_lens, output_size=batch.num_tokens)
+            metadata.parts = [
+                (rows, self._metadata(_sub_batch(batch, seqs, rows), sliding_windows))
+                for seqs, rows in ((decodes.nonzero().flatten(), seq_of_token.nonzero().flatten()),
+                                   ((~decodes).nonzero().flatten(), (~seq_of_token).nonzero().flatten()))
+            ]
+        return metadata
+
+    def _metadata(self, batch: ForwardBatch, sliding_windows: tuple[int | None, ...]) -> SDPAMetadata:
         # A tensor's length rather than len(batch.seq_ids): torch.compile then treats it as dynamic.
         num_seqs, block_size = batch.seq_lens.shape[0], batch.block_size
         blocks = min(-(-batch.max_seq_len // block_size), batch.block_tables.shape[1])
@@ -133,13 +178,23 @@ class TorchSDPABackend(AttentionBackend):
         kv_cache: torch.Tensor,
         metadata: SDPAMetadata,
     ) -> torch.Tensor:
-        num_tokens = query.shape[0]
-        heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
-        key_cache, value_cache = kv_cache[0], kv_cache[1]
         # The op's dispatch costs ~10 us per layer in eager mode, where the plain write is already in place.
         store = store_kv if torch.compiler.is_compiling() else _store_kv
         store(kv_cache, metadata.slot_mapping, key, value)
+        if metadata.parts is None:
+            return self._attend(layer, query, key, value, kv_cache, metadata)
+        out = query.new_empty(query.shape[0], layer.num_heads * layer.head_dim)
+        for rows, part in metadata.parts:
+            out.index_copy_(0, rows, self._attend(layer, query.index_select(0, rows), key.index_select(0, rows),
+                                                  value.index_select(0, rows), kv_cache, part))
+        return out
 
+    def _attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
+        """Attention of ``query`` over the cache (the new keys/values already stored)."""
+        num_tokens = query.shape[0]
+        heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
+        key_cache, value_cache = kv_cache[0], kv_cache[1]
         if metadata.fresh_single_prompt and layer.sliding_window is None:
             out = F.scaled_dot_product_attention(
                 query.transpose(0, 1), key.transpose(0, 1), value.transpose(0, 1),
