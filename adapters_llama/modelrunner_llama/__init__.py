@@ -16,7 +16,7 @@ last returns ``{"hidden_states", "residual"}`` in ``aux[STAGE_OUTPUTS]`` (and em
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -28,7 +28,8 @@ from modelrunner.loaded_model import LoadedModel
 from .loader import build_model, kv_cache_spec_for, load_tokenizer
 from .model import LlamaForCausalLM
 
-__all__ = ["ARCHITECTURES", "LlamaForCausalLM", "forward", "load", "parallelize", "register"]
+__all__ = ["ARCHITECTURES", "LlamaForCausalLM", "check_built_for", "forward", "load", "parallelize", "register",
+           "run_stage"]
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """The HF ``architectures`` this adapter loads."""
@@ -64,28 +65,46 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
 def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor | ForwardOutput | None:
     """Float32 logits for the rows ``batch.logits_indices`` of the step's flattened tokens (on a
     pipeline stage other than the last: empty logits and the next stage's inputs in ``aux``)."""
-    model = loaded.model
-    if not isinstance(model, LlamaForCausalLM):
+    if not isinstance(loaded.model, LlamaForCausalLM):
         return None
+    return run_stage(loaded, batch, kv_caches)
+
+
+def run_stage(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor],
+              aux_of: Callable[[Any], dict[str, Any]] | None = None) -> torch.Tensor | ForwardOutput:
+    """This rank's part of one step for a :class:`LlamaForCausalLM` (or a subclass): the logits on the
+    last pipeline stage, the next stage's inputs (in ``aux[STAGE_OUTPUTS]``) on the others.
+
+    :param aux_of: called with the model after its forward; what it returns joins the output's ``aux``
+        (e.g. the MoE adapter's router logits).
+    """
+    model = loaded.model
     run = loaded.runnable or model
     stage = {} if model.parallel.is_first_stage else {"stage_inputs": batch.extra.get(STAGE_INPUTS)}
     with torch.inference_mode():
         out = run(batch.input_ids, batch.positions, batch, kv_caches, **stage)
+    aux = aux_of(model) if aux_of is not None else {}
     if not model.parallel.is_last_stage:
-        return ForwardOutput(logits=torch.empty(0, loaded.vocab_size), aux={STAGE_OUTPUTS: out})
+        return ForwardOutput(logits=torch.empty(0, loaded.vocab_size), aux={STAGE_OUTPUTS: out, **aux})
     with torch.inference_mode():
         hidden = out.index_select(0, batch.logits_indices)
     # Logits leave inference mode so callers (samplers, tests) may still edit them in place.
     with torch.no_grad():
-        return model.compute_logits(hidden).float()
+        logits = model.compute_logits(hidden).float()
+    return ForwardOutput(logits=logits, aux=aux) if aux else logits
 
 
 @hookimpl
 def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
     """Check the model was built for this rank's shard (the split happens at load); nothing else to do."""
-    model = loaded.model
-    if not isinstance(model, LlamaForCausalLM):
+    if not isinstance(loaded.model, LlamaForCausalLM):
         return None
+    check_built_for(loaded.model, parallel)
+    return loaded
+
+
+def check_built_for(model: LlamaForCausalLM, parallel: Any) -> None:
+    """Raise ``ValueError`` unless ``model`` was built for ``parallel``'s tensor rank and pipeline stage."""
     built = model.parallel
     if (built.tp_rank, built.tp_size) != (parallel.tp_rank, parallel.tp_size):
         raise ValueError(
@@ -97,4 +116,3 @@ def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
             f"model was loaded for pipeline stage {built.pp_rank}/{built.pp_size}, "
             f"but parallelize was called for {parallel.pp_rank}/{parallel.pp_size}; pass the same ParallelState to load"
         )
-    return loaded

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from modelrunner.distributed import STAGE_INPUTS, STAGE_OUTPUTS
 from modelrunner.forward_batch import ForwardOutput
 from modelrunner.hookspecs import hookimpl
 from modelrunner.loaded_model import LoadedModel
+from modelrunner_llama import check_built_for, run_stage
 from modelrunner_llama.loader import kv_cache_spec_for, load_tokenizer
 
 from .loader import build_moe_model
@@ -84,37 +84,15 @@ def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> F
     if not isinstance(model, MoeForCausalLM):
         return None
     asked = batch.extra.get(RETURN_ROUTER_LOGITS)
-    want_router_logits = model.return_router_logits if asked is None else bool(asked)
-    run = loaded.runnable or model
-    stage = {} if model.parallel.is_first_stage else {"stage_inputs": batch.extra.get(STAGE_INPUTS)}
-    with torch.inference_mode():
-        out = run(batch.input_ids, batch.positions, batch, kv_caches, **stage)
-    aux = {"router_logits": model.router_logits()} if want_router_logits else {}
-    if not model.parallel.is_last_stage:
-        return ForwardOutput(logits=torch.empty(0, loaded.vocab_size), aux={STAGE_OUTPUTS: out, **aux})
-    with torch.inference_mode():
-        hidden = out.index_select(0, batch.logits_indices)
-    # Logits leave inference mode so callers (samplers, tests) may still edit them in place.
-    with torch.no_grad():
-        logits = model.compute_logits(hidden).float()
-    return ForwardOutput(logits=logits, aux=aux)
+    wanted = model.return_router_logits if asked is None else bool(asked)
+    out = run_stage(loaded, batch, kv_caches, (lambda m: {"router_logits": m.router_logits()}) if wanted else None)
+    return out if isinstance(out, ForwardOutput) else ForwardOutput(logits=out)
 
 
 @hookimpl(tryfirst=True)
 def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
     """Check the model was built for this rank's shard (the split happens at load); nothing else to do."""
-    model = loaded.model
-    if not isinstance(model, MoeForCausalLM):
+    if not isinstance(loaded.model, MoeForCausalLM):
         return None
-    built = model.parallel
-    if (built.tp_rank, built.tp_size) != (parallel.tp_rank, parallel.tp_size):
-        raise ValueError(
-            f"model was loaded for tensor-parallel rank {built.tp_rank}/{built.tp_size}, "
-            f"but parallelize was called for {parallel.tp_rank}/{parallel.tp_size}; pass the same ParallelState to load"
-        )
-    if (built.pp_rank, built.pp_size) != (parallel.pp_rank, parallel.pp_size):
-        raise ValueError(
-            f"model was loaded for pipeline stage {built.pp_rank}/{built.pp_size}, "
-            f"but parallelize was called for {parallel.pp_rank}/{parallel.pp_size}; pass the same ParallelState to load"
-        )
+    check_built_for(loaded.model, parallel)
     return loaded
