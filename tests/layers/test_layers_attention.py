@@ -9,6 +9,7 @@ import torch
 
 from modelrunner.forward_batch import ForwardBatch
 from modelrunner.layers import Attention, AttentionBackend, attention_backends, select_attention_backend
+from modelrunner.layers.sdpa_attention import SDPASplitMetadata
 
 BLOCK = 4
 HEAD_DIM = 8
@@ -94,7 +95,7 @@ def test_matches_reference(case, heads, kv_heads, window):
     value = torch.cat([s[3][s[0]:] for s in seqs])
     out = attn(query, key, value, cache, metadata)
     # Steps mixing decodes with longer queries run as two parts (decodes unpadded).
-    assert (metadata.parts is not None) == (1 in query_lens and max(query_lens) > 1)
+    assert isinstance(metadata, SDPASplitMetadata) == (1 in query_lens and max(query_lens) > 1)
     assert out.shape == (batch.num_tokens, heads * HEAD_DIM)
     torch.testing.assert_close(out, _reference(seqs, heads, kv_heads, window), atol=1e-5, rtol=1e-5)
     # The new keys/values were written at their slots.

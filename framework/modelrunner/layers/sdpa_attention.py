@@ -12,7 +12,9 @@ Per layer and step, with no Python loop over sequences:
 
 A step that mixes decodes with longer queries (a prompt chunk arriving while others generate)
 runs its decodes and its other sequences as two separate parts, so the decodes' single queries
-are not padded to the prompt chunk's length. Decode-only steps skip the query scatter and fold each group of query heads that share a key/value
+are not padded to the prompt chunk's length (:class:`SDPASplitMetadata`).
+
+Decode-only steps skip the query scatter and fold each group of query heads that share a key/value
 head into the query-length axis (``[S, kv_heads, heads // kv_heads, head_dim]``), so grouped-query
 attention needs no repeated keys/values. A lone prompt with nothing cached attends to its own
 keys/values directly with ``is_causal``.
@@ -98,9 +100,17 @@ class SDPAMetadata:
     """[tokens] row of each token in the padded ``[num_seqs * max_query_len]`` queries (None for decode)."""
     masks: dict[int | None, torch.Tensor]
     """Sliding window (None = full) → boolean mask ``[num_seqs, 1, max_query_len, kv_len]``, True = visible."""
-    parts: list[tuple[torch.Tensor, SDPAMetadata]] | None = None
-    """A step mixing decodes with longer queries runs as two parts, ``(token rows, metadata)`` each:
-    the decodes and the rest, so one-token queries are not padded to the longest (eager only)."""
+
+
+@dataclass
+class SDPASplitMetadata:
+    """A step mixing decodes with longer queries, run as two parts (eager only): the decodes and the
+    rest, so one-token queries are not padded to the longest."""
+
+    slot_mapping: torch.Tensor
+    """[tokens] flat cache slot of each new token (the whole step's keys/values are stored at once)."""
+    parts: list[tuple[torch.Tensor, SDPAMetadata]]
+    """``(token rows, metadata)`` of each part."""
 
 
 @register_attention_backend
@@ -110,22 +120,19 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
     priority = 0
 
-    def build_metadata(self, batch: ForwardBatch, sliding_windows: Iterable[int | None] = (None,)) -> SDPAMetadata:
+    def build_metadata(self, batch: ForwardBatch,
+                       sliding_windows: Iterable[int | None] = (None,)) -> SDPAMetadata | SDPASplitMetadata:
         sliding_windows = tuple(sliding_windows)
-        metadata = self._metadata(batch, sliding_windows)
-        if metadata.decode_only or metadata.fresh_single_prompt or torch.compiler.is_compiling():
-            return metadata
-        query_lens = batch.query_lens
-        decodes = query_lens == 1
-        num_decodes = int(decodes.sum())
-        if 0 < num_decodes < metadata.num_seqs:
-            seq_of_token = torch.repeat_interleave(decodes, query_lens, output_size=batch.num_tokens)
-            metadata.parts = [
-                (rows, self._metadata(_sub_batch(batch, seqs, rows), sliding_windows))
-                for seqs, rows in ((decodes.nonzero().flatten(), seq_of_token.nonzero().flatten()),
-                                   ((~decodes).nonzero().flatten(), (~seq_of_token).nonzero().flatten()))
-            ]
-        return metadata
+        if batch.max_query_len > 1 and batch.num_seqs > 1 and not torch.compiler.is_compiling():
+            query_lens = batch.query_lens
+            decodes = query_lens == 1
+            if bool(decodes.any()):
+                seq_of_token = torch.repeat_interleave(decodes, query_lens, output_size=batch.num_tokens)
+                parts = [(rows, self._metadata(_sub_batch(batch, seqs, rows), sliding_windows))
+                         for seqs, rows in ((decodes.nonzero().flatten(), seq_of_token.nonzero().flatten()),
+                                            ((~decodes).nonzero().flatten(), (~seq_of_token).nonzero().flatten()))]
+                return SDPASplitMetadata(slot_mapping=batch.slot_mapping, parts=parts)
+        return self._metadata(batch, sliding_windows)
 
     def _metadata(self, batch: ForwardBatch, sliding_windows: tuple[int | None, ...]) -> SDPAMetadata:
         # A tensor's length rather than len(batch.seq_ids): torch.compile then treats it as dynamic.
@@ -176,22 +183,25 @@ class TorchSDPABackend(AttentionBackend):
         key: torch.Tensor,
         value: torch.Tensor,
         kv_cache: torch.Tensor,
-        metadata: SDPAMetadata,
+        metadata: SDPAMetadata | SDPASplitMetadata,
     ) -> torch.Tensor:
         # The op's dispatch costs ~10 us per layer in eager mode, where the plain write is already in place.
         store = store_kv if torch.compiler.is_compiling() else _store_kv
         store(kv_cache, metadata.slot_mapping, key, value)
-        if metadata.parts is None:
+        if not isinstance(metadata, SDPASplitMetadata):
             return self._attend(layer, query, key, value, kv_cache, metadata)
         out = query.new_empty(query.shape[0], layer.num_heads * layer.head_dim)
         for rows, part in metadata.parts:
-            out.index_copy_(0, rows, self._attend(layer, query.index_select(0, rows), key.index_select(0, rows),
-                                                  value.index_select(0, rows), kv_cache, part))
+            # Only a lone fresh prompt's part attends to the new keys/values directly.
+            fresh = part.fresh_single_prompt
+            new_kv = (key.index_select(0, rows), value.index_select(0, rows)) if fresh else (None, None)
+            out.index_copy_(0, rows, self._attend(layer, query.index_select(0, rows), *new_kv, kv_cache, part))
         return out
 
-    def _attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    def _attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
-        """Attention of ``query`` over the cache (the new keys/values already stored)."""
+        """Attention of ``query`` over the cache (the new keys/values already stored; ``key``/``value``
+        are read only for a lone fresh prompt)."""
         num_tokens = query.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         key_cache, value_cache = kv_cache[0], kv_cache[1]
