@@ -123,7 +123,8 @@ class TorchSDPABackend(AttentionBackend):
     def build_metadata(self, batch: ForwardBatch,
                        sliding_windows: Iterable[int | None] = (None,)) -> SDPAMetadata | SDPASplitMetadata:
         sliding_windows = tuple(sliding_windows)
-        if batch.max_query_len > 1 and batch.num_seqs > 1 and not torch.compiler.is_compiling():
+        # Compiling first: nothing else may be read then, or dynamo guards on it (and recompiles).
+        if not torch.compiler.is_compiling() and batch.max_query_len > 1 and batch.num_seqs > 1:
             query_lens = batch.query_lens
             decodes = query_lens == 1
             if bool(decodes.any()):
