@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelrunner_compile_inductor import CompileCache
+from modelrunner_compile_inductor import CompileCache, lowerings
 
 from .decode_step import DecodeStep, dynamic_shapes
 
@@ -72,6 +72,7 @@ class DecodePackage:
 
     def _build(self, example: tuple[torch.Tensor, ...], kv_caches: list[torch.Tensor]) -> None:
         start = time.perf_counter()
+        lowerings.install()  # the cache write as an in-place scatter, not a call back into Python
         with self.cache.active(), torch.no_grad():
             program = torch.export.export(self.step, (*example, kv_caches),
                                           dynamic_shapes=dynamic_shapes(len(kv_caches)), strict=False)

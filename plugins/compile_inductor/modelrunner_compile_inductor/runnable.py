@@ -30,6 +30,7 @@ from modelrunner.forward_batch import ForwardBatch
 from modelrunner.layers.dense import onednn_in_compiled_graphs
 
 from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows, repeat_last_row
+from . import lowerings
 from .cache import CompileCache
 from .options import InductorOptions
 
@@ -66,6 +67,7 @@ class InductorModel:
         """How graphs are compiled."""
         self.cache = cache
         """Where compiled artifacts persist."""
+        lowerings.install()
         # Static by default (constants such as the block size stay constants in the kernels); what
         # varies is marked dynamic explicitly on every call.
         self._decode = torch.compile(_decode_step, backend=self._backend)
