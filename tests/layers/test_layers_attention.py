@@ -110,3 +110,29 @@ def test_backend_seam():
     with pytest.raises(ValueError, match="unknown attention backend 'nope'; registered: .*torch_sdpa"):
         select_attention_backend("cpu", "nope")
     assert issubclass(type(select_attention_backend("cpu")), AttentionBackend)
+
+
+@pytest.mark.parametrize("case,heads,kv_heads,window", [
+    ("decode-only", 6, 2, None),
+    ("decode-only", 6, 2, 3),
+    ("decode-only", 4, 4, None),
+    ("mixed-chunked-prefill", 4, 2, 3),
+])
+def test_compiled_matches_reference(case, heads, kv_heads, window):
+    # Compiled, decode steps attend through reductions over the paged cache rather than SDPA.
+    context_lens, query_lens = CASES[case]
+    batch, cache, seqs = _scenario(context_lens, query_lens, heads, kv_heads)
+    attn = Attention(heads, HEAD_DIM, HEAD_DIM**-0.5, kv_heads, sliding_window=window)
+
+    def step(query, key, value, cache, batch):
+        return attn(query, key, value, cache, attn.backend.build_metadata(batch, (None, window)))
+
+    query = torch.cat([s[1] for s in seqs])
+    key = torch.cat([s[2][s[0]:] for s in seqs])
+    value = torch.cat([s[3][s[0]:] for s in seqs])
+    torch._dynamo.reset()
+    out = torch.compile(step, fullgraph=True)(query, key, value, cache, batch)
+    torch.testing.assert_close(out, _reference(seqs, heads, kv_heads, window), atol=1e-5, rtol=1e-5)
+    flat = cache.view(2, -1, kv_heads, HEAD_DIM)
+    torch.testing.assert_close(flat[0, batch.slot_mapping], key)
+    torch.testing.assert_close(flat[1, batch.slot_mapping], value)
