@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backends", help="comma list of compile backends (default: every installed one but eager)")
     parser.add_argument("--model", default="smollm2", help="the checkpoint (default: smollm2)")
     parser.add_argument("--batches", default="1,32", help="decode batch sizes to time (default: 1,32)")
-    parser.add_argument("--steps", type=int, default=20, help="timed decode steps per batch size")
+    parser.add_argument("--steps", type=int, default=60, help="timed decode steps per batch size (per model)")
     parser.add_argument("--compile-options", default="{}", help="JSON compile_options for every backend")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
