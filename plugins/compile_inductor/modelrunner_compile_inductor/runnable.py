@@ -29,8 +29,8 @@ import torch.fx.experimental._config
 from modelrunner.forward_batch import ForwardBatch
 from modelrunner.layers.dense import onednn_in_compiled_graphs
 
-from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows, repeat_last_row
 from . import lowerings
+from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows, repeat_last_row
 from .cache import CompileCache
 from .options import InductorOptions
 
