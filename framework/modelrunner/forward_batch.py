@@ -68,6 +68,38 @@ class ForwardBatch:
         """True when every sequence contributes exactly one new token."""
         return self.max_query_len == 1
 
+    def token_rows(self, seqs: torch.Tensor) -> torch.Tensor:
+        """[tokens] rows of the flattened tokens that belong to the sequences ``seqs`` (ascending
+        batch indices), in batch order."""
+        chosen = torch.zeros(self.num_seqs, dtype=torch.bool, device=seqs.device).index_fill_(0, seqs, True)
+        return torch.repeat_interleave(chosen, self.query_lens, output_size=self.num_tokens).nonzero().flatten()
+
+    def select(self, seqs: torch.Tensor) -> ForwardBatch:
+        """The step of the sequences ``seqs`` alone (ascending batch indices): their tokens, lengths and
+        block tables, and those of ``logits_indices`` that fall on their tokens, renumbered.
+        ``finished_seq_ids`` and ``extra`` are kept as they are."""
+        rows = self.token_rows(seqs)
+        query_lens = self.query_lens.index_select(0, seqs)
+        seq_lens = self.seq_lens.index_select(0, seqs)
+        new_row = torch.full((self.num_tokens,), -1, dtype=torch.long, device=rows.device)
+        new_row[rows] = torch.arange(len(rows), device=rows.device)
+        logits_rows = new_row.index_select(0, self.logits_indices)
+        picked = seqs.tolist()
+        return attrs.evolve(
+            self,
+            input_ids=self.input_ids.index_select(0, rows),
+            positions=self.positions.index_select(0, rows),
+            seq_ids=tuple(self.seq_ids[i] for i in picked),
+            query_start_loc=torch.cat((query_lens.new_zeros(1), query_lens.cumsum(0))),
+            seq_lens=seq_lens,
+            context_lens=self.context_lens.index_select(0, seqs),
+            slot_mapping=self.slot_mapping.index_select(0, rows),
+            block_tables=self.block_tables.index_select(0, seqs),
+            logits_indices=logits_rows[logits_rows >= 0],
+            max_query_len=int(query_lens.max()) if picked else 0,
+            max_seq_len=int(seq_lens.max()) if picked else 0,
+        )
+
     def to(self, device: torch.device) -> ForwardBatch:
         """The same batch with its tensors on ``device``."""
         tensors = {

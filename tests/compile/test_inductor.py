@@ -126,3 +126,32 @@ def test_freezing_auto_freezes_only_large_decode_buckets():
     settings = InductorOptions.from_config("max-autotune-no-cudagraphs", {"inductor": {"cpp.simdlen": 256}}) \
         .inductor_settings(freeze=False)
     assert settings == {"max_autotune": True, "coordinate_descent_tuning": True, "cpp.simdlen": 256, "freezing": False}
+
+
+def test_decodes_beside_a_long_prompt_chunk_run_apart_and_match_eager(compiled_llm, eager_llm):
+    from modelrunner import SamplingParams
+
+    llm = compiled_llm("inductor")[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    long_prompt = "one two three four five six seven eight nine ten " * 16  # ~160 tokens
+
+    def run(engine_llm):
+        engine = engine_llm.engine
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"short-{i}", prompt, params)
+        engine.step()  # the short prompts' prefill
+        engine.step()  # a decode step
+        engine.add_request("long", long_prompt, params)
+        texts = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    texts[out.request_id] = out.outputs[0].text
+        return texts
+
+    before = llm.runner.stats()["compile"]["split_steps"]
+    assert run(llm) == run(eager_llm)
+    stats = llm.runner.stats()["compile"]
+    # The step with three decodes beside the ~160-token prompt ran as two (3 x 160 padded queries otherwise).
+    assert stats["split_steps"] > before, stats
+    assert stats["recompiles"] == 0, stats

@@ -73,29 +73,6 @@ def _decode_attention_reductions(query: torch.Tensor, keys: torch.Tensor, values
     return out / weights.sum(-1, keepdim=True)
 
 
-def _sub_batch(batch: ForwardBatch, seqs: torch.Tensor, rows: torch.Tensor) -> ForwardBatch:
-    """The sequences ``seqs`` of ``batch`` (their tokens are ``rows``), for building their metadata."""
-    from ..forward_batch import ForwardBatch
-
-    query_lens = batch.query_lens.index_select(0, seqs)
-    seq_lens = batch.seq_lens.index_select(0, seqs)
-    picked = seqs.tolist()
-    return ForwardBatch(
-        input_ids=batch.input_ids.index_select(0, rows),
-        positions=batch.positions.index_select(0, rows),
-        seq_ids=tuple(batch.seq_ids[i] for i in picked),
-        query_start_loc=torch.cat((query_lens.new_zeros(1), query_lens.cumsum(0))),
-        seq_lens=seq_lens,
-        context_lens=batch.context_lens.index_select(0, seqs),
-        slot_mapping=batch.slot_mapping.index_select(0, rows),
-        block_tables=batch.block_tables.index_select(0, seqs),
-        logits_indices=rows.new_zeros(0),
-        block_size=batch.block_size,
-        max_query_len=int(query_lens.max()),
-        max_seq_len=int(seq_lens.max()),
-    )
-
-
 @dataclass
 class SDPAMetadata:
     """Per-step tensors of the ``torch_sdpa`` backend, shared by every layer."""
@@ -150,10 +127,8 @@ class TorchSDPABackend(AttentionBackend):
             query_lens = batch.query_lens
             decodes = query_lens == 1
             if bool(decodes.any()):
-                seq_of_token = torch.repeat_interleave(decodes, query_lens, output_size=batch.num_tokens)
-                parts = [(rows, self._metadata(_sub_batch(batch, seqs, rows), sliding_windows))
-                         for seqs, rows in ((decodes.nonzero().flatten(), seq_of_token.nonzero().flatten()),
-                                            ((~decodes).nonzero().flatten(), (~seq_of_token).nonzero().flatten()))]
+                parts = [(batch.token_rows(seqs), self._metadata(batch.select(seqs), sliding_windows))
+                         for seqs in (decodes.nonzero().flatten(), (~decodes).nonzero().flatten())]
                 return SDPASplitMetadata(slot_mapping=batch.slot_mapping, parts=parts)
         return self._metadata(batch, sliding_windows)
 

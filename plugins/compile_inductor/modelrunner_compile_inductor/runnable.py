@@ -9,7 +9,8 @@ Three compiled entry points share the model:
   dynamic row count: inductor prepacks the weights for oneDNN, whose kernels take any row count,
   and frozen graphs cannot be cached anyway, so one graph is cheaper than one per bucket;
 - every other step (prefills, chunked prefills mixed with decodes) runs a graph with dynamic token
-  and sequence counts.
+  and sequence counts; a mixed step whose attention would be mostly padding (decodes beside a long
+  prompt chunk) runs as two steps instead, its decodes through the decode graphs.
 
 In all of them the block-table width and the sequence lengths are dynamic, so growing sequences
 never recompile either.
@@ -35,6 +36,10 @@ from .cache import CompileCache
 from .options import InductorOptions
 
 _MIN_RECOMPILE_LIMIT = 64  # torch's default of 8 graphs per frame is fewer than the decode buckets
+
+SPLIT_MIN_PADDING = 256
+"""A mixed step whose padded attention queries exceed its tokens by at least this many (and by more
+than its token count) runs its decodes and its other sequences as two steps."""
 
 
 def _decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
@@ -80,6 +85,7 @@ class InductorModel:
         self._fx_cache = collections.Counter()
         self._compile_seconds = 0.0
         self._padded_rows = 0
+        self._split_steps = 0
         self._from_cache = 0
         self._checked = False
         self._cleared = False
@@ -105,18 +111,49 @@ class InductorModel:
             input_ids = batch.input_ids if input_ids is original.input_ids else _inference_tensors(input_ids)
             positions = batch.positions if positions is original.positions else _inference_tensors(positions)
             kwargs = _inference_tensors(kwargs)
-            if batch.is_decode_only:
-                out = self._run_decode(input_ids, positions, batch, kv_caches, kwargs)
-            else:
-                batch = normalize_key_length(batch)
-                self._mark_rows(input_ids, positions, batch, torch._dynamo.maybe_mark_dynamic)
-                kind = "prefill" if batch.num_seqs == 1 else "mixed"
-                out = self._call(self._general, kind, self.options.freeze(None), input_ids, positions, batch,
-                                 kv_caches, kwargs, dynamic_ints=("max_seq_len", "max_query_len"))
+            out = self._run(input_ids, positions, batch, kv_caches, kwargs)
         if self._dirty:
             self.cache.record()
             self._dirty = False
         return out
+
+    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+             kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+        if batch.is_decode_only:
+            return self._run_decode(input_ids, positions, batch, kv_caches, kwargs)
+        parts = self._split(input_ids, positions, batch, kwargs)
+        if parts is not None:
+            self._split_steps += 1
+            outs = []
+            for seqs in parts:
+                part = batch.select(seqs)
+                outs.append((batch.token_rows(seqs), self._run(part.input_ids, part.positions, part, kv_caches, {})))
+            return _merge_rows(outs, batch.num_tokens)
+        batch = normalize_key_length(batch)
+        self._mark_rows(input_ids, positions, batch, torch._dynamo.maybe_mark_dynamic)
+        kind = "prefill" if batch.num_seqs == 1 else "mixed"
+        return self._call(self._general, kind, self.options.freeze(None), input_ids, positions, batch,
+                          kv_caches, kwargs, dynamic_ints=("max_seq_len", "max_query_len"))
+
+    @staticmethod
+    def _split(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
+               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The decodes and the other sequences of a mixed step, when running them as two steps saves
+        more than it costs; else None.
+
+        A graph's attention pads every sequence's queries to the longest (48 decodes beside an
+        1800-token prompt attend as 49 × 1800 queries); two steps read the weights twice instead.
+        Steps carrying adapter inputs (``kwargs``, ``batch.extra``) are not split.
+        """
+        if kwargs or batch.extra or input_ids is not batch.input_ids or positions is not batch.positions:
+            return None
+        padding = batch.num_seqs * batch.max_query_len - batch.num_tokens
+        if padding < SPLIT_MIN_PADDING or padding <= batch.num_tokens:
+            return None
+        decodes = batch.query_lens == 1
+        if not bool(decodes.any()):
+            return None
+        return decodes.nonzero().flatten(), (~decodes).nonzero().flatten()
 
     def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                     kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
@@ -206,7 +243,8 @@ class InductorModel:
         ``decode[2+,frozen]`` (frozen decode graph, any row count; ``decode[1,frozen]`` for one row),
         ``prefill`` (one sequence's new tokens) and ``mixed`` (several sequences, some with more than
         one new token). ``recompiles`` counts graphs compiled for a shape that already had one: zero
-        when bucketing and dynamic shapes work as intended.
+        when bucketing and dynamic shapes work as intended. ``split_steps`` counts mixed steps run as
+        their decodes and their other sequences apart (their parts count under their own shapes).
         """
         return {
             "backend": "inductor",
@@ -220,6 +258,7 @@ class InductorModel:
             "compiles_by_shape": dict(self._compiles),
             "steps_by_shape": dict(self._steps),
             "padded_rows": self._padded_rows,
+            "split_steps": self._split_steps,
             "compile_seconds": round(self._compile_seconds, 3),
             "fx_graph_cache": {"hits": self._fx_cache["hit"], "misses": self._fx_cache["miss"],
                                "bypasses": self._fx_cache["bypass"]},
@@ -227,6 +266,17 @@ class InductorModel:
             "cache_files_removed": self.cache.removed_files,
             "cache_warnings": list(self.cache.warnings),
         }
+
+
+def _merge_rows(parts: list[tuple[torch.Tensor, Any]], num_tokens: int) -> Any:
+    """One step's per-token output (a tensor, or a dict of them) from its parts' ``(token rows, output)``."""
+    first = parts[0][1]
+    if isinstance(first, dict):
+        return {key: _merge_rows([(rows, out[key]) for rows, out in parts], num_tokens) for key in first}
+    merged = first.new_empty((num_tokens, *first.shape[1:]))
+    for rows, out in parts:
+        merged.index_copy_(0, rows, out)
+    return merged
 
 
 def _inference_tensors(value: Any) -> Any:
