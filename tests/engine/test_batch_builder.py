@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from modelrunner.engine.batch_builder import build_forward_batch
 from modelrunner.engine.sampling_params import SamplingParams
@@ -44,6 +45,18 @@ def test_mixed_prefill_chunk_and_decode():
     assert batch.logits_indices.tolist() == [0, 9] and rows == [0, 2]
     assert batch.seq_ids == (0, 1, 2) and batch.finished_seq_ids == (9,)
     assert batch.extra == {"images": {2: "img"}}
+
+    # One step's sequences on their own (what a backend runs when it splits a step).
+    part = batch.select(torch.tensor([0, 2]))
+    assert batch.token_rows(torch.tensor([0, 2])).tolist() == [0, 7, 8, 9]
+    assert part.input_ids.tolist() == [10, 40, 41, 42] and part.positions.tolist() == [5, 0, 1, 2]
+    assert part.query_start_loc.tolist() == [0, 1, 4] and part.seq_ids == (0, 2)
+    assert part.seq_lens.tolist() == [6, 3] and part.context_lens.tolist() == [5, 0]
+    assert part.block_tables.tolist() == [batch.block_tables[0].tolist(), batch.block_tables[2].tolist()]
+    assert part.slot_mapping.tolist() == alloc.slot_mapping(0, 5, 6) + alloc.slot_mapping(2, 0, 3)
+    assert part.logits_indices.tolist() == [0, 3] and part.max_query_len == 3 and part.max_seq_len == 6
+    chunk = batch.select(torch.tensor([1]))
+    assert chunk.input_ids.tolist() == [20, 21, 22, 23, 24, 25] and chunk.logits_indices.tolist() == []
 
 
 def test_decode_only_batch():
