@@ -78,6 +78,17 @@ class ForwardBatch:
         """The step of the sequences ``seqs`` alone (ascending batch indices): their tokens, lengths and
         block tables, and those of ``logits_indices`` that fall on their tokens, renumbered.
         ``finished_seq_ids`` and ``extra`` are kept as they are."""
+        return self._pick(seqs)[1]
+
+    def split_decodes(self) -> list[tuple[torch.Tensor, ForwardBatch]] | None:
+        """A step holding both decodes (one new token) and longer queries as two parts, ``(token
+        rows, step)`` of its decodes and of its other sequences; None when it holds only one kind."""
+        decodes = self.query_lens == 1
+        if self.num_seqs < 2 or not bool(decodes.any()) or bool(decodes.all()):
+            return None
+        return [self._pick(seqs) for seqs in (decodes.nonzero().flatten(), (~decodes).nonzero().flatten())]
+
+    def _pick(self, seqs: torch.Tensor) -> tuple[torch.Tensor, ForwardBatch]:
         rows = self.token_rows(seqs)
         query_lens = self.query_lens.index_select(0, seqs)
         seq_lens = self.seq_lens.index_select(0, seqs)
@@ -85,7 +96,7 @@ class ForwardBatch:
         new_row[rows] = torch.arange(len(rows), device=rows.device)
         logits_rows = new_row.index_select(0, self.logits_indices)
         picked = seqs.tolist()
-        return attrs.evolve(
+        return rows, attrs.evolve(
             self,
             input_ids=self.input_ids.index_select(0, rows),
             positions=self.positions.index_select(0, rows),

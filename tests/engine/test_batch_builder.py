@@ -57,6 +57,11 @@ def test_mixed_prefill_chunk_and_decode():
     assert part.logits_indices.tolist() == [0, 3] and part.max_query_len == 3 and part.max_seq_len == 6
     chunk = batch.select(torch.tensor([1]))
     assert chunk.input_ids.tolist() == [20, 21, 22, 23, 24, 25] and chunk.logits_indices.tolist() == []
+    # The decode apart from the two prompts.
+    (decode_rows, decodes), (other_rows, others) = batch.split_decodes()
+    assert decode_rows.tolist() == [0] and decodes.seq_ids == (0,) and decodes.logits_indices.tolist() == [0]
+    assert other_rows.tolist() == list(range(1, 10)) and others.seq_ids == (1, 2)
+    assert others.logits_indices.tolist() == [8] and others.max_query_len == 6
 
 
 def test_decode_only_batch():
@@ -68,6 +73,7 @@ def test_decode_only_batch():
     batch, rows = build_forward_batch([ScheduledSequence(s, 4, 1) for s in seqs], alloc)
     assert batch.is_decode_only and batch.positions.tolist() == [4, 4, 4]
     assert batch.logits_indices.tolist() == [0, 1, 2] and rows == [0, 1, 2]
+    assert batch.split_decodes() is None
 
 
 def test_empty_step_is_an_error():

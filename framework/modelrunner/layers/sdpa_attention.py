@@ -123,13 +123,11 @@ class TorchSDPABackend(AttentionBackend):
                        sliding_windows: Iterable[int | None] = (None,)) -> SDPAMetadata | SDPASplitMetadata:
         sliding_windows = tuple(sliding_windows)
         # Compiling first: nothing else may be read then, or dynamo guards on it (and recompiles).
-        if not torch.compiler.is_compiling() and batch.max_query_len > 1 and batch.num_seqs > 1:
-            query_lens = batch.query_lens
-            decodes = query_lens == 1
-            if bool(decodes.any()):
-                parts = [(batch.token_rows(seqs), self._metadata(batch.select(seqs), sliding_windows))
-                         for seqs in (decodes.nonzero().flatten(), (~decodes).nonzero().flatten())]
-                return SDPASplitMetadata(slot_mapping=batch.slot_mapping, parts=parts)
+        if not torch.compiler.is_compiling() and batch.max_query_len > 1:
+            parts = batch.split_decodes()
+            if parts is not None:
+                return SDPASplitMetadata(slot_mapping=batch.slot_mapping,
+                                         parts=[(rows, self._metadata(part, sliding_windows)) for rows, part in parts])
         return self._metadata(batch, sliding_windows)
 
     def _metadata(self, batch: ForwardBatch, sliding_windows: tuple[int | None, ...]) -> SDPAMetadata:

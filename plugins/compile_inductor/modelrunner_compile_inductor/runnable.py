@@ -124,10 +124,7 @@ class InductorModel:
         parts = self._split(input_ids, positions, batch, kwargs)
         if parts is not None:
             self._split_steps += 1
-            outs = []
-            for seqs in parts:
-                part = batch.select(seqs)
-                outs.append((batch.token_rows(seqs), self._run(part.input_ids, part.positions, part, kv_caches, {})))
+            outs = [(rows, self._run(part.input_ids, part.positions, part, kv_caches, {})) for rows, part in parts]
             return _merge_rows(outs, batch.num_tokens)
         batch = normalize_key_length(batch)
         self._mark_rows(input_ids, positions, batch, torch._dynamo.maybe_mark_dynamic)
@@ -137,9 +134,9 @@ class InductorModel:
 
     @staticmethod
     def _split(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-               kwargs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The decodes and the other sequences of a mixed step, when running them as two steps saves
-        more than it costs; else None.
+               kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, ForwardBatch]] | None:
+        """``(token rows, step)`` of the decodes and of the other sequences of a mixed step, when
+        running them as two steps saves more than it costs; else None.
 
         A graph's attention pads every sequence's queries to the longest (48 decodes beside an
         1800-token prompt attend as 49 × 1800 queries); two steps read the weights twice instead.
@@ -150,10 +147,7 @@ class InductorModel:
         padding = batch.num_seqs * batch.max_query_len - batch.num_tokens
         if padding < SPLIT_MIN_PADDING or padding <= batch.num_tokens:
             return None
-        decodes = batch.query_lens == 1
-        if not bool(decodes.any()):
-            return None
-        return decodes.nonzero().flatten(), (~decodes).nonzero().flatten()
+        return batch.split_decodes()
 
     def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
                     kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
