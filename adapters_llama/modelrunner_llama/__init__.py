@@ -50,7 +50,7 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
     if source.architecture not in ARCHITECTURES:
         return None
     model = build_model(source.hf_config, source.path, device, dtype, parallel, config.model.max_model_len,
-                        weights=source.iter_weights())
+                        weights=source.iter_weights(), attention_backend=config.model.attention_backend)
     return LoadedModel(
         model=model,
         tokenizer=load_tokenizer(source),

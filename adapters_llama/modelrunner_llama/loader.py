@@ -37,15 +37,17 @@ def build_model(
     parallel: ParallelState | None = None,
     max_model_len: int | None = None,
     weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+    attention_backend: str | None = None,
 ) -> LlamaForCausalLM:
     """The model for ``hf_config`` with this rank's weights from the safetensors under ``path``.
 
     :param weights: the ``(name, tensor)`` pairs to load instead of every tensor under ``path``
         (e.g. ``source.iter_weights()`` for the language model of a composite checkpoint).
+    :param attention_backend: the paged-attention backend's name; None: the best one for ``device``.
     :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor.
     """
     device = torch.device(device)
-    backend = select_attention_backend(device)
+    backend = select_attention_backend(device, attention_backend)
     with torch.device("meta"):
         model = LlamaForCausalLM(hf_config, max_model_len_for(hf_config, max_model_len), parallel, backend)
     materialize(model, device, dtype)

@@ -65,7 +65,8 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
     """Build the model for ``source`` if it is a Mixtral / Qwen-MoE checkpoint, with this rank's weights."""
     if source.architecture not in ARCHITECTURES:
         return None
-    model = build_moe_model(source.hf_config, source.path, device, dtype, parallel, config.model.max_model_len)
+    model = build_moe_model(source.hf_config, source.path, device, dtype, parallel, config.model.max_model_len,
+                            attention_backend=config.model.attention_backend)
     return LoadedModel(
         model=model,
         tokenizer=load_tokenizer(source),

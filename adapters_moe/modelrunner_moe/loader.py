@@ -97,16 +97,18 @@ def build_moe_model(
     dtype: torch.dtype,
     parallel: ParallelState | None = None,
     max_model_len: int | None = None,
+    attention_backend: str | None = None,
 ) -> MoeForCausalLM:
     """The model for ``hf_config`` with this rank's weights (its experts, its pipeline stage's layers)
     from the safetensors under ``path``.
 
+    :param attention_backend: the paged-attention backend's name; None: the best one for ``device``.
     :raises ValueError: an invalid MoE config (see :meth:`~.spec.MoeSpec.from_config`).
     :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor
         (expert tensors included, with the accepted layouts in the message).
     """
     device = torch.device(device)
-    backend = select_attention_backend(device)
+    backend = select_attention_backend(device, attention_backend)
     with torch.device("meta"):
         model = MoeForCausalLM(hf_config, max_model_len_for(hf_config, max_model_len), parallel, backend)
     materialize(model, device, dtype)

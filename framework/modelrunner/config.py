@@ -79,6 +79,9 @@ class ModelConfig:
     cache_dir: str | None = attrs.field(default=None, validator=_optional_str)
     """Where converted checkpoints (GGUF → safetensors) are kept; default ``$MODELRUNNER_CACHE_DIR``
     or ``~/.cache/modelrunner``."""
+    attention_backend: str | None = attrs.field(default=None, validator=_optional_str)
+    """Paged-attention implementation by name (``torch_sdpa`` is the kernel's; ``modelrunner plugins``
+    lists others); default: the highest-priority installed one that supports the device."""
     seed: int = attrs.field(default=0, validator=_int)
     """Seed for random initialisation and for sampling requests that do not give their own."""
 

@@ -22,6 +22,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-paged": "modelrunner.kv_cache.plugin",
     "default-transformers": "modelrunner.defaults.transformers_adapter",
     "default-eager": "modelrunner.defaults.eager",
+    "default-sdpa": "modelrunner.defaults.attention",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 

@@ -1,4 +1,5 @@
-"""The names plugins provide (architectures, allocators, compile backends), and who provides them."""
+"""The names plugins provide (architectures, allocators, compile backends, attention backends), and who
+provides them."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import difflib
 
 import attrs
 
-KINDS = ("architectures", "allocators", "compile_backends")
+KINDS = ("architectures", "allocators", "compile_backends", "attention_backends")
 
 
 @attrs.define
@@ -36,6 +37,18 @@ class Registry:
     def compile_backends(self, *names: str) -> None:
         """Declare compile backend names the plugin's compile hook answers."""
         self._add("compile_backends", names)
+
+    def attention_backends(self, *backends: type) -> None:
+        """Declare paged-attention implementations (:class:`modelrunner.layers.AttentionBackend`
+        subclasses); each becomes selectable by its ``name`` (config field ``attention_backend``)."""
+        from .layers.attention import AttentionBackend, register_attention_backend
+
+        for cls in backends:
+            if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
+                raise ValueError(f"plugin {self.current_plugin!r} registered {cls!r} as an attention backend; "
+                                 "expected an AttentionBackend subclass")
+            register_attention_backend(cls)
+        self._add("attention_backends", tuple(cls.name for cls in backends))
 
     def names(self, kind: str) -> list[str]:
         """Sorted names of one kind."""

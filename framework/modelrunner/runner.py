@@ -77,6 +77,8 @@ class ModelRunner:
         cfg = self.config
         self.plugins.require("compile_backends", cfg.compile.backend_name)
         self.plugins.require("allocators", cfg.cache.kv_allocator)
+        if cfg.model.attention_backend is not None:
+            self.plugins.require("attention_backends", cfg.model.attention_backend)
         self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
         self.dtype = resolve_dtype(cfg.model.dtype, self.source.hf_config, self.device)
         torch.manual_seed(cfg.model.seed)

@@ -1,4 +1,7 @@
-"""Paged attention against a per-sequence reference: chunked prefill, decode, GQA, sliding windows."""
+"""Paged attention against a per-sequence reference: chunked prefill, decode, GQA, sliding windows.
+
+Every attention backend the installed plugins register runs the same cases (a contract suite).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +13,20 @@ import torch
 from modelrunner.forward_batch import ForwardBatch
 from modelrunner.layers import Attention, AttentionBackend, attention_backends, select_attention_backend
 from modelrunner.layers.sdpa_attention import SDPASplitMetadata
+from modelrunner.plugins import get_plugins
 
 BLOCK = 4
 HEAD_DIM = 8
+
+get_plugins()  # installed plugins register their attention backends
+BACKENDS = attention_backends()
+
+
+def _attention(backend, heads, kv_heads, window):
+    if backend not in attention_backends("cpu"):
+        pytest.skip(f"attention backend {backend!r} does not run on this CPU")
+    return Attention(heads, HEAD_DIM, HEAD_DIM**-0.5, kv_heads, sliding_window=window,
+                     backend=select_attention_backend("cpu", backend))
 
 
 def _scenario(context_lens, query_lens, heads, kv_heads, num_blocks=64, seed=0):
@@ -82,13 +96,14 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case", list(CASES))
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (6, 2)])
 @pytest.mark.parametrize("window", [None, 3])
-def test_matches_reference(case, heads, kv_heads, window):
+def test_matches_reference(backend, case, heads, kv_heads, window):
     context_lens, query_lens = CASES[case]
     batch, cache, seqs = _scenario(context_lens, query_lens, heads, kv_heads)
-    attn = Attention(heads, HEAD_DIM, HEAD_DIM**-0.5, kv_heads, sliding_window=window)
+    attn = _attention(backend, heads, kv_heads, window)
     metadata = attn.backend.build_metadata(batch, (None, window))
     query = torch.cat([s[1] for s in seqs])
     key = torch.cat([s[2][s[0]:] for s in seqs])
@@ -106,23 +121,27 @@ def test_matches_reference(case, heads, kv_heads, window):
 
 def test_backend_seam():
     assert "torch_sdpa" in attention_backends()
-    assert select_attention_backend("cpu").name == "torch_sdpa"
+    assert get_plugins().registry.provided["attention_backends"]["torch_sdpa"] == "default-sdpa"
+    # The default is the highest-priority backend that runs here.
+    usable = [select_attention_backend("cpu", name) for name in attention_backends("cpu")]
+    assert select_attention_backend("cpu").name == max(usable, key=lambda b: b.priority).name
     with pytest.raises(ValueError, match="unknown attention backend 'nope'; registered: .*torch_sdpa"):
         select_attention_backend("cpu", "nope")
     assert issubclass(type(select_attention_backend("cpu")), AttentionBackend)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("case,heads,kv_heads,window", [
     ("decode-only", 6, 2, None),
     ("decode-only", 6, 2, 3),
     ("decode-only", 4, 4, None),
     ("mixed-chunked-prefill", 4, 2, 3),
 ])
-def test_compiled_matches_reference(case, heads, kv_heads, window):
-    # Compiled, decode steps attend through reductions over the paged cache rather than SDPA.
+def test_compiled_matches_reference(backend, case, heads, kv_heads, window):
+    # Compiled, torch_sdpa's decode steps attend through reductions over the paged cache rather than SDPA.
     context_lens, query_lens = CASES[case]
     batch, cache, seqs = _scenario(context_lens, query_lens, heads, kv_heads)
-    attn = Attention(heads, HEAD_DIM, HEAD_DIM**-0.5, kv_heads, sliding_window=window)
+    attn = _attention(backend, heads, kv_heads, window)
 
     def step(query, key, value, cache, batch):
         return attn(query, key, value, cache, attn.backend.build_metadata(batch, (None, window)))

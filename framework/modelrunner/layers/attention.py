@@ -74,10 +74,12 @@ def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBac
     return cls
 
 
-def attention_backends() -> list[str]:
-    """Names of the registered attention backends."""
+def attention_backends(device: torch.device | str | None = None) -> list[str]:
+    """Names of the registered attention backends; with ``device``, only those that support it."""
     _load_builtin()
-    return sorted(_BACKENDS)
+    if device is None:
+        return sorted(_BACKENDS)
+    return sorted(name for name, cls in _BACKENDS.items() if cls.supports(torch.device(device)))
 
 
 def select_attention_backend(device: torch.device | str = "cpu", name: str | None = None) -> AttentionBackend:

@@ -83,6 +83,8 @@ class SDPAMetadata:
     """[num_seqs * blocks_per_seq] the blocks to gather, sequence after sequence."""
     block_table: torch.Tensor
     """[num_seqs, blocks_per_seq] the same blocks per sequence (compiled graphs gather with it)."""
+    seq_lens: torch.Tensor
+    """[num_seqs] cached plus new tokens of each sequence (kernels that read the cache in place use it)."""
     num_seqs: int
     """Sequences in the step."""
     kv_len: int
@@ -163,6 +165,7 @@ class TorchSDPABackend(AttentionBackend):
             slot_mapping=batch.slot_mapping,
             block_ids=batch.block_tables[:, :blocks].reshape(-1),
             block_table=batch.block_tables[:, :blocks],
+            seq_lens=batch.seq_lens,
             num_seqs=num_seqs,
             kv_len=kv_len,
             max_seq_len=min(batch.max_seq_len, kv_len),
@@ -186,19 +189,24 @@ class TorchSDPABackend(AttentionBackend):
         store = store_kv if torch.compiler.is_compiling() else _store_kv
         store(kv_cache, metadata.slot_mapping, key, value)
         if not isinstance(metadata, SDPASplitMetadata):
-            return self._attend(layer, query, key, value, kv_cache, metadata)
+            return self.attend(layer, query, key, value, kv_cache, metadata)
         out = query.new_empty(query.shape[0], layer.num_heads * layer.head_dim)
         for rows, part in metadata.parts:
             # Only a lone fresh prompt's part attends to the new keys/values directly.
             fresh = part.fresh_single_prompt
             new_kv = (key.index_select(0, rows), value.index_select(0, rows)) if fresh else (None, None)
-            out.index_copy_(0, rows, self._attend(layer, query.index_select(0, rows), *new_kv, kv_cache, part))
+            out.index_copy_(0, rows, self.attend(layer, query.index_select(0, rows), *new_kv, kv_cache, part))
         return out
 
-    def _attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+    def attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
-        """Attention of ``query`` over the cache (the new keys/values already stored; ``key``/``value``
-        are read only for a lone fresh prompt)."""
+        """Attention of ``query`` (``[tokens, heads, head_dim]``) over the cache for one part of a step
+        (the whole step, or its decodes or its other sequences when split), the new keys/values already
+        stored; ``key``/``value`` are read only for a lone fresh prompt. Subclasses override this to
+        replace some cases (e.g. ``metadata.decode_only``) and call it for the others.
+
+        :returns: ``[tokens, heads * head_dim]``.
+        """
         num_tokens = query.shape[0]
         heads, kv_heads, head_dim = layer.num_heads, layer.num_kv_heads, layer.head_dim
         key_cache, value_cache = kv_cache[0], kv_cache[1]

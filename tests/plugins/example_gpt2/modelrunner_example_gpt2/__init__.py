@@ -36,7 +36,7 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> 
         return None
     hf = source.hf_config
     with torch.device("meta"):  # no memory, no random init: the checkpoint fills every parameter
-        model = GPT2LMHeadModel(hf, select_attention_backend(device))
+        model = GPT2LMHeadModel(hf, select_attention_backend(device, config.model.attention_backend))
     materialize(model, device, dtype)
     load_weights(model, attrs.evolve(source, weight_renames=RENAMES).iter_weights(), ignore=IGNORED)
     spec = KVCacheSpec(num_layers=hf.n_layer, num_kv_heads=hf.n_head, head_dim=hf.n_embd // hf.n_head,
