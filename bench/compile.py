@@ -109,12 +109,18 @@ def child(args: argparse.Namespace) -> None:
     from modelrunner import LLM, SamplingParams
 
     config: dict[str, Any] = {"model": args.model}
+    if args.attention:
+        config["attention_backend"] = args.attention
     if args.backend != "eager":
         config.update(compile=True, compile_backend=args.backend, compile_cache_dir=args.cache,
                       compile_options=json.loads(args.compile_options))
     llm = LLM(**config)
     llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_tokens=4), use_tqdm=False)
     result: dict[str, Any] = {"start": time.perf_counter() - PROCESS_START}
+    from modelrunner.layers import Attention
+
+    result["attention"] = next((m.backend.name for m in llm.runner.loaded.model.modules() if isinstance(m, Attention)),
+                               "none")
     if args.backend != "eager":
         from modelrunner.layers.dense import prepack_weights
 
@@ -132,9 +138,10 @@ def child(args: argparse.Namespace) -> None:
 
 
 def run_child(model: str, backend: str, cache: str, batches: list[int], steps: int,
-              options: str = "{}") -> dict[str, Any]:
+              options: str = "{}", attention: str = "") -> dict[str, Any]:
     cmd = [sys.executable, __file__, "--child", "--model", model, "--backend", backend, "--cache", cache,
-           "--steps", str(steps), f"--batches={','.join(map(str, batches))}", "--compile-options", options]
+           "--steps", str(steps), f"--batches={','.join(map(str, batches))}", "--compile-options", options,
+           f"--attention={attention}"]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     for line in proc.stdout.splitlines():
         if line.startswith("RESULT "):
@@ -166,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", default="1,32", help="decode batch sizes to time (default: 1,32)")
     parser.add_argument("--steps", type=int, default=60, help="timed decode steps per batch size (per model)")
     parser.add_argument("--compile-options", default="{}", help="JSON compile_options for every backend")
+    parser.add_argument("--attention", default="", help="attention_backend of every run (default: the best installed)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--backend", help=argparse.SUPPRESS)
     parser.add_argument("--cache", help=argparse.SUPPRESS)
@@ -180,13 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     options = f", compile_options={args.compile_options}" if args.compile_options != "{}" else ""
     print(f"compile backends vs eager on {args.model}{options}: {machine_line()}", flush=True)
     rows: dict[str, dict[str, Any]] = {}
-    rows["eager"] = run_child(args.model, "eager", "", args.batches, args.steps)
-    rows["eager"]["warm"] = run_child(args.model, "eager", "", [], args.steps)["start"]
+    rows["eager"] = run_child(args.model, "eager", "", args.batches, args.steps, attention=args.attention)
+    rows["eager"]["warm"] = run_child(args.model, "eager", "", [], args.steps, attention=args.attention)["start"]
+    print(f"attention backend: {rows['eager']['attention']}", flush=True)
     for backend in backends:
         with tempfile.TemporaryDirectory(prefix=f"bench-compile-{backend}-") as cache:
             try:
-                cold = run_child(args.model, backend, cache, args.batches, args.steps, args.compile_options)
-                warm = run_child(args.model, backend, cache, [], args.steps, args.compile_options)
+                cold = run_child(args.model, backend, cache, args.batches, args.steps, args.compile_options,
+                                 args.attention)
+                warm = run_child(args.model, backend, cache, [], args.steps, args.compile_options, args.attention)
             except RuntimeError as e:
                 print(f"  {backend}: FAILED, left out of the table: {e}", flush=True)
                 continue
