@@ -77,3 +77,19 @@ def test_active_points_inductor_at_the_namespace_and_restores(tmp_path, monkeypa
     with CompileCache(None, "inductor", {}).active():
         assert os.environ[ENV_VAR] == "/somewhere/else"
 
+
+
+def test_the_attention_backend_is_part_of_the_key(tiny_llama_dir):
+    # Compiled code calls the attention backend's kernels: a cache filled under one backend must not
+    # serve a run that asked for another.
+    from modelrunner import ModelRunner
+    from modelrunner.layers import attention_backends
+    from modelrunner_compile_inductor.cache import model_identity
+
+    identities = {}
+    for backend in attention_backends("cpu"):
+        runner = ModelRunner({"model": str(tiny_llama_dir), "attention_backend": backend})
+        runner.load_model()
+        identities[backend] = model_identity(runner.loaded, "inductor", "modelrunner-compile-inductor")
+        assert identities[backend]["attention"][0].startswith(f"{backend} (")
+    assert len({json.dumps(i, sort_keys=True) for i in identities.values()}) == len(identities)

@@ -4,6 +4,7 @@ GQA, sliding windows, long contexts split into merged chunks), its errors, and t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -117,3 +118,30 @@ def test_unknown_attention_backend_is_named_with_the_installed_ones():
     with pytest.raises(UnknownNameError, match=r"unknown attention backend 'cpu_pagd'; installed: cpu_paged, "
                                                r"torch_sdpa\. Did you mean 'cpu_paged'\?"):
         LLM("smollm2", attention_backend="cpu_pagd")
+
+
+def test_without_a_compiler_it_steps_aside_for_torch_sdpa(tmp_path):
+    # A fresh build directory and a compiler that does not exist: as on a machine without g++.
+    script = """
+import warnings
+from modelrunner.layers import attention_backends, select_attention_backend
+from modelrunner.plugins import get_plugins
+get_plugins()
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    usable = attention_backends("cpu")
+print("USABLE", usable)
+print("DEFAULT", select_attention_backend("cpu").name)
+print("WARNED", [str(w.message) for w in caught])
+try:
+    select_attention_backend("cpu", "cpu_paged")
+except ValueError as e:
+    print("ASKED", e)
+"""
+    env = {**os.environ, "TORCH_EXTENSIONS_DIR": str(tmp_path), "CXX": str(tmp_path / "no-such-c++")}
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "USABLE ['torch_sdpa']" in out and "DEFAULT torch_sdpa" in out
+    assert "attention backend 'cpu_paged' is unavailable, torch_sdpa is used instead: could not build" in out
+    assert "ASKED attention backend 'cpu_paged' does not support device cpu" in out

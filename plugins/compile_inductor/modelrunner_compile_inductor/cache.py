@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from modelrunner.layers import Attention
 
 MANIFEST = "modelrunner-manifest.json"
 """The manifest's file name inside a namespace directory."""
@@ -193,8 +194,9 @@ class CompileCache:
 
 def model_identity(loaded: Any, backend: str, distribution: str) -> dict[str, Any]:
     """What compiled code for ``loaded`` depends on besides the backend's own settings: versions
-    (of ``distribution``, the kernel, torch, Python), machine, model class and config, dtype,
-    device and tensor-parallel rank. Backends add their settings and use it as a cache key.
+    (of ``distribution``, the kernel, torch, Python), machine, model class and config, attention
+    backends (their kernels are called from the compiled code), dtype, device and tensor-parallel
+    rank. Backends add their settings and use it as a cache key.
 
     Weights are not part of it: compiled graphs are keyed by the weights' shapes and dtypes and bind
     the current values when loaded.
@@ -212,6 +214,8 @@ def model_identity(loaded: Any, backend: str, distribution: str) -> dict[str, An
         "machine": platform.machine(),
         "model_class": f"{type(model).__module__}.{type(model).__qualname__}",
         "model_config": hf_config.to_dict() if hasattr(hf_config, "to_dict") else repr(hf_config),
+        "attention": sorted({f"{m.backend.name} ({type(m.backend).__module__}.{type(m.backend).__qualname__})"
+                             for m in model.modules() if isinstance(m, Attention)}),
         "dtype": str(param.dtype) if param is not None else None,
         "device": str(param.device.type) if param is not None else None,
         "tensor_parallel": [getattr(parallel, "tp_rank", 0), getattr(parallel, "tp_size", 1)],
