@@ -223,3 +223,22 @@ def test_sampling_params_normalise_stop():
     assert SamplingParams(stop=["a", "b"], stop_token_ids=[3]).stop_token_ids == (3,)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(max_tokens=2, min_tokens=3)
+
+
+def test_a_request_reusing_blocks_of_one_that_failed_in_the_same_step_recomputes_them(fake_runner):
+    # "later" hits the prompt block "poison" registered in the same step. The step fails, and so does
+    # "poison" alone, so that block's KV is never written: "later" must compute it itself rather
+    # than read it (the fake runner raises on reading a slot no forward wrote).
+    runner = fake_runner(block_size=4)
+    runner.fail_on_token = 63
+    engine = LLMEngine(runner)
+    engine.add_request("poison", [1, 2, 3, 4, 63, 6], SamplingParams(max_tokens=3, **GREEDY))
+    engine.add_request("later", [1, 2, 3, 4, 10, 11], SamplingParams(max_tokens=3, **GREEDY))
+    done = _drain(engine)
+    assert done["poison"].outputs[0].finish_reason == "error"
+    later = done["later"]
+    assert later.error is None and later.num_cached_tokens == 4  # the hit happened
+    runner.fail_on_token = None
+    engine.add_request("alone", [1, 2, 3, 4, 10, 11], SamplingParams(max_tokens=3, **GREEDY))
+    assert later.outputs[0].token_ids == _drain(engine)["alone"].outputs[0].token_ids
+    assert runner.allocator.stats().used_blocks == 0

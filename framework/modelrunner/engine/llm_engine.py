@@ -161,7 +161,8 @@ class LLMEngine:
         """One forward over the whole batch. If it raises, each request runs alone so that only the
         one(s) that fail are finished with ``finish_reason="error"`` (their KV slots are rewritten
         identically by the retry, so the others are unaffected). The failed step's blocks leave the
-        prefix cache first: a later prompt must not reuse KV that was never written.
+        prefix cache first: a later prompt must not reuse KV that was never written. A request that
+        hit, in this step, blocks of one that then fails alone computes those blocks itself.
 
         :returns: logits, the ``scheduled`` index of each logits row, and the scheduled sequences
             that ran; None when none did.
@@ -183,14 +184,17 @@ class LLMEngine:
             return None
         kept: list[ScheduledSequence] = []
         parts: list[torch.Tensor] = []
+        unwritten: set[int] = set()  # blocks whose new KV a failed request never wrote
         for request in requests:
-            mine = [item for item in scheduled if item.seq.request is request]
+            mine = [self._recompute_unwritten(item, unwritten) for item in scheduled if item.seq.request is request]
             try:
                 batch, _ = build_forward_batch(mine, self.allocator, out.finished_seq_ids)
                 logits = self.runner.execute_model(batch)
             except FatalError:
                 raise
             except Exception as exc:  # noqa: BLE001
+                for item in mine:  # before _fail frees them
+                    unwritten.update(self._blocks_written_by(item))
                 self._fail(request, _forward_error(exc), outputs)
                 continue
             kept += mine
@@ -198,6 +202,27 @@ class LLMEngine:
         if not kept:
             return None
         return torch.cat(parts), build_forward_batch(kept, self.allocator)[1], kept
+
+    def _blocks_written_by(self, item: ScheduledSequence) -> list[int]:
+        """The cache blocks holding the tokens ``item`` computes."""
+        size = self.allocator.block_size
+        table = self.allocator.block_table(item.seq.seq_id)
+        return table[item.start // size:-(-(item.start + item.num_new_tokens) // size)]
+
+    def _recompute_unwritten(self, item: ScheduledSequence, unwritten: set[int]) -> ScheduledSequence:
+        """``item``, starting earlier if its cached prefix includes a block in ``unwritten``: a
+        prefix-cache hit, in this step, on blocks of a request that then failed alone. Recomputing
+        from that block writes the same keys/values the failed request would have (same tokens,
+        same positions) instead of reading slots nobody wrote."""
+        if not unwritten:
+            return item
+        size = self.allocator.block_size
+        table = self.allocator.block_table(item.seq.seq_id)
+        for index in range(-(-item.start // size)):
+            if table[index] in unwritten:
+                start = index * size
+                return ScheduledSequence(item.seq, start, item.num_new_tokens + item.start - start)
+        return item
 
     def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], changed: dict[str, Request]) -> None:
         if not seqs:
