@@ -199,7 +199,7 @@ class TorchSDPABackend(AttentionBackend):
         return out
 
     def attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
+               kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
         """Attention of ``query`` (``[tokens, heads, head_dim]``) over the cache for one part of a step
         (the whole step, or its decodes or its other sequences when split), the new keys/values already
         stored; ``key``/``value`` are read only for a lone fresh prompt. Subclasses override this to

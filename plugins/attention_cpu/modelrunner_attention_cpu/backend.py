@@ -30,14 +30,12 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
         return torch.device(device).type == "cpu" and _kernel_builds()
 
     def attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
-                kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
+               kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
         if not metadata.decode_only or _traced_reductions_are_faster(query.shape[0]):
             return super().attend(layer, query, key, value, kv_cache, metadata)
-        num_tokens = query.shape[0]
-        out = kernel.paged_decode_attention(query.view(num_tokens, layer.num_heads, layer.head_dim), kv_cache,
-                                            metadata.block_table, metadata.seq_lens, layer.scale,
+        out = kernel.paged_decode_attention(query, kv_cache, metadata.block_table, metadata.seq_lens, layer.scale,
                                             layer.sliding_window)
-        return out.view(num_tokens, layer.num_heads * layer.head_dim)
+        return out.view(query.shape[0], layer.num_heads * layer.head_dim)
 
 
 def _traced_reductions_are_faster(num_seqs: int | torch.SymInt) -> bool:
