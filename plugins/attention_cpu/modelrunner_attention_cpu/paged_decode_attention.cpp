@@ -249,12 +249,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   });
   // Merge each sequence's chunks: rescale every chunk to the overall largest score, then divide.
   T* o = out.data_ptr<T>();
+  std::vector<float> merged(static_cast<size_t>(head_dim));
   for (int64_t s = 0; s < num_seqs; ++s)
     for (int64_t h = 0; h < heads; ++h) {
       float largest = -std::numeric_limits<float>::infinity();
       for (int64_t c = 0; c < splits; ++c) largest = std::max(largest, partial_at(s, c).maxima[h]);
       float total = 0.f;
-      std::vector<float> merged(static_cast<size_t>(head_dim), 0.f);
+      std::fill(merged.begin(), merged.end(), 0.f);
       for (int64_t c = 0; c < splits; ++c) {
         const Partial p = partial_at(s, c);
         if (p.sums[h] == 0.f) continue;  // an empty chunk
