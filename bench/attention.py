@@ -20,7 +20,8 @@ import time
 import torch
 
 from modelrunner import ForwardBatch
-from modelrunner.layers import Attention, attention_backends, select_attention_backend
+from modelrunner.layers import Attention
+from modelrunner.plugins import get_plugins
 from modelrunner.plugins import get_plugins
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
@@ -60,7 +61,7 @@ def decode_step(num_seqs: int, context: int, seed: int = 0):
 def time_backends(names: list[str], num_seqs: int, context: int, rounds: int) -> dict[str, float]:
     """Median seconds of one decode step's attention (30 layers) per backend, in alternating rounds."""
     batch, caches, (query, key, value) = decode_step(num_seqs, context)
-    layers = {n: Attention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, backend=select_attention_backend("cpu", n))
+    layers = {n: Attention(HEADS, HEAD_DIM, HEAD_DIM**-0.5, KV_HEADS, backend=get_plugins().attention_backend("cpu", n))
               for n in names}
     outputs = {}
 
@@ -89,7 +90,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small sizes and few rounds (to check it runs)")
     args = parser.parse_args()
     get_plugins()  # installed plugins register their backends
-    names = attention_backends("cpu")
+    names = get_plugins().attention_backends("cpu")
     load1 = os.getloadavg()[0]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load1:.2f}; "
           f"backends: {', '.join(names)}")

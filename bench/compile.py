@@ -53,7 +53,7 @@ def decode_batch(runner: Any, rows: int, context: int, first_seq_id: int) -> Any
 
     from modelrunner import ForwardBatch
 
-    alloc, block_size = runner.allocator, runner.block_size
+    alloc, block_size = runner.scratch_allocator(), runner.block_size
     slots, tables = [], []
     for i in range(rows):
         seq_id = first_seq_id + i
@@ -101,7 +101,7 @@ def time_decode(runner: Any, rows: int, steps: int, first_seq_id: int) -> tuple[
     finally:
         loaded.runnable = compiled
         for i in range(rows):
-            runner.allocator.free(first_seq_id + i)
+            runner.scratch_allocator().free(first_seq_id + i)
     return statistics.median(times[id(compiled)]), statistics.median(times[id(eager)])
 
 

@@ -17,6 +17,7 @@ import torch
 
 from modelrunner.hookspecs import hookimpl
 from modelrunner.loaded_model import LoadedModel
+from modelrunner.models import run_stage
 
 from .inputs import ImageInputProcessor
 from .loader import build_vision, load_image_processor, load_language_model
@@ -28,11 +29,8 @@ __all__ = ["ARCHITECTURES", "LlavaForConditionalGeneration", "forward", "load", 
 ARCHITECTURES = ("LlavaForConditionalGeneration",)
 """The HF ``architectures`` this adapter loads."""
 
-ADAPTER_NAME = "mm"
-"""The entry-point name, shown as ``LoadedModel.adapter``."""
-
 LANGUAGE_MODEL = "language_model"
-"""``LoadedModel.extra`` key: the language model's own :class:`LoadedModel`."""
+"""``LoadedModel.parts`` key: the language model's own :class:`LoadedModel`."""
 INPUT_PROCESSOR = "input_processor"
 """``LoadedModel.extra`` key: the request's :class:`~modelrunner_mm.inputs.ImageInputProcessor`."""
 
@@ -44,14 +42,12 @@ def register(registry: Any) -> None:
 
 
 @hookimpl
-def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, parallel: Any) -> LoadedModel | None:
-    """Build the LLaVA model for ``source``: its language model through the load hook, then the vision parts."""
-    if source.architecture not in ARCHITECTURES:
-        return None
+def load(source: Any, device: torch.device, dtype: torch.dtype, parallel: Any, loader: Any) -> LoadedModel:
+    """Build the LLaVA model for ``source``: its language model through the kernel's loader, then the vision parts."""
     if parallel.pp_size != 1:
         raise ValueError(f"the mm adapter does not implement pipeline parallelism (pp_size={parallel.pp_size}); "
                          "use tensor parallelism or pipeline_parallel_size=1")
-    text = load_language_model(source, config, device, dtype, parallel)
+    text = load_language_model(source, loader)
     tower, projector = build_vision(source.hf_config, source.path, device, dtype)
     model = LlavaForConditionalGeneration(source.hf_config, tower, projector, text.model)
     tokenizer = text.tokenizer
@@ -63,47 +59,30 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
         tokenizer=tokenizer,
         hf_config=source.hf_config,
         kv_cache_spec=text.kv_cache_spec,
-        adapter=ADAPTER_NAME,
         runnable=model,
-        extra={LANGUAGE_MODEL: text, INPUT_PROCESSOR: inputs},
+        extra={INPUT_PROCESSOR: inputs},
+        parts={LANGUAGE_MODEL: text},
     )
 
 
 @hookimpl
 def process_inputs(loaded: LoadedModel, token_ids: list[int],
-                   extra: dict[str, Any]) -> tuple[list[int], dict[str, Any]] | None:
+                   extra: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
     """Preprocess the request's images and expand its image placeholders (see :class:`ImageInputProcessor`)."""
-    if not isinstance(loaded.model, LlavaForConditionalGeneration):
-        return None
     return loaded.extra[INPUT_PROCESSOR](token_ids, extra)
 
 
 @hookimpl
-def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor | None:
+def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> Any:
     """Float32 logits for ``batch.logits_indices``; image features replace the image tokens' embeddings."""
     model = loaded.model
-    if not isinstance(model, LlavaForConditionalGeneration):
-        return None
-    run = loaded.runnable or model
     with torch.inference_mode():
         embeds = model.image_features.input_embeddings(model, batch)
-        hidden = run(batch.input_ids, batch.positions, batch, kv_caches, inputs_embeds=embeds)
-        hidden = hidden.index_select(0, batch.logits_indices)
-    # Logits leave inference mode so callers (samplers, tests) may still edit them in place.
-    with torch.no_grad():
-        return model.compute_logits(hidden).float()
+    return run_stage(loaded, batch, kv_caches, inputs_embeds=embeds)
 
 
 @hookimpl
-def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
-    """Apply the language model's own plan (through the hook); the vision parts stay replicated."""
-    model = loaded.model
-    if not isinstance(model, LlavaForConditionalGeneration):
-        return None
-    from modelrunner.plugins import get_plugins
-
-    text = loaded.extra[LANGUAGE_MODEL]
-    text = get_plugins().hook.parallelize(loaded=text, parallel=parallel) or text
-    loaded.extra[LANGUAGE_MODEL] = text
-    model.language_model = text.model
-    return loaded
+def parallelize(loaded: LoadedModel) -> None:
+    """The kernel already applied the language model's own plan (it is a part); the vision parts stay
+    replicated, so only the wrapper's reference to the language model is refreshed."""
+    loaded.model.language_model = loaded.parts[LANGUAGE_MODEL].model

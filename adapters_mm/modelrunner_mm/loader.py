@@ -18,11 +18,10 @@ import attrs
 import torch
 from torch import nn
 
-from modelrunner.errors import ModelRunnerError, UnknownNameError
+from modelrunner.errors import ModelRunnerError
 from modelrunner.loaded_model import LoadedModel
+from modelrunner.models import TextModel
 from modelrunner.weights import iter_weights, load_weights
-
-from .model import takes_input_embeddings
 
 TEXT_WEIGHT_RENAMES = (("language_model.", ""), ("model.language_model.", "model."), ("lm_head.", "lm_head."))
 """Checkpoint prefixes of the language model → the names a causal-LM adapter expects."""
@@ -49,26 +48,20 @@ def text_source(source: Any) -> Any:
     return attrs.evolve(source, hf_config=text, weight_renames=TEXT_WEIGHT_RENAMES)
 
 
-def load_language_model(source: Any, config: Any, device: torch.device, dtype: torch.dtype,
-                        parallel: Any) -> LoadedModel:
-    """The language model of a LLaVA checkpoint, loaded by whichever plugin's load hook takes it.
+def load_language_model(source: Any, loader: Any) -> LoadedModel:
+    """The language model of a LLaVA checkpoint, loaded by whichever plugin registered its architecture.
 
     :raises UnknownNameError: no installed adapter loads the text architecture.
     :raises ModelRunnerError: the adapter that did cannot start from input embeddings.
     """
-    from modelrunner.plugins import get_plugins
-
-    plugins = get_plugins()
     part = text_source(source)
-    loaded = plugins.hook.load(source=part, config=config, device=device, dtype=dtype, parallel=parallel)
-    if loaded is None:
-        raise UnknownNameError(plugins.registry.unknown("architectures", part.architecture, plugins.broken))
-    if loaded.kv_cache_spec is None or not takes_input_embeddings(loaded.model):
+    loaded = loader.load(part)
+    if loaded.kv_cache_spec is None or not isinstance(loaded.model, TextModel):
         raise ModelRunnerError(
             f"{source.path}: the language model ({part.architecture}) was loaded by adapter {loaded.adapter!r}, "
-            "which cannot run it inside LLaVA: it needs a paged KV cache, embed_input_ids(ids), "
-            "forward(..., inputs_embeds=) and compute_logits(hidden); install a native adapter for it "
-            "(e.g. modelrunner-llama)"
+            "which cannot run it inside LLaVA: it needs a paged KV cache and a model with embed_input_ids(ids), "
+            "forward(batch, kv_caches, inputs_embeds=) and compute_logits(hidden) (modelrunner.models.TextModel); "
+            "install a native adapter for it (e.g. modelrunner-llama)"
         )
     return loaded
 

@@ -3,30 +3,18 @@ model built by whichever adapter loads the text config (the native Llama adapter
 
 The vision tower and projector have no KV cache, so transformers' own modules run them as they
 are; only the language model runs on the paged KV cache. The language model must offer
-``embed_input_ids(ids)`` and ``forward(input_ids, positions, batch, kv_caches, inputs_embeds=None)``
-and ``compute_logits(hidden)`` (see :func:`takes_input_embeddings`).
+``embed_input_ids(ids)``, ``forward(batch, kv_caches, inputs_embeds=None)`` and
+``compute_logits(hidden)`` (:class:`modelrunner.models.TextModel`).
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
 from torch import nn
 
 from .features import ImageFeatureCache
-
-
-def takes_input_embeddings(model: nn.Module) -> bool:
-    """Whether a language model can start from embeddings (``embed_input_ids`` and ``forward(...,
-    inputs_embeds=)``) and turn hidden states into logits (``compute_logits``)."""
-    try:
-        params = inspect.signature(model.forward).parameters
-    except (TypeError, ValueError):
-        return False
-    return callable(getattr(model, "embed_input_ids", None)) and callable(getattr(model, "compute_logits", None)) \
-        and "inputs_embeds" in params
 
 
 def image_token_id_of(config: Any) -> int:
@@ -91,10 +79,15 @@ class LlavaForConditionalGeneration(nn.Module):
         """The language model's input embeddings ``[tokens, hidden]`` of token ids."""
         return self.language_model.embed_input_ids(input_ids)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any, kv_caches: list[torch.Tensor],
-                inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
+    @property
+    def parallel(self) -> Any:
+        """The language model's tensor/pipeline ranks (the vision parts are replicated)."""
+        return self.language_model.parallel
+
+    def forward(self, batch: Any, kv_caches: list[torch.Tensor], inputs_embeds: torch.Tensor | None = None,
+                **kwargs: Any) -> torch.Tensor:
         """Final hidden states ``[tokens, hidden]``; image features arrive already in ``inputs_embeds``."""
-        return self.language_model(input_ids, positions, batch, kv_caches, inputs_embeds=inputs_embeds)
+        return self.language_model(batch, kv_caches, inputs_embeds=inputs_embeds, **kwargs)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[rows, vocab_size]`` of final hidden states."""

@@ -1,4 +1,4 @@
-"""Qwen3's attention: the Llama attention with RMSNorm over each query and key head before RoPE."""
+"""Qwen3's attention: the decoder attention with RMSNorm over each query and key head before RoPE."""
 
 from __future__ import annotations
 
@@ -8,14 +8,14 @@ import torch
 from torch import nn
 
 from modelrunner.layers import AttentionBackend, RMSNorm, RotaryEmbedding
+from modelrunner.models import DecoderAttention
 from modelrunner.parallel_state import ParallelState
-from modelrunner_llama.model import LlamaAttention
 
 
 class QKNormRotary(nn.Module):
     """RoPE preceded by per-head RMSNorm: stands in for the Llama attention's ``rotary_emb``.
 
-    The Llama attention rotates its query and key heads together (``rotate(positions, qk)`` with
+    The decoder attention rotates its query and key heads together (``rotate(positions, qk)`` with
     ``qk`` ``[tokens, heads + kv_heads, head_dim]``); normalising them first there is exactly
     where Qwen3 puts ``q_norm`` / ``k_norm``, so the attention's own code runs unchanged.
 
@@ -39,12 +39,12 @@ class QKNormRotary(nn.Module):
         return self.rotary.rotate(positions, torch.cat((q_norm(q), k_norm(k)), dim=1))
 
 
-class QKNormAttention(LlamaAttention):
-    """:class:`~modelrunner_llama.model.LlamaAttention` with Qwen3's ``q_norm`` and ``k_norm``."""
+class QKNormAttention(DecoderAttention):
+    """:class:`~modelrunner.models.DecoderAttention` with Qwen3's ``q_norm`` and ``k_norm``."""
 
     def __init__(self, config: Any, max_position: int, sliding_window: int | None, parallel: ParallelState,
-                 backend: AttentionBackend) -> None:
-        super().__init__(config, max_position, sliding_window, parallel, backend)
+                 backend: AttentionBackend, qkv_bias: bool = False, o_bias: bool = False) -> None:
+        super().__init__(config, max_position, sliding_window, parallel, backend, qkv_bias, o_bias)
         self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.rotary_emb = QKNormRotary(self.rotary_emb, self.num_heads, self.q_norm, self.k_norm)

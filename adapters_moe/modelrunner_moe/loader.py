@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from modelrunner.layers import select_attention_backend
+from modelrunner.layers import AttentionBackend
 from modelrunner.layers.fused_moe import expert_tensor_name
+from modelrunner.models import build_and_load
 from modelrunner.parallel_state import ParallelState
-from modelrunner.weights import CheckpointError, iter_weights, load_weights, materialize
-from modelrunner_llama.loader import StageWeights, max_model_len_for
+from modelrunner.weights import CheckpointError
 
 from .model import MoeForCausalLM
 
@@ -90,34 +90,17 @@ class MoeCheckpoint:
         return file_of(self._original.get(name, name)) if file_of else None
 
 
-def build_moe_model(
-    hf_config: Any,
-    path: str | Path,
-    device: torch.device | str,
-    dtype: torch.dtype,
-    parallel: ParallelState | None = None,
-    max_model_len: int | None = None,
-    attention_backend: str | None = None,
-) -> MoeForCausalLM:
-    """The model for ``hf_config`` with this rank's weights (its experts, its pipeline stage's layers)
-    from the safetensors under ``path``.
+def build_moe_model(source: Any, device: torch.device | str, dtype: torch.dtype, parallel: ParallelState,
+                    max_model_len: int, attention_backend: AttentionBackend) -> MoeForCausalLM:
+    """The model for ``source`` with this rank's weights (its experts, its pipeline stage's layers).
 
-    :param attention_backend: the paged-attention backend's name; None: the best one for ``device``.
     :raises ValueError: an invalid MoE config (see :meth:`~.spec.MoeSpec.from_config`).
     :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor
         (expert tensors included, with the accepted layouts in the message).
     """
-    device = torch.device(device)
-    backend = select_attention_backend(device, attention_backend)
-    with torch.device("meta"):
-        model = MoeForCausalLM(hf_config, max_model_len_for(hf_config, max_model_len), parallel, backend)
-    materialize(model, device, dtype)
-    weights = iter_weights(path)
-    if model.parallel.pp_size > 1:
-        weights = StageWeights(weights, model)  # only this pipeline stage's layers
     try:
-        load_weights(model, MoeCheckpoint(weights), model.packed_modules_mapping,
-                     ignore=model.ignored_weights)
+        return build_and_load(lambda: MoeForCausalLM(source.hf_config, max_model_len, parallel, attention_backend),
+                              source, device, dtype, transform=MoeCheckpoint)
     except CheckpointError as e:
         message = str(e)
         if ".experts." not in message:
@@ -125,4 +108,3 @@ def build_moe_model(
         for pattern, spelling in CHECKPOINT_SPELLING:
             message = pattern.sub(spelling, message)
         raise CheckpointError(f"{message}; {LAYOUT_HINT}") from e
-    return model.eval()

@@ -1,11 +1,10 @@
-"""Mixtral, Qwen2-MoE and Qwen3-MoE as the Llama decoder with MoE blocks in place of (some) MLPs.
+"""Mixtral, Qwen2-MoE and Qwen3-MoE as the kernel's shared decoder with MoE blocks in place of (some) MLPs.
 
-The Llama adapter's model supplies everything the families share — embedding, paged attention
-with RoPE, pre-norm residual layers, final norm, LM head, tensor-parallel sharding and the
-forward loop. :class:`MoeForCausalLM` builds that skeleton and then swaps, per layer, the MLP for
-a :class:`~.moe_block.SparseMoeBlock` (where the architecture makes the layer sparse) and, for
-Qwen3, the attention for :class:`~.attention.QKNormAttention`. Build it on the ``meta`` device
-(as :func:`~.loader.build_moe_model` does) so the replaced modules never allocate memory.
+:class:`~modelrunner.models.DecoderForCausalLM` supplies everything the families share — embedding,
+paged attention with RoPE, pre-norm residual layers, final norm, LM head, tensor-parallel sharding
+and the forward loop. :class:`MoeForCausalLM` overrides its factories: per layer, a
+:class:`~.moe_block.SparseMoeBlock` instead of the gated MLP where the architecture makes the layer
+sparse, and, for Qwen3, :class:`~.attention.QKNormAttention`.
 """
 
 from __future__ import annotations
@@ -13,48 +12,55 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch import nn
 
 from modelrunner.layers import AttentionBackend
 from modelrunner.layers.fused_moe import FusedMoE
+from modelrunner.models import DecoderForCausalLM
 from modelrunner.parallel_state import ParallelState
-from modelrunner_llama.model import LlamaForCausalLM
 
 from .attention import QKNormAttention
 from .moe_block import SparseMoeBlock
 from .spec import MoeSpec
 
 
-class MoeForCausalLM(LlamaForCausalLM):
+class MoeForCausalLM(DecoderForCausalLM):
     """A Mixtral / Qwen2-MoE / Qwen3-MoE causal LM over a flattened, paged batch.
 
     :param config: the checkpoint's transformers config.
     :param max_position: longest sequence the model will see (size of the RoPE table).
     :param parallel: this process's tensor-parallel rank (experts are partitioned across ranks) and
-        pipeline stage (only its layers are built; the others are placeholders, as in the Llama model).
-    :param attn_backend: the attention implementation (default: chosen for CPU).
+        pipeline stage (only its layers are built; the others are placeholders).
+    :param attn_backend: the attention implementation.
     :raises ValueError: see :meth:`MoeSpec.from_config`.
     """
 
     def __init__(self, config: Any, max_position: int, parallel: ParallelState | None = None,
                  attn_backend: AttentionBackend | None = None) -> None:
-        spec = MoeSpec.from_config(config)
-        super().__init__(spec.attention_config(config), max_position, parallel, attn_backend)
-        self.spec = spec
-        """The architecture's MoE settings."""
-        self.hf_config = config
-        """The checkpoint's own config (``self.config`` is what the Llama layers were built from)."""
-        for i in range(self.model.start_layer, self.model.end_layer):  # this pipeline stage's layers
-            layer = self.model.layers[i]
-            if spec.qk_norm:
-                layer.self_attn = QKNormAttention(self.config, max_position, layer.self_attn.attn.sliding_window,
-                                                  self.parallel, self.attn_backend)
-            if spec.sparse_layers[i]:
-                layer.mlp = SparseMoeBlock(spec, config, self.parallel)
-        self.packed_modules_mapping = {**LlamaForCausalLM.packed_modules_mapping,
-                                       **FusedMoE.packed_modules_mapping(spec.num_experts)}
+        self.spec = MoeSpec.from_config(config)  # the factories below read it while the layers are built
+        super().__init__(config, max_position, parallel, attn_backend)
+        self.packed_modules_mapping = {**DecoderForCausalLM.packed_modules_mapping,
+                                       **FusedMoE.packed_modules_mapping(self.spec.num_experts)}
         """Fused parameter → the checkpoint projections packed into it (attention, dense MLPs, experts)."""
         self.return_router_logits = bool(getattr(config, "output_router_logits", False))
         """Return router logits from every step, not only those that ask (the config's ``output_router_logits``)."""
+
+    def attention_biases(self, config: Any) -> tuple[bool, bool]:
+        """The architecture's biases (see :class:`MoeSpec`)."""
+        return self.spec.qkv_bias, self.spec.o_bias
+
+    def make_attention(self, config: Any, layer: int, max_position: int, sliding_window: int | None) -> nn.Module:
+        """Qwen3's q/k-normed attention, else the decoder's."""
+        if not self.spec.qk_norm:
+            return super().make_attention(config, layer, max_position, sliding_window)
+        return QKNormAttention(config, max_position, sliding_window, self.parallel, self.attn_backend,
+                               self.spec.qkv_bias, self.spec.o_bias)
+
+    def make_mlp(self, config: Any, layer: int) -> nn.Module:
+        """A sparse MoE block where the architecture makes layer ``layer`` sparse, else the gated MLP."""
+        if self.spec.sparse_layers[layer]:
+            return SparseMoeBlock(self.spec, config, self.parallel)
+        return super().make_mlp(config, layer)
 
     @property
     def moe_layers(self) -> list[tuple[int, SparseMoeBlock]]:

@@ -9,18 +9,18 @@ from torch import nn
 
 from modelrunner.layers import ReplicatedLinear
 from modelrunner.layers.fused_moe import FusedMoE
+from modelrunner.models import GatedMLP
 from modelrunner.parallel_state import ParallelState
-from modelrunner_llama.model import LlamaMLP
 
-from .spec import ConfigView, MoeSpec
+from .spec import MoeSpec
 
 
 class SparseMoeBlock(nn.Module):
     """``experts(x, gate(x))`` plus, for Qwen2-MoE, ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
 
     Parameter names follow the checkpoints: ``gate`` (the router, ``[experts, hidden]``),
-    ``experts`` (a :class:`~modelrunner.layers.fused_moe.FusedMoE`), ``shared_expert`` (a Llama
-    gated MLP, tensor-parallel like the dense ones) and ``shared_expert_gate`` (``[1, hidden]``).
+    ``experts`` (a :class:`~modelrunner.layers.fused_moe.FusedMoE`), ``shared_expert`` (a gated
+    MLP, tensor-parallel like the dense ones) and ``shared_expert_gate`` (``[1, hidden]``).
 
     :param spec: the architecture's MoE settings.
     :param config: the checkpoint's transformers config (model width, shared expert's activation).
@@ -37,8 +37,8 @@ class SparseMoeBlock(nn.Module):
         self.has_shared_expert = spec.shared_expert_intermediate_size > 0
         """Whether a gated shared expert is added to the routed experts' output."""
         if self.has_shared_expert:
-            shared = ConfigView(config, intermediate_size=spec.shared_expert_intermediate_size, mlp_bias=False)
-            self.shared_expert = LlamaMLP(shared, parallel)
+            self.shared_expert = GatedMLP(config, parallel, intermediate_size=spec.shared_expert_intermediate_size,
+                                          bias=False)
             self.shared_expert_gate = ReplicatedLinear(hidden, 1)
         self.router_logits: torch.Tensor | None = None
         """``[tokens, num_experts]`` router logits of the last forward."""

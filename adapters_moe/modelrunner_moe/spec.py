@@ -24,24 +24,6 @@ ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausa
 """``model_type`` → the HF ``architectures`` name of each model this adapter runs."""
 
 
-class ConfigView:
-    """A transformers config seen with a few attributes replaced; the config itself is untouched.
-
-    Lets the Llama adapter's layers, which read their options from a config, build the variant an
-    MoE architecture needs (Qwen2-MoE's q/k/v biases, a shared expert's width).
-    """
-
-    def __init__(self, base: Any, **overrides: Any) -> None:
-        self.__dict__["_base"] = base
-        self.__dict__.update(overrides)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["_base"], name)
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        raise AttributeError(f"ConfigView is read-only (tried to set {name!r})")
-
-
 @attrs.frozen
 class MoeSpec:
     """The MoE-specific shape of one checkpoint."""
@@ -62,8 +44,10 @@ class MoeSpec:
     """Per decoder layer: MoE block (True) or dense MLP (False)."""
     qk_norm: bool
     """RMSNorm over each query and key head before RoPE (Qwen3)."""
-    attention_overrides: tuple[tuple[str, Any], ...] = ()
-    """Config attributes the Llama attention must see differently (as ``(name, value)`` pairs)."""
+    qkv_bias: bool = False
+    """Biases on the q/k/v projections."""
+    o_bias: bool = False
+    """A bias on the attention's output projection."""
 
     @classmethod
     def from_config(cls, config: Any) -> MoeSpec:
@@ -83,9 +67,10 @@ class MoeSpec:
         if model_type == "mixtral":
             check_top_k(config.num_experts_per_tok, config.num_local_experts,
                         f"{name} (num_experts_per_tok vs num_local_experts)")
+            bias = bool(getattr(config, "attention_bias", False))
             return cls(name, config.num_local_experts, config.num_experts_per_tok, config.intermediate_size,
                        renormalize=True, shared_expert_intermediate_size=0,
-                       sparse_layers=tuple(True for _ in layers), qk_norm=False)
+                       sparse_layers=tuple(True for _ in layers), qk_norm=False, qkv_bias=bias, o_bias=bias)
         step = config.decoder_sparse_step
         if isinstance(step, bool) or not isinstance(step, int) or step < 1:
             raise ValueError(f"{name}: decoder_sparse_step must be a positive integer, got {step!r}")
@@ -94,16 +79,11 @@ class MoeSpec:
         if any(sparse):
             check_top_k(config.num_experts_per_tok, config.num_experts, f"{name} (num_experts_per_tok vs num_experts)")
         qwen2 = model_type == "qwen2_moe"
-        overrides: tuple[tuple[str, Any], ...] = ()
-        if qwen2:
-            # The Llama attention gives q/k/v (not o) biases to model_type "qwen2", none otherwise.
-            qkv_bias = getattr(config, "qkv_bias", True)
-            overrides = (("model_type", "qwen2"),) if qkv_bias else (("attention_bias", False),)
+        if qwen2:  # q/k/v biases (never o) unless the config turns them off
+            qkv_bias, o_bias = bool(getattr(config, "qkv_bias", True)), False
+        else:  # Qwen3-MoE: attention_bias on all four projections
+            qkv_bias = o_bias = bool(getattr(config, "attention_bias", False))
         return cls(name, config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size,
                    renormalize=bool(config.norm_topk_prob),
                    shared_expert_intermediate_size=int(config.shared_expert_intermediate_size or 0) if qwen2 else 0,
-                   sparse_layers=sparse, qk_norm=not qwen2, attention_overrides=overrides)
-
-    def attention_config(self, config: Any) -> Any:
-        """The config the Llama decoder skeleton is built from (``config`` itself when nothing differs)."""
-        return ConfigView(config, **dict(self.attention_overrides)) if self.attention_overrides else config
+                   sparse_layers=sparse, qk_norm=not qwen2, qkv_bias=qkv_bias, o_bias=o_bias)

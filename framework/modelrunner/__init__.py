@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
-from .errors import ModelRunnerError, ModelSourceError, PluginError, UnknownNameError
+from .errors import ModelRunnerError, ModelSourceError, PluginConflictError, PluginError, UnknownNameError
 from .forward_batch import ForwardBatch
 from .hookspecs import hookimpl
 from .loaded_model import LoadedModel
@@ -30,12 +30,21 @@ __all__ = [
     "ModelSourceError",
     "PluginError",
     "UnknownNameError",
+    "PluginConflictError",
+    "LLMEngine",
+    "RequestOutput",
+    "CompletionOutput",
+    "Logprob",
 ]
 
 _LAZY = {
     "LLM": ("modelrunner.llm", "LLM"),
-    "SamplingParams": ("modelrunner.engine.sampling_params", "SamplingParams"),
+    "SamplingParams": ("modelrunner.sampling.params", "SamplingParams"),
     "ModelRunner": ("modelrunner.runner", "ModelRunner"),
+    "LLMEngine": ("modelrunner.engine.llm_engine", "LLMEngine"),
+    "RequestOutput": ("modelrunner.engine.outputs", "RequestOutput"),
+    "CompletionOutput": ("modelrunner.engine.outputs", "CompletionOutput"),
+    "Logprob": ("modelrunner.engine.outputs", "Logprob"),
 }
 
 

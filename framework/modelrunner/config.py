@@ -79,6 +79,9 @@ class ModelConfig:
     cache_dir: str | None = attrs.field(default=None, validator=_optional_str)
     """Where converted checkpoints (GGUF → safetensors) are kept; default ``$MODELRUNNER_CACHE_DIR``
     or ``~/.cache/modelrunner``."""
+    adapter: str | None = attrs.field(default=None, validator=_optional_str)
+    """The plugin whose load hook builds the model, when several installed adapters register the
+    checkpoint's architecture (``modelrunner plugins`` shows such conflicts); default: the one that does."""
     attention_backend: str | None = attrs.field(default=None, validator=_optional_str)
     """Paged-attention implementation by name (``torch_sdpa`` is the kernel's; ``modelrunner plugins``
     lists others); default: the highest-priority installed one that supports the device."""

@@ -5,9 +5,14 @@ Ranks are laid out stage by stage: ``rank = pp_rank * tp_size + tp_rank``. Every
 - the world group (``nccl`` on GPU, ``gloo`` on CPU) for the model's own collectives: the
   all-reduces and gathers inside tensor-parallel layers, and hidden states sent between stages;
 - its tensor-parallel and pipeline-parallel subgroups (in :class:`ParallelState`);
-- a ``gloo`` *control* group over all ranks that carries the driver's step messages and the
-  logits coming back. Its timeout is long because ranks wait on it between requests; a dead peer
-  still fails it at once (gloo sees the closed connection).
+- a ``gloo`` *control* group over all ranks that carries the driver's step messages. Its timeout
+  is long because ranks wait on it between requests; a dead peer still fails it at once (gloo sees
+  the closed connection);
+- a ``gloo`` *stage* group over all ranks for what moves inside a step on the CPU side (the shapes
+  of the tensors passed between pipeline stages, the logits coming back to rank 0, load reports).
+
+Every group but the control group times out after ``MODELRUNNER_DIST_TIMEOUT`` seconds, so a peer
+that hangs inside a step (e.g. stopped by SIGSTOP) fails the step instead of stalling it.
 
 The rendezvous is a ``TCPStore``: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``, its agent hosting the store), or one rank 0 hosts for workers it
@@ -155,7 +160,9 @@ class DistributedContext:
     device: torch.device
     """The device this rank's model runs on."""
     control_group: Any
-    """The gloo group over all ranks for step messages and logits."""
+    """The gloo group over all ranks for step messages (no practical timeout: ranks wait on it)."""
+    stage_group: Any
+    """The gloo group over all ranks for messages inside a step (bounded by the collective timeout)."""
     store: Any
     """The rendezvous store under :data:`STORE_PREFIX` (failure reports)."""
 
@@ -232,18 +239,19 @@ def init_distributed(
     # Every rank must create every group, in the same order, even those it is not in.
     for stage in range(pp_size):
         ranks = [global_rank(t, stage, tp_size) for t in range(tp_size)]
-        group = dist.new_group(ranks) if tp_size > 1 else None
+        group = dist.new_group(ranks, timeout=timeout) if tp_size > 1 else None
         if stage == pp_rank:
             tp_group = group
     for t in range(tp_size):
         ranks = [global_rank(t, stage, tp_size) for stage in range(pp_size)]
-        group = dist.new_group(ranks) if pp_size > 1 else None
+        group = dist.new_group(ranks, timeout=timeout) if pp_size > 1 else None
         if t == tp_rank:
             pp_group = group
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
+    stages = dist.new_group(backend="gloo", timeout=timeout)
     parallel = ParallelState(tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size,
                              tp_group=tp_group, pp_group=pp_group)
-    return DistributedContext(launch, parallel, backend, device, control, ours)
+    return DistributedContext(launch, parallel, backend, device, control, stages, ours)
 
 
 def _wait_for_keys(store: Any, keys: list[str], timeout: timedelta, while_waiting: Callable[[], None] | None) -> None:
@@ -282,19 +290,19 @@ def gather_objects(obj: Any, group: Any, dst: int = 0) -> list[Any] | None:
     return out
 
 
-def send_tensor_dict(tensors: Mapping[str, torch.Tensor], dst: int, control_group: Any, group: Any = None) -> None:
-    """Send named tensors to rank ``dst``: their shapes and dtypes over ``control_group``, the data over
-    ``group`` (default: the world group, so on GPU the bytes move by NCCL)."""
+def send_tensor_dict(tensors: Mapping[str, torch.Tensor], dst: int, meta_group: Any, group: Any = None) -> None:
+    """Send named tensors to rank ``dst``: their shapes and dtypes over ``meta_group`` (gloo), the data
+    over ``group`` (default: the world group, so on GPU the bytes move by NCCL)."""
     meta = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-    dist.send_object_list([meta], dst=dst, group=control_group)
+    dist.send_object_list([meta], dst=dst, group=meta_group)
     for _, tensor in tensors.items():
         dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
-def recv_tensor_dict(src: int, device: torch.device, control_group: Any, group: Any = None) -> dict[str, torch.Tensor]:
+def recv_tensor_dict(src: int, device: torch.device, meta_group: Any, group: Any = None) -> dict[str, torch.Tensor]:
     """Receive what :func:`send_tensor_dict` on rank ``src`` sent, into new tensors on ``device``."""
     box: list[Any] = [None]
-    dist.recv_object_list(box, src=src, group=control_group)
+    dist.recv_object_list(box, src=src, group=meta_group)
     out = {}
     for name, shape, dtype in box[0]:
         tensor = torch.empty(shape, dtype=dtype, device=device)

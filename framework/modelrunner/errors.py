@@ -15,6 +15,10 @@ class UnknownNameError(ModelRunnerError, ValueError):
     """A name (architecture, allocator, compile backend) that no installed plugin provides."""
 
 
+class PluginConflictError(ModelRunnerError, ValueError):
+    """Several installed plugins provide one name and the configuration does not say which to use."""
+
+
 class ModelSourceError(ModelRunnerError, ValueError):
     """The ``model`` given cannot be resolved to a local checkpoint."""
 
@@ -24,3 +28,8 @@ class FatalError(ModelRunnerError):
 
     The engine re-raises it instead of failing one request at a time.
     """
+
+
+class PluginWarning(UserWarning):
+    """Something about the installed plugins that changes what runs (e.g. a broken native adapter
+    sends its architecture to the slow generic fallback)."""

@@ -1,48 +1,55 @@
-"""Tensor × pipeline parallelism behind the ModelRunner API, so :class:`LLMEngine` drives it unchanged.
+"""Executors: what the engine drives — load the model, run a step, copy KV blocks, shut down.
 
-:func:`create_executor` returns a plain :class:`~modelrunner.runner.ModelRunner` when
-``tensor_parallel_size × pipeline_parallel_size`` is 1. Otherwise this process becomes rank 0 of the
-group, the *driver*: it runs model code like every other rank (its tensor-parallel shard of the
-first pipeline stage) and also owns the engine, the scheduler and the one KV block allocator whose
-block tables every stage follows. Each step it broadcasts the batch (and pending KV block copies)
-to the other ranks, runs its own part, and gets the logits back from the last stage.
+:func:`create_executor` returns a :class:`UniprocExecutor` (one process, one
+:class:`~modelrunner.runner.ModelRunner`) when ``tensor_parallel_size × pipeline_parallel_size`` is
+1, else a :class:`MultiprocExecutor`: this process becomes rank 0 of the group, runs its own shard
+(the first pipeline stage's tensor-parallel rank 0) with its own runner, and each step broadcasts
+the batch (and pending KV block copies) to the other ranks and gets the logits back from the last
+stage. The other ranks are worker processes it starts itself (``python -m modelrunner.worker``: a
+fresh interpreter that never imports the user's ``__main__``, so ``python -c``, scripts without a
+``__main__`` guard and interactive sessions all work), or, under ``torchrun``, the processes
+torchrun started: there ``LLM(...)`` on a rank other than 0 serves steps until rank 0 shuts down and
+then exits the process.
 
-The other ranks are either worker processes the driver spawns (``torch.multiprocessing``, spawn)
-or, under ``torchrun``, the other processes torchrun started: there ``LLM(...)`` on a rank other
-than 0 serves steps until rank 0 shuts down and then exits the process.
-
-Failures: when any rank dies or raises, the driver raises :class:`WorkerFailedError` naming the
-rank and the reason (a killed worker is seen within seconds: gloo notices the closed connection),
-then stops the remaining workers. The executor is unusable afterwards; create a new one.
+Failures: when any rank dies, raises or stops answering for ``MODELRUNNER_DIST_TIMEOUT`` seconds,
+rank 0 raises :class:`WorkerFailedError` naming the rank and the reason, then stops the remaining
+workers. The executor is unusable afterwards; create a new one.
 """
 
 from __future__ import annotations
 
+import abc
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import time
 import weakref
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
+from .article import ArticleAPI
 from .config import RunnerConfig
 from .distributed import (
     DistributedContext,
     LaunchInfo,
     broadcast_object,
+    collective_timeout,
     destroy_distributed,
     free_port,
     init_distributed,
 )
 from .errors import FatalError, ModelRunnerError
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, ForwardOutput
+from .kv_cache.spec import KVCacheSpec
+from .loaded_model import LoadedModel
+from .plugins import Plugins
 from .runner import ModelRunner
 from .source import resolve_source
-from .worker import STEP, STOP, Worker, is_peer_failure, load_rank, rank_config, rank_device, read_failures, \
-    run_step, worker_main
+from .worker import (STEP, STOP, Worker, is_peer_failure, is_timeout, load_rank, rank_config, rank_device,
+                     read_failures, run_step)
 
 SETTLE_S = 5.0
 """After a collective fails, how long the driver waits for the failing rank's report or exit code."""
@@ -51,7 +58,7 @@ STOP_GRACE_S = 10.0
 
 
 class WorkerFailedError(FatalError):
-    """A rank of the parallel group died or raised; the group has been shut down.
+    """A rank of the parallel group died, raised or hung; the group has been shut down.
 
     :param rank: the rank at fault (None when it cannot be told, e.g. a torchrun peer that vanished).
     :param phase: what the group was doing (``"loading the model"``, ``"running a step"``).
@@ -65,12 +72,129 @@ class WorkerFailedError(FatalError):
         """What the group was doing."""
 
 
-def create_executor(config: RunnerConfig | dict[str, Any]) -> ModelRunner:
-    """The runner for ``config``, not yet loaded (call ``load_model()``).
+class Executor(ArticleAPI, abc.ABC):
+    """The engine's interface to the model, whatever the number of processes.
 
-    World size 1: a :class:`ModelRunner`. Otherwise a :class:`ParallelExecutor` that is rank 0 of
-    the group: of the processes torchrun started when its environment says so (``WORLD_SIZE`` > 1),
-    else of worker processes spawned here. Under torchrun, on ranks other than 0 this call loads
+    Each executor has a :class:`~modelrunner.runner.ModelRunner` for this process's shard
+    (:attr:`runner`); what does not depend on the other ranks (tokenizer, block count, sizes) is
+    read from it.
+    """
+
+    runner: ModelRunner
+    """This process's runner (rank 0's shard under parallelism)."""
+
+    @abc.abstractmethod
+    def load_model(self) -> LoadedModel:
+        """Load the model on every rank and allocate the KV caches (same block count everywhere). Idempotent."""
+
+    @abc.abstractmethod
+    def execute_model(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step on every rank; the last stage's float32 logits on the CPU."""
+
+    @abc.abstractmethod
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks ``src → dst`` on every rank before the next step."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop the other ranks, if any. Idempotent; also runs at exit."""
+
+    # -- read from this process's runner ------------------------------------------------------------
+
+    @property
+    def config(self) -> RunnerConfig:
+        """The whole configuration."""
+        return self.runner.config
+
+    @property
+    def plugins(self) -> Plugins:
+        """The plugins this process routes through."""
+        return self.runner.plugins
+
+    @property
+    def loaded(self) -> LoadedModel | None:
+        """This process's loaded model (None before :meth:`load_model`)."""
+        return self.runner.loaded
+
+    @property
+    def num_blocks(self) -> int:
+        """KV-cache blocks every rank holds."""
+        return self.runner.num_blocks
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per KV-cache block."""
+        return self.runner.block_size
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest sequence (prompt + output) served."""
+        return self.runner.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        """The checkpoint's tokenizer (None for a checkpoint without one)."""
+        return self.runner.tokenizer
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec | None:
+        """This rank's KV-cache layout (None: the model keeps its own cache)."""
+        return self.runner.kv_cache_spec
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV-cache tensors."""
+        return self.runner.kv_cache_bytes
+
+    def process_inputs(self, prompt_text: str | None, token_ids: list[int],
+                       extra: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
+        """A request as the model runs it (see :meth:`ModelRunner.process_inputs`)."""
+        return self.runner.process_inputs(prompt_text, token_ids, extra)
+
+    def stats(self) -> dict[str, Any]:
+        """This process's runner statistics (``model``, ``compile``)."""
+        return self.runner.stats()
+
+    def _require_loaded(self) -> LoadedModel:
+        return self.runner._require_loaded()
+
+
+class UniprocExecutor(Executor):
+    """Everything in this process: a :class:`ModelRunner` driven directly.
+
+    :param runner: the runner (not yet loaded), or build one from ``config``.
+    """
+
+    def __init__(self, config: RunnerConfig | dict[str, Any] | None = None, plugins: Plugins | None = None,
+                 runner: ModelRunner | None = None) -> None:
+        if runner is None:
+            if config is None:
+                raise ValueError("UniprocExecutor needs a config or a runner")
+            runner = ModelRunner(config, plugins=plugins)
+        self.runner = runner
+
+    def load_model(self) -> LoadedModel:
+        """Load the runner's model and allocate its KV cache."""
+        return self.runner.load_model()
+
+    def execute_model(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step in this process."""
+        return self.runner.execute_model(batch)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy KV blocks in this process."""
+        self.runner.copy_blocks(copies)
+
+    def shutdown(self) -> None:
+        """Nothing to stop."""
+
+
+def create_executor(config: RunnerConfig | dict[str, Any], plugins: Plugins | None = None) -> Executor:
+    """The executor for ``config``, not yet loaded (call ``load_model()``).
+
+    World size 1: a :class:`UniprocExecutor`. Otherwise a :class:`MultiprocExecutor` that is rank 0
+    of the group: of the processes torchrun started when its environment says so (``WORLD_SIZE`` > 1),
+    else of worker processes started here. Under torchrun, on ranks other than 0 this call loads
     that rank's shard, serves steps until rank 0 shuts down, and then exits the process.
 
     :raises ValueError: torchrun started a different number of processes than the sizes multiply to.
@@ -78,11 +202,13 @@ def create_executor(config: RunnerConfig | dict[str, Any]) -> ModelRunner:
     config = RunnerConfig.from_dict(config) if isinstance(config, dict) else config
     world = config.parallel.world_size
     if world == 1:
-        return ModelRunner(config)
+        return UniprocExecutor(config, plugins)
     launch = LaunchInfo.from_env()
     if launch is not None:
         return _join_torchrun(config, launch)
-    # Resolve (and convert) the checkpoint before starting anything, so a bad name costs no processes.
+    # Resolve (and convert) the checkpoint and check the names before starting anything, so a bad
+    # name costs no processes.
+    ModelRunner(config, plugins=plugins).check_config()
     resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
     port = free_port()
     workers = WorkerProcesses.spawn(config, "127.0.0.1", port)
@@ -93,24 +219,24 @@ def create_executor(config: RunnerConfig | dict[str, Any]) -> ModelRunner:
     except BaseException:
         workers.kill()
         raise
-    return ParallelExecutor(config, ctx, workers)
+    return MultiprocExecutor(config, ctx, workers)
 
 
-def _join_torchrun(config: RunnerConfig, launch: LaunchInfo) -> ModelRunner:
+def _join_torchrun(config: RunnerConfig, launch: LaunchInfo) -> Executor:
     device = rank_device(config, launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = init_distributed(launch, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
                            device)
     if launch.rank == 0:
-        return ParallelExecutor(config, ctx, workers=None)
+        return MultiprocExecutor(config, ctx, workers=None)
     Worker(ctx, config).run()
     destroy_distributed()
     sys.exit(0)
 
 
 def describe_exit(exitcode: int | None) -> str:
-    """``exited with code 1`` / ``killed by signal SIGKILL`` for a process's exit code."""
+    """``exited with code 1`` / ``was killed by signal SIGKILL`` for a process's exit code."""
     if exitcode is None:
         return "is still running"
     if exitcode < 0:
@@ -121,62 +247,87 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exited with code {exitcode}"
 
 
-class WorkerProcesses:
-    """The worker processes the driver spawned, one per rank ``1 … world_size - 1``.
+def process_state(pid: int) -> str | None:
+    """The kernel's one-letter state of a process (``R``, ``S``, ``T`` = stopped, ``Z``…), None if unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
 
-    Each leads its own process group (see :func:`~modelrunner.worker.worker_main`), so stopping
-    one also stops whatever it started; each also kills itself when the driver disappears.
+
+class WorkerProcesses:
+    """The worker processes rank 0 started, one per rank ``1 … world_size - 1``.
+
+    Each is a fresh ``python -m modelrunner.worker`` in its own session (so stopping one stops what
+    it started, and a Ctrl-C in the terminal reaches rank 0 only); each also kills itself when rank
+    0 disappears.
     """
 
-    def __init__(self, processes: dict[int, Any]) -> None:
+    def __init__(self, processes: dict[int, subprocess.Popen]) -> None:
         self.processes = processes
-        """rank → ``multiprocessing.Process``."""
+        """rank → the worker's process."""
 
     @classmethod
     def spawn(cls, config: RunnerConfig, master_addr: str, master_port: int) -> WorkerProcesses:
         """Start ranks ``1 … world_size - 1`` of ``config``'s group, meeting rank 0 at ``master_addr:master_port``."""
-        ctx = mp.get_context("spawn")
         world = config.parallel.world_size
-        processes = {}
-        for rank in range(1, world):
-            launch = LaunchInfo(rank=rank, world_size=world, local_rank=rank, master_addr=master_addr,
-                                master_port=master_port)
-            # daemon: if the driver's interpreter exits without closing us, multiprocessing terminates us.
-            proc = ctx.Process(target=worker_main, args=(launch, config, os.getpid()),
-                               name=f"modelrunner-rank{rank}", daemon=True)
-            proc.start()
-            processes[rank] = proc
+        processes: dict[int, subprocess.Popen] = {}
+        try:
+            for rank in range(1, world):
+                launch = LaunchInfo(rank=rank, world_size=world, local_rank=rank, master_addr=master_addr,
+                                    master_port=master_port)
+                # sys.path travels first and apart, so the child can find whatever the config pickles refer to.
+                payload = pickle.dumps((list(sys.path), pickle.dumps((launch, config, os.getpid()))))
+                proc = subprocess.Popen([sys.executable, "-m", "modelrunner.worker"], stdin=subprocess.PIPE,
+                                        start_new_session=True)
+                processes[rank] = proc
+                assert proc.stdin is not None
+                proc.stdin.write(payload)
+                proc.stdin.close()
+        except BaseException:
+            cls(processes).kill()
+            raise
         return cls(processes)
 
     def exited(self) -> dict[int, str]:
         """rank → how it ended, for every worker that is no longer running."""
-        return {rank: describe_exit(p.exitcode) for rank, p in self.processes.items() if not p.is_alive()}
+        return {rank: describe_exit(p.returncode) for rank, p in self.processes.items() if p.poll() is not None}
+
+    def stopped(self) -> list[int]:
+        """Ranks whose process is alive but stopped (e.g. by SIGSTOP)."""
+        return [rank for rank, p in self.processes.items() if p.poll() is None and process_state(p.pid) in ("T", "t")]
 
     def raise_if_dead(self) -> None:
         """Raise :class:`WorkerFailedError` if a worker has already ended (used while waiting for it to join)."""
         for rank, how in self.exited().items():
             pid = self.processes[rank].pid
-            raise WorkerFailedError(
-                f"rank {rank} (pid {pid}) {how} while starting; its stderr above says why (workers are spawned: a "
-                "script must create the LLM under `if __name__ == \"__main__\":`)", rank, "starting")
+            raise WorkerFailedError(f"rank {rank} (pid {pid}) {how} while starting; its stderr above says why",
+                                    rank, "starting")
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds in all for every worker to end, then kill the rest."""
         deadline = time.monotonic() + timeout
         for proc in self.processes.values():
-            proc.join(max(0.0, deadline - time.monotonic()))
+            try:
+                proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
         self.kill()
 
     def kill(self) -> None:
         """Kill every worker still running (with its process group) and reap it."""
         for proc in self.processes.values():
-            if proc.is_alive():
+            if proc.poll() is None:
                 try:
                     os.killpg(proc.pid, signal.SIGKILL)
-                except (ProcessLookupError, PermissionError):  # it has not made its own group yet
+                except (ProcessLookupError, PermissionError):
                     proc.kill()
         for proc in self.processes.values():
-            proc.join(5.0)
+            try:
+                proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                pass
 
 
 class _Group:
@@ -186,14 +337,14 @@ class _Group:
         self.ctx = ctx
         """Rank 0's membership of the group."""
         self.workers = workers
-        """The spawned workers (None under torchrun)."""
+        """The started workers (None under torchrun)."""
         self.broken = False
         """A rank failed: the others cannot be told to stop, only killed."""
         self.closed = False
         """:meth:`close` ran."""
 
     def close(self) -> None:
-        """Tell the other ranks to stop (or kill the spawned ones when broken), then leave the group."""
+        """Tell the other ranks to stop (or kill the started ones when broken), then leave the group."""
         if self.closed:
             return
         self.closed = True
@@ -207,18 +358,19 @@ class _Group:
         destroy_distributed()
 
 
-class ParallelExecutor(ModelRunner):
-    """Rank 0 of a tensor × pipeline-parallel group: a :class:`ModelRunner` whose steps run on every rank.
+class MultiprocExecutor(Executor):
+    """Rank 0 of a tensor × pipeline-parallel group: it has a runner for its own shard and drives the others.
 
-    Built by :func:`create_executor`. Its allocator decides the block tables of every stage; its
-    ``execute_model`` broadcasts the batch and returns the last stage's logits; ``copy_blocks``
-    copies here at once and on the other ranks before the next step. ``forward``, ``generate``
-    and ``stats`` work as on a :class:`ModelRunner` (``last_aux`` is rank 0's: with several
-    pipeline stages, only the first stage's router logits).
+    Built by :func:`create_executor`. Its ``execute_model`` broadcasts the batch and returns the last
+    stage's logits; ``copy_blocks`` copies here at once and on the other ranks before the next step.
+
+    :param config: the configuration (every rank gets the same).
+    :param ctx: rank 0's membership of the process group.
+    :param workers: the worker processes started here (None under torchrun).
     """
 
     def __init__(self, config: RunnerConfig, ctx: DistributedContext, workers: WorkerProcesses | None) -> None:
-        super().__init__(rank_config(config, ctx.device), parallel=ctx.parallel)
+        self.runner = ModelRunner(rank_config(config, ctx.device), parallel=ctx.parallel)
         self.ctx = ctx
         """This process's membership of the group (rank 0)."""
         self.workers = workers
@@ -232,24 +384,23 @@ class ParallelExecutor(ModelRunner):
         self._group = _Group(ctx, workers)
         self._finalizer = weakref.finalize(self, self._group.close)
 
-    # -- the ModelRunner API ---------------------------------------------------------------------
-
-    def load_model(self) -> Any:
+    def load_model(self) -> LoadedModel:
         """Load every rank's shard (in step); the KV cache has the same number of blocks on every rank."""
-        if self.loaded is None:
-            self.ranks = self._guarded("loading the model", load_rank, self.ctx, self)
-        return self.loaded
+        if self.runner.loaded is None:
+            self.ranks = self._guarded("loading the model", load_rank, self.ctx, self.runner)
+        return self.runner.loaded
 
-    def execute_model(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step on every rank; float32 logits ``[len(batch.logits_indices), vocab]`` on the CPU.
+    def execute_model(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step on every rank; float32 logits ``[len(batch.logits_indices), vocab]`` on the CPU
+        (``aux`` holds rank 0's extra outputs: with pipeline stages, the first stage's only).
 
-        :raises WorkerFailedError: a rank died or raised (now or in an earlier step).
+        :raises WorkerFailedError: a rank died, raised or hung (now or in an earlier step).
         """
         self._require_loaded()
         copies, self._pending_copies = self._pending_copies, []
-        logits = self._guarded("running a step", self._step, batch, copies)
+        out = self._guarded("running a step", self._step, batch, copies)
         self.num_steps += 1
-        return logits
+        return out
 
     def forward(self, input_ids: torch.Tensor, return_router_logits: bool = False) -> torch.Tensor | dict[str, Any]:
         """As :meth:`ModelRunner.forward`; router logits only without pipeline stages (rank 0 holds
@@ -263,20 +414,20 @@ class ParallelExecutor(ModelRunner):
                 "stage computes the router logits of its own layers only")
         return super().forward(input_ids, return_router_logits)
 
-    def _step(self, batch: ForwardBatch, copies: list[tuple[int, int]]) -> torch.Tensor:
+    def _step(self, batch: ForwardBatch, copies: list[tuple[int, int]]) -> ForwardOutput:
         broadcast_object((STEP, batch, copies), self.ctx.control_group)
-        return run_step(self.ctx, self, batch, [])
+        return run_step(self.ctx, self.runner, batch, [])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy KV blocks ``src → dst`` here now, and on the other ranks before the next step."""
         self._raise_if_unusable()
-        ModelRunner.copy_blocks(self, copies)
+        self.runner.copy_blocks(copies)
         self._pending_copies += list(copies)
 
     def stats(self) -> dict[str, Any]:
-        """:meth:`ModelRunner.stats` of rank 0, plus ``parallel``: the sizes and every rank's report."""
-        out = super().stats()
-        p = self.parallel
+        """Rank 0's runner statistics, plus ``parallel``: the sizes and every rank's report."""
+        out = self.runner.stats()
+        p = self.ctx.parallel
         out["parallel"] = {"tensor_parallel_size": p.tp_size, "pipeline_parallel_size": p.pp_size,
                            "ranks": self.ranks}
         return out
@@ -312,8 +463,21 @@ class ParallelExecutor(ModelRunner):
             raise self._failure from exc
 
     def _diagnose(self, exc: BaseException, phase: str) -> WorkerFailedError:
-        """Which rank failed and why: rank 0 itself unless its error is a lost peer; then the rank that
-        reported an error of its own, else the worker that exited (and how), else what is known."""
+        """Which rank failed and why: a stopped (hung) worker; else rank 0 itself unless its error is a
+        lost peer; then the rank that reported an error of its own, else the worker that exited (and
+        how), else what is known."""
+        stopped = self.workers.stopped() if self.workers is not None else []
+        if stopped:
+            rank = stopped[0]
+            return WorkerFailedError(
+                f"rank {self._where(rank)} stopped answering while {phase} (its process is stopped); the group "
+                f"gave up after {collective_timeout():g} s (MODELRUNNER_DIST_TIMEOUT)", rank, phase)
+        if is_timeout(exc):
+            alive = sorted(set(self.workers.processes) - set(self.workers.exited())) if self.workers else []
+            who = f"rank(s) {', '.join(self._where(r) for r in alive)}" if alive else "a peer of rank 0"
+            return WorkerFailedError(f"{who} did not answer within {collective_timeout():g} s "
+                                     f"(MODELRUNNER_DIST_TIMEOUT) while {phase}: {exc}", alive[0] if alive else None,
+                                     phase)
         if not is_peer_failure(exc):
             return WorkerFailedError(f"rank 0 (the driver) raised while {phase}: {type(exc).__name__}: {exc}",
                                      0, phase)
@@ -345,7 +509,7 @@ class ParallelExecutor(ModelRunner):
             "torchrun, its log names the rank that exited", None, phase)
 
     def _where(self, rank: int, pid: int | None = None) -> str:
-        tp = self.parallel.tp_size
+        tp = self.ctx.parallel.tp_size
         if pid is None and self.workers is not None and rank in self.workers.processes:
             pid = self.workers.processes[rank].pid
         where = f"{rank} (tensor-parallel rank {rank % tp}, pipeline stage {rank // tp}"

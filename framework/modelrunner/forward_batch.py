@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import attrs
@@ -47,6 +48,55 @@ class ForwardBatch:
     """Sequences that ended since the previous step, so adapters that keep per-sequence state can drop it."""
     extra: dict[str, Any] = attrs.field(factory=dict)
     """Adapter-specific inputs keyed by name (e.g. ``"images"``, ``"return_router_logits"``)."""
+
+    @classmethod
+    def build(cls, seq_ids: Sequence[int], new_tokens: Sequence[Sequence[int]], starts: Sequence[int],
+              block_tables: Sequence[Sequence[int]], block_size: int, logits_rows: Sequence[Sequence[int]],
+              finished_seq_ids: tuple[int, ...] = (), extra: dict[str, Any] | None = None) -> ForwardBatch:
+        """Flatten sequences into one batch with a handful of tensor operations.
+
+        :param seq_ids: each sequence's id; ``new_tokens`` its tokens computed in this step, which
+            follow its first ``starts[i]`` (cached) tokens; ``block_tables`` its blocks.
+        :param logits_rows: per sequence, the offsets (into its new tokens) whose logits are wanted.
+        """
+        if not seq_ids:
+            raise ValueError("cannot build a forward batch from zero sequences")
+        num_seqs = len(seq_ids)
+        query_lens = [len(t) for t in new_tokens]
+        max_blocks = max(len(t) for t in block_tables)
+        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        q_lens = torch.tensor(query_lens, dtype=torch.long)
+        context_lens = torch.tensor(list(starts), dtype=torch.long)
+        query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
+        torch.cumsum(q_lens, 0, out=query_start_loc[1:])
+        num_tokens = int(query_start_loc[-1])
+        max_query_len = max(query_lens)
+        if max_query_len == 1:
+            positions = context_lens.clone()
+            seq_index = torch.arange(num_seqs)
+        else:
+            seq_index = torch.repeat_interleave(torch.arange(num_seqs), q_lens, output_size=num_tokens)
+            positions = torch.arange(num_tokens) + (context_lens - query_start_loc[:-1])[seq_index]
+        slot_mapping = tables[seq_index, positions // block_size] * block_size + positions % block_size
+        seq_lens = context_lens + q_lens
+        offsets = query_start_loc[:-1].tolist()
+        logits_indices = [offsets[i] + r for i, rows in enumerate(logits_rows) for r in rows]
+        return cls(
+            input_ids=torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long),
+            positions=positions,
+            seq_ids=tuple(seq_ids),
+            query_start_loc=query_start_loc,
+            seq_lens=seq_lens,
+            context_lens=context_lens,
+            slot_mapping=slot_mapping,
+            block_tables=tables,
+            logits_indices=torch.tensor(logits_indices, dtype=torch.long),
+            block_size=block_size,
+            max_query_len=max_query_len,
+            max_seq_len=int(seq_lens.max()),
+            finished_seq_ids=tuple(finished_seq_ids),
+            extra=extra or {},
+        )
 
     @property
     def num_seqs(self) -> int:
@@ -129,4 +179,4 @@ class ForwardOutput:
     """[len(batch.logits_indices), vocab] logits, as the bare-tensor form."""
     aux: dict[str, Any] = attrs.field(factory=dict)
     """Named extra outputs of the step (e.g. ``"router_logits"``: one ``[num_tokens, num_experts]``
-    tensor per MoE layer); the runner keeps the last step's in ``ModelRunner.last_aux``."""
+    tensor per MoE layer; ``"stage_outputs"`` on a pipeline stage before the last)."""

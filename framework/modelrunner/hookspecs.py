@@ -17,7 +17,9 @@ if TYPE_CHECKING:
     from .config import CacheConfig, CompileConfig, RunnerConfig
     from .forward_batch import ForwardBatch, ForwardOutput
     from .kv_cache.allocator import BlockAllocator
+    from .layers.attention_backend import AttentionBackend
     from .loaded_model import LoadedModel
+    from .models.loader import ModelLoader
     from .parallel_state import ParallelState
     from .registry import Registry
     from .source import ModelSource
@@ -28,12 +30,14 @@ hookimpl = pluggy.HookimplMarker("modelrunner")
 
 @hookspec
 def register(registry: Registry) -> None:
-    """Declare the names this plugin provides, so they can be listed and looked up.
+    """Declare the names this plugin provides, so they can be listed and every call for them routed here.
 
     Called once per plugin when plugins load. Call ``registry.architectures(...)`` with the HF
-    ``architectures`` / GGUF architecture names your load hook accepts, ``registry.allocators(...)``
-    with the KV-cache allocator names your allocate hook answers, and
-    ``registry.compile_backends(...)`` with your compile backend names.
+    ``architectures`` names your load hook accepts, ``registry.allocators(...)`` with the KV-cache
+    allocator names your allocate hook answers, ``registry.compile_backends(...)`` with your compile
+    backend names, and ``registry.attention_backends(cls)`` / ``registry.logits_processors(cls)`` /
+    ``registry.quantization_methods(cls)`` with classes of those kinds. The kernel calls your other
+    hooks only for the names you declare here.
 
     :param registry: collects the names; it records which plugin gave each one.
     """
@@ -41,11 +45,14 @@ def register(registry: Registry) -> None:
 
 @hookspec(firstresult=True)
 def load(
-    source: ModelSource, config: RunnerConfig, device: torch.device, dtype: torch.dtype, parallel: ParallelState
+    source: ModelSource, config: RunnerConfig, device: torch.device, dtype: torch.dtype, parallel: ParallelState,
+    attention_backend: AttentionBackend, max_model_len: int, loader: ModelLoader,
 ) -> LoadedModel | None:
     """Build the model for a checkpoint and load its weights.
 
-    Return None unless you recognise ``source.architecture`` (or ``source.hf_config``).
+    Called only on the plugin that registered ``source.architecture`` (or, for an architecture
+    nobody registered, on a generic adapter that registered ``AutoModelForCausalLM``). Returning
+    None is an error for a plugin that registered the architecture.
 
     :param source: the resolved checkpoint: a local HF directory with its config and tokenizer.
     :param config: the whole runner configuration (parallel sizes, trust_remote_code, ...).
@@ -53,6 +60,14 @@ def load(
     :param dtype: the floating-point dtype for weights and activations.
     :param parallel: this process's ranks; build tensor-parallel layers for ``parallel.tp_rank`` so
         each rank loads only its shard (world size 1 when not parallel).
+    :param attention_backend: the attention backend instance the model's
+        :class:`~modelrunner.layers.Attention` layers must use (chosen by the runner from the
+        ``attention_backend`` config field or the device).
+    :param max_model_len: the longest sequence (prompt + output) the runner will serve; size
+        position tables for it.
+    :param loader: loads another checkpoint (or part of this one) the same way: ``loader.load(source)``
+        routes to the plugin that registered its architecture (a multimodal adapter loads its
+        language model so).
     :returns: the loaded model, its tokenizer, and its KV-cache spec.
 
     Stops at first non-None result.
@@ -65,9 +80,10 @@ def forward(
 ) -> torch.Tensor | ForwardOutput | None:
     """Run the model over one step's flattened batch.
 
-    Return None unless ``loaded.model`` is yours. Call ``loaded.runnable`` (the compiled form
-    chosen by the compile hook) rather than ``loaded.model`` directly. ``wrapper=True``
-    implementations may observe or time the call.
+    Called only on the plugin that loaded ``loaded`` (``wrapper=True`` implementations of any plugin
+    wrap it, to observe or time the call). Call ``loaded.runnable`` (the compiled form chosen by the
+    compile hook, same signature as ``loaded.model``: ``(batch, kv_caches, **inputs)``) rather than
+    ``loaded.model`` directly.
 
     :param loaded: what your load hook returned, with ``runnable`` set.
     :param batch: tokens, positions, slot mapping and block tables of every scheduled sequence.
@@ -90,8 +106,8 @@ def process_inputs(
 ) -> tuple[list[int], dict[str, Any]] | None:
     """Turn a request's prompt and extra inputs into what the model runs, before it is queued.
 
-    Called once per request, after tokenization. Return None unless ``loaded.model`` is yours and
-    the request needs changing (text-only models never implement it). Multimodal adapters
+    Called once per request, after tokenization, only on the plugin that loaded ``loaded`` (text-only
+    models never implement it; return None to leave the request unchanged). Multimodal adapters
     preprocess images here (e.g. ``extra["images"]`` → ``pixel_values``) and expand each image
     placeholder into the number of tokens its features fill. The returned ``extra`` is what the
     forward hook later sees in ``batch.extra`` and what the prefix cache fingerprints, so it must
@@ -109,15 +125,17 @@ def process_inputs(
 
 
 @hookspec(firstresult=True)
-def parallelize(loaded: LoadedModel, parallel: ParallelState) -> LoadedModel | None:
+def parallelize(loaded: LoadedModel, parallel: ParallelState, loader: ModelLoader) -> LoadedModel | None:
     """Apply the tensor/pipeline-parallel plan for this rank to your model.
 
-    Called after load, on every rank, even when the world size is 1 (then do nothing and return
-    ``loaded``). Return None unless ``loaded.model`` is yours.
+    Called after load, on every rank, even when the world size is 1 (then do nothing), only on the
+    plugin that loaded ``loaded``, after the kernel parallelized its ``parts``. An adapter without
+    this hook runs with world size 1 only.
 
     :param loaded: the loaded model.
     :param parallel: this process's ranks and process groups.
-    :returns: the (possibly replaced) loaded model.
+    :param loader: the kernel's loader (``loader.parallelize(part)`` for parts you manage yourself).
+    :returns: the (possibly replaced) loaded model; None keeps ``loaded``.
 
     Stops at first non-None result.
     """
@@ -127,12 +145,15 @@ def parallelize(loaded: LoadedModel, parallel: ParallelState) -> LoadedModel | N
 def compile(name: str, loaded: LoadedModel, config: CompileConfig) -> Callable[..., Any] | None:
     """Produce the callable the forward hook will run in place of ``loaded.model``.
 
-    Return None unless ``name`` is one of your compile backends.
+    Called only on the plugin that registered the backend ``name``. To build on the kernel's eager
+    backend (its prepacked weights included) wrap ``loaded.runnable``, which holds the eager
+    callable when this hook runs, rather than ``loaded.model``. A callable with a ``stats()`` method
+    has its dict shown in ``ModelRunner.stats()["compile"]``.
 
     :param name: the backend asked for (``compile_backend`` in the config, ``"eager"`` when off).
     :param loaded: the loaded (and parallelized) model.
     :param config: compile mode, cache directory and backend options.
-    :returns: a callable with the same signature as ``loaded.model``.
+    :returns: a callable with the same signature as ``loaded.model``: ``(batch, kv_caches, **inputs)``.
 
     Stops at first non-None result.
     """
@@ -142,7 +163,7 @@ def compile(name: str, loaded: LoadedModel, config: CompileConfig) -> Callable[.
 def allocate(name: str, num_blocks: int, block_size: int, max_model_len: int, config: CacheConfig) -> BlockAllocator | None:
     """Create the KV-cache block allocator called ``name``.
 
-    Return None unless ``name`` is one of your allocators.
+    Called only on the plugin that registered the allocator ``name``.
 
     :param name: the allocator asked for (``kv_allocator`` in the config).
     :param num_blocks: blocks in the preallocated cache.

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import collections
 from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .config import RunnerConfig
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import RequestOutput
-from .engine.sampling_params import SamplingParams
+from .errors import ModelRunnerError
+from .executor import Executor, create_executor
+from .sampling.params import SamplingParams
 
 
 class LLM:
@@ -19,22 +22,40 @@ class LLM:
     """
 
     def __init__(self, model: str = "smollm2", **config: Any) -> None:
-        from .executor import create_executor
+        # One process, or with tensor/pipeline_parallel_size > 1 rank 0 driving the other ranks.
+        executor = create_executor(RunnerConfig.from_dict({"model": model, **config}))
+        try:
+            self.engine = LLMEngine(executor)
+            """The engine; use its ``add_request`` / ``step`` to interleave requests yourself."""
+        except BaseException:
+            executor.shutdown()
+            raise
 
-        # A ModelRunner, or with tensor/pipeline_parallel_size > 1 a ParallelExecutor driving the other ranks.
-        self.runner = create_executor(RunnerConfig.from_dict({"model": model, **config}))
-        """The model runner (device, dtype, KV cache)."""
-        self.runner.load_model()
-        self.engine = LLMEngine(self.runner)
-        """The engine; use its ``add_request`` / ``step`` to interleave requests yourself."""
+    @property
+    def llm_engine(self) -> LLMEngine:
+        """The engine (vLLM's name for :attr:`engine`)."""
+        return self.engine
+
+    @property
+    def runner(self) -> Executor:
+        """The executor that runs the model (``forward(ids)`` gives every position's logits)."""
+        return self.engine.executor
 
     def get_tokenizer(self) -> Any:
         """The checkpoint's tokenizer."""
-        return self.runner.tokenizer
+        return self.engine.tokenizer
 
     def memory_stats(self) -> dict[str, Any]:
         """KV-cache statistics (blocks used/free/cached, peak, prefix hits) and queue lengths."""
         return self.engine.memory_stats()
+
+    def stats(self) -> dict[str, Any]:
+        """Every statistic: ``kv_cache``, ``model``, ``compile`` and (parallel) ``parallel``."""
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        """Stop the worker processes, if any (also happens at exit)."""
+        self.engine.executor.shutdown()
 
     def generate(
         self,
@@ -54,14 +75,23 @@ class LLM:
         """
         batch = _as_prompt_list(prompts)
         params = _per_prompt_params(sampling_params, len(batch))
-        ids = self._add_all(batch, params)
+        done: dict[str, RequestOutput] = {}
         bar = None
-        if use_tqdm and len(ids) > 1:
+        if use_tqdm and len(batch) > 1:
             from tqdm.auto import tqdm
 
-            bar = tqdm(total=len(ids), desc="Generating", unit="prompt", dynamic_ncols=True)
+            bar = tqdm(total=len(batch), desc="Generating", unit="prompt", dynamic_ncols=True)
+
+        def collect(output: RequestOutput) -> None:
+            if output.finished:
+                done[output.request_id] = output
+                if bar is not None:
+                    bar.update(1)
+
+        ids = self._add_all(batch, params, collect)
         try:
-            done = self.engine.run_until_finished(ids, on_finished=(lambda _: bar.update(1)) if bar else None)
+            while len(done) < len(ids):
+                self.engine.advance()
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
@@ -71,13 +101,13 @@ class LLM:
                 bar.close()
         return [done[rid] for rid in ids]
 
-    def _add_all(self, prompts: list[Any], params: list[SamplingParams]) -> list[str]:
+    def _add_all(self, prompts: list[Any], params: list[SamplingParams], consumer: Any) -> list[str]:
         ids: list[str] = []
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 rid = self.engine.new_request_id()
                 try:
-                    self.engine.add_request(rid, prompt, p)
+                    self.engine.add_request(rid, prompt, p, on_output=consumer)
                 except ValueError as exc:
                     raise ValueError(f"prompt {i}: {exc}") from exc
                 ids.append(rid)
@@ -98,19 +128,21 @@ class LLM:
         iterator early aborts the request.
         """
         rid = self.engine.new_request_id()
-        self.engine.add_request(rid, prompt, sampling_params)
+        arrived: collections.deque[RequestOutput] = collections.deque()
+        self.engine.add_request(rid, prompt, sampling_params, on_output=arrived.append)
         finished = False
         try:
             while not finished:
-                for output in self.engine.step():
-                    if output.request_id != rid:
-                        continue
-                    if output.error:
-                        raise RuntimeError(f"generation failed: {output.error}")
-                    piece = output.outputs[0].delta_text if output.outputs else ""
-                    if piece:
-                        yield piece
-                    finished = output.finished
+                if not arrived:
+                    self.engine.advance()
+                    continue
+                output = arrived.popleft()
+                if output.error:
+                    raise GenerationError(output.error)
+                piece = output.outputs[0].delta_text if output.outputs else ""
+                if piece:
+                    yield piece
+                finished = output.finished
         finally:
             if not finished:
                 self.engine.abort_request(rid)
@@ -139,6 +171,10 @@ class LLM:
             # The template already holds any BOS: encode without adding special tokens again.
             prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+
+class GenerationError(ModelRunnerError):
+    """A request failed while generating (its forward or sampling raised twice); the message says why."""
 
 
 def _as_prompt_list(prompts: Any) -> list[Any]:

@@ -1,4 +1,11 @@
-"""The plugin manager: entry points, the kernel's default plugins, allowlist and blocklist, listing."""
+"""The plugin manager: entry points, the kernel's default plugins, allow/block lists, routing by name.
+
+Every hook call for a name goes to the one plugin that registered it: ``load`` to the plugin that
+registered the checkpoint's architecture, ``compile`` / ``allocate`` to the plugin that registered
+the backend / allocator name, and ``forward`` / ``parallelize`` / ``process_inputs`` to the plugin
+that loaded the model (:attr:`LoadedModel.adapter`). ``wrapper=True`` implementations of other
+plugins still wrap the call, so tracers and profilers keep working.
+"""
 
 from __future__ import annotations
 
@@ -10,10 +17,11 @@ from typing import Any, Iterable
 
 import attrs
 import pluggy
+import torch
 
 from . import hookspecs
 from .errors import PluginError, UnknownNameError
-from .registry import Registry
+from .registry import Registry, split_choice
 
 ENTRY_POINT_GROUP = "modelrunner"
 """The entry-point group plugins declare themselves in."""
@@ -23,6 +31,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-transformers": "modelrunner.defaults.transformers_adapter",
     "default-eager": "modelrunner.defaults.eager",
     "default-sdpa": "modelrunner.defaults.attention",
+    "default-sampling": "modelrunner.defaults.sampling",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 
@@ -45,7 +54,7 @@ class PluginInfo:
     hooks: tuple[str, ...] = ()
     """Hooks it implements."""
     provides: dict[str, list[str]] = attrs.field(factory=dict)
-    """Names it registered, by kind (architectures, allocators, compile_backends)."""
+    """Names it registered, by kind (architectures, allocators, compile_backends, ...)."""
     error: str | None = None
     """Why it failed to load, when it did."""
 
@@ -69,14 +78,22 @@ class _Manager(pluggy.PluginManager):
 
 
 class Plugins:
-    """A loaded plugin manager with its name registry and the report of what loaded."""
+    """A loaded plugin manager with its name registry, the report of what loaded, and routed calls.
+
+    :param allow: entry-point names to load (None: all).
+    :param block: plugin names (entry points or defaults) never to load.
+    """
 
     def __init__(self, allow: Iterable[str] | None = None, block: Iterable[str] = ()) -> None:
         self.pm = _Manager()
+        """The pluggy manager (for wrappers and diagnostics; call hooks through :meth:`call`)."""
         self.pm.add_hookspecs(hookspecs)
-        self.registry = Registry()
+        self.registry = Registry(default_plugins=frozenset(DEFAULT_PLUGINS))
+        """Every name the loaded plugins provide, by kind."""
         self.infos: dict[str, PluginInfo] = {}
         self.broken: dict[str, str] = {}
+        """Plugin name → why it failed to load."""
+        self._callers: dict[tuple[str, str], Any] = {}
         allow_set = None if allow is None else set(allow)
         block_set = set(block)
         for name in block_set:
@@ -92,8 +109,10 @@ class Plugins:
 
     @property
     def hook(self) -> Any:
-        """The hook relay (``plugins.hook.load(...)``)."""
+        """The unrouted hook relay (every plugin's implementations); prefer :meth:`call`."""
         return self.pm.hook
+
+    # -- loading ---------------------------------------------------------------------------------
 
     def _load_defaults(self, block: set[str]) -> None:
         version = importlib.metadata.version("modelrunner")
@@ -141,30 +160,109 @@ class Plugins:
         """Every plugin seen, installed ones first, with its hooks, names and error."""
         return sorted(self.infos.values(), key=lambda i: (i.name in DEFAULT_PLUGINS, i.name))
 
-    def require(self, kind: str, name: str) -> None:
-        """Raise :class:`UnknownNameError` unless some loaded plugin registered ``name`` of ``kind``."""
-        if name not in self.registry.provided[kind]:
-            raise UnknownNameError(self.registry.unknown(kind, name, self.broken))
+    def problems(self) -> list[str]:
+        """One line per broken plugin and per name several installed plugins claim (for ``--check``)."""
+        lines = [f"plugin {name!r} is broken: {error}" for name, error in sorted(self.broken.items())]
+        for kind, name, plugins in self.registry.conflicts():
+            lines.append(f"{kind.rstrip('s').replace('_', ' ')} {name!r} is provided by several plugins: "
+                         f"{', '.join(plugins)}")
+        return lines
+
+    # -- routing ---------------------------------------------------------------------------------
+
+    def call(self, hook_name: str, plugin: str, **kwargs: Any) -> Any:
+        """Call hook ``hook_name`` of ``plugin`` alone (other plugins' ``wrapper=True`` implementations
+        still wrap it); None when the plugin does not implement that hook."""
+        key = (hook_name, plugin)
+        caller = self._callers.get(key)
+        if caller is None:
+            hook = getattr(self.pm.hook, hook_name)
+            others = {impl.plugin for impl in hook.get_hookimpls()
+                      if impl.plugin_name != plugin and not (impl.wrapper or impl.hookwrapper)}
+            caller = self._callers[key] = self.pm.subset_hook_caller(hook_name, others)
+        return caller(**kwargs)
+
+    def implements(self, plugin: str, hook_name: str) -> bool:
+        """Whether ``plugin`` has an implementation of ``hook_name``."""
+        return any(impl.plugin_name == plugin for impl in getattr(self.pm.hook, hook_name).get_hookimpls())
+
+    def require(self, kind: str, name: str, choice: str | None = None, how_to_choose: str = "") -> str:
+        """The plugin serving ``name`` of ``kind`` (``"plugin:name"`` picks the plugin explicitly).
+
+        :raises UnknownNameError: no loaded plugin provides it (the message lists those that do
+            exist and the broken plugins).
+        :raises PluginConflictError: several do and nothing picks one.
+        """
+        picked, bare = split_choice(name)
+        owner = self.registry.owner(kind, bare, picked or choice,
+                                    how_to_choose or f"'<plugin>:{bare}'")
+        if owner is None:
+            raise UnknownNameError(self.registry.unknown(kind, bare, self.broken))
+        return owner
 
     def create_allocator(self, name: str, num_blocks: int, block_size: int, max_model_len: int, config: Any) -> Any:
-        """The block allocator called ``name``, from whichever plugin provides it."""
-        self.require("allocators", name)
-        allocator = self.pm.hook.allocate(
-            name=name, num_blocks=num_blocks, block_size=block_size, max_model_len=max_model_len, config=config
-        )
+        """The block allocator called ``name``, from the plugin that provides it."""
+        owner = self.require("allocators", name)
+        bare = split_choice(name)[1]
+        allocator = self.call("allocate", owner, name=bare, num_blocks=num_blocks, block_size=block_size,
+                              max_model_len=max_model_len, config=config)
         if allocator is None:
-            raise PluginError(f"plugin {self.registry.provided['allocators'][name]!r} registered allocator "
-                              f"{name!r} but its allocate hook returned None")
+            raise PluginError(f"plugin {owner!r} registered allocator {bare!r} but its allocate hook returned None")
         return allocator
 
     def compile_model(self, name: str, loaded: Any, config: Any) -> Any:
         """The callable the compile backend ``name`` makes of ``loaded``."""
-        self.require("compile_backends", name)
-        fn = self.pm.hook.compile(name=name, loaded=loaded, config=config)
+        owner = self.require("compile_backends", name)
+        bare = split_choice(name)[1]
+        fn = self.call("compile", owner, name=bare, loaded=loaded, config=config)
         if fn is None:
-            raise PluginError(f"plugin {self.registry.provided['compile_backends'][name]!r} registered compile "
-                              f"backend {name!r} but its compile hook returned None")
+            raise PluginError(f"plugin {owner!r} registered compile backend {bare!r} but its compile hook "
+                              "returned None")
         return fn
+
+    def _class(self, kind: str, name: str) -> type:
+        owner = self.require(kind, name)
+        return self.registry.get_class(kind, split_choice(name)[1], owner)
+
+    def attention_backend_class(self, name: str) -> type:
+        """The :class:`~modelrunner.layers.AttentionBackend` subclass registered as ``name``."""
+        return self._class("attention_backends", name)
+
+    def attention_backends(self, device: torch.device | str | None = None) -> list[str]:
+        """Names of the loaded attention backends; with ``device``, only those that support it."""
+        names = self.registry.names("attention_backends")
+        if device is None:
+            return names
+        device = torch.device(device)
+        return [n for n in names if self.attention_backend_class(n).supports(device)]
+
+    def attention_backend(self, device: torch.device | str, name: str | None = None) -> Any:
+        """An instance of attention backend ``name``, or of the highest-priority one supporting ``device``.
+
+        :raises UnknownNameError: ``name`` is unknown (the message lists the loaded ones).
+        :raises ValueError: ``name`` does not support ``device``, or no loaded backend does.
+        """
+        device = torch.device(device)
+        if name is not None:
+            cls = self.attention_backend_class(name)
+            if not cls.supports(device):
+                usable = ", ".join(self.attention_backends(device)) or "(none)"
+                raise ValueError(f"attention backend {name!r} does not support device {device}; backends that "
+                                 f"do: {usable}")
+            return cls()
+        usable = [self.attention_backend_class(n) for n in self.attention_backends(device)]
+        if not usable:
+            raise ValueError(f"no loaded attention backend supports device {device} "
+                             f"(loaded: {', '.join(self.registry.names('attention_backends')) or 'none'})")
+        return max(usable, key=lambda cls: cls.priority)()
+
+    def logits_processor_class(self, name: str) -> type:
+        """The :class:`~modelrunner.sampling.LogitsProcessor` subclass registered as ``name``."""
+        return self._class("logits_processors", name)
+
+    def quantization_method_class(self, name: str) -> type:
+        """The :class:`~modelrunner.quantization.QuantizationMethod` subclass registered as ``name``."""
+        return self._class("quantization_methods", name)
 
 
 def _env_list(var: str) -> list[str] | None:
@@ -195,7 +293,7 @@ def get_plugins(allow: Iterable[str] | None = None, block: Iterable[str] | None 
 
 
 def get_plugin_manager() -> pluggy.PluginManager:
-    """The pluggy manager of :func:`get_plugins` (for code that calls hooks directly)."""
+    """The pluggy manager of :func:`get_plugins` (for code that inspects hooks directly)."""
     return get_plugins().pm
 
 

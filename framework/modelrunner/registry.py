@@ -1,76 +1,185 @@
-"""The names plugins provide (architectures, allocators, compile backends, attention backends), and who
-provides them."""
+"""The names plugins provide, one registry per kind, and who provides each name.
+
+A plugin's ``register`` hook declares its names here once; the kernel then routes every hook call
+for a name to the plugin that declared it (see :class:`modelrunner.plugins.Plugins`). Names of the
+kernel's own default plugins lose to the same name from an installed plugin; two installed plugins
+declaring one name is a *conflict*, resolved only by an explicit choice (``adapter=NAME`` for an
+architecture, ``plugin:name`` for the other kinds), never by install order.
+"""
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterable
+from typing import Any
 
 import attrs
 
-KINDS = ("architectures", "allocators", "compile_backends", "attention_backends")
+from .errors import PluginConflictError
+
+NAME_KINDS = ("architectures", "allocators", "compile_backends")
+"""Kinds declared by name only (the plugin's hook answers for them)."""
+CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods")
+"""Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
+KINDS = NAME_KINDS + CLASS_KINDS
+"""Every kind of name a plugin may provide."""
+
+FALLBACK_ARCHITECTURE = "AutoModelForCausalLM"
+"""The architecture name a generic adapter registers: its load hook is asked for any checkpoint whose
+architecture no plugin registered."""
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """``". Did you mean 'x'?"`` for the closest of ``known`` to ``name``, or ``""``."""
+    close = difflib.get_close_matches(str(name), list(known), n=1)
+    return f". Did you mean {close[0]!r}?" if close else ""
+
+
+def split_choice(name: str) -> tuple[str | None, str]:
+    """``"plugin:name"`` → ``("plugin", "name")``; a plain ``"name"`` → ``(None, "name")``."""
+    plugin, sep, rest = name.partition(":")
+    return (plugin, rest) if sep and plugin and rest else (None, name)
+
+
+def _base_class(kind: str) -> type:
+    if kind == "attention_backends":
+        from .layers.attention_backend import AttentionBackend
+
+        return AttentionBackend
+    if kind == "logits_processors":
+        from .sampling.logits_processor import LogitsProcessor
+
+        return LogitsProcessor
+    from .quantization.base import QuantizationMethod
+
+    return QuantizationMethod
 
 
 @attrs.define
 class Registry:
-    """Collects names through the ``register`` hook, remembering the plugin behind each."""
+    """Collects names through the ``register`` hook, remembering every plugin behind each.
 
-    provided: dict[str, dict[str, str]] = attrs.field(factory=lambda: {k: {} for k in KINDS})
-    """kind → name → plugin that provides it."""
+    :param default_plugins: the kernel's own plugins (their names lose to installed plugins').
+    """
+
+    default_plugins: frozenset[str] = frozenset()
+    """The kernel's own plugins."""
+    providers: dict[str, dict[str, list[str]]] = attrs.field(factory=lambda: {k: {} for k in KINDS})
+    """kind → name → the plugins that declared it, in registration order."""
+    classes: dict[tuple[str, str, str], type] = attrs.field(factory=dict)
+    """``(kind, name, plugin)`` → the class a plugin declared for a class kind."""
     current_plugin: str = "?"
     """The plugin whose ``register`` hook is running (set by the plugin manager)."""
 
-    def _add(self, kind: str, names: tuple[str, ...]) -> None:
-        for name in names:
-            if not isinstance(name, str) or not name:
-                raise ValueError(f"plugin {self.current_plugin!r} registered an invalid {kind} name {name!r}")
-            # First registration wins: plugins register in hook order, installed before defaults.
-            self.provided[kind].setdefault(name, self.current_plugin)
+    # -- declaring (called from register hooks) ------------------------------------------------
+
+    def _add(self, kind: str, name: Any) -> None:
+        if not isinstance(name, str) or not name or ":" in name:
+            raise ValueError(f"plugin {self.current_plugin!r} registered an invalid {kind} name {name!r} "
+                             "(a non-empty string without ':')")
+        plugins = self.providers[kind].setdefault(name, [])
+        if self.current_plugin not in plugins:
+            plugins.append(self.current_plugin)
+
+    def _add_classes(self, kind: str, classes: tuple[type, ...]) -> None:
+        base = _base_class(kind)
+        for cls in classes:
+            if not (isinstance(cls, type) and issubclass(cls, base)):
+                raise ValueError(f"plugin {self.current_plugin!r} registered {cls!r} as one of its {kind}; "
+                                 f"expected a {base.__module__}.{base.__name__} subclass")
+            self._add(kind, getattr(cls, "name", None))
+            self.classes[(kind, cls.name, self.current_plugin)] = cls
 
     def architectures(self, *names: str) -> None:
         """Declare model architectures (HF ``architectures`` entries) the plugin's load hook accepts."""
-        self._add("architectures", names)
+        for name in names:
+            self._add("architectures", name)
 
     def allocators(self, *names: str) -> None:
         """Declare KV-cache allocator names the plugin's allocate hook answers."""
-        self._add("allocators", names)
+        for name in names:
+            self._add("allocators", name)
 
     def compile_backends(self, *names: str) -> None:
         """Declare compile backend names the plugin's compile hook answers."""
-        self._add("compile_backends", names)
+        for name in names:
+            self._add("compile_backends", name)
 
     def attention_backends(self, *backends: type) -> None:
         """Declare paged-attention implementations (:class:`modelrunner.layers.AttentionBackend`
         subclasses); each becomes selectable by its ``name`` (config field ``attention_backend``)."""
-        from .layers.attention import AttentionBackend, register_attention_backend
+        self._add_classes("attention_backends", backends)
 
-        for cls in backends:
-            if not (isinstance(cls, type) and issubclass(cls, AttentionBackend)):
-                raise ValueError(f"plugin {self.current_plugin!r} registered {cls!r} as an attention backend; "
-                                 "expected an AttentionBackend subclass")
-            register_attention_backend(cls)
-        self._add("attention_backends", tuple(cls.name for cls in backends))
+    def logits_processors(self, *processors: type) -> None:
+        """Declare logits processors (:class:`modelrunner.sampling.LogitsProcessor` subclasses); a
+        request uses one by naming it in ``SamplingParams(logits_processors=[...])``."""
+        self._add_classes("logits_processors", processors)
+
+    def quantization_methods(self, *methods: type) -> None:
+        """Declare weight quantization methods (:class:`modelrunner.quantization.QuantizationMethod`
+        subclasses), selectable by ``name`` (config field ``quantization``)."""
+        self._add_classes("quantization_methods", methods)
+
+    # -- looking up ----------------------------------------------------------------------------
 
     def names(self, kind: str) -> list[str]:
         """Sorted names of one kind."""
-        return sorted(self.provided[kind])
+        return sorted(self.providers[kind])
 
     def by_plugin(self, plugin: str) -> dict[str, list[str]]:
         """kind → names provided by one plugin (kinds with none left out)."""
         out: dict[str, list[str]] = {}
-        for kind, names in self.provided.items():
-            mine = sorted(n for n, p in names.items() if p == plugin)
+        for kind, names in self.providers.items():
+            mine = sorted(n for n, plugins in names.items() if plugin in plugins)
             if mine:
                 out[kind] = mine
         return out
+
+    def candidates(self, kind: str, name: str) -> list[str]:
+        """The plugins that could serve ``name``: installed ones when any declared it, else the defaults."""
+        plugins = self.providers[kind].get(name, [])
+        installed = [p for p in plugins if p not in self.default_plugins]
+        return installed or list(plugins)
+
+    def conflicts(self) -> list[tuple[str, str, list[str]]]:
+        """``(kind, name, plugins)`` for every name two or more installed plugins declared."""
+        return [(kind, name, self.candidates(kind, name))
+                for kind in KINDS for name in self.names(kind) if len(self.candidates(kind, name)) > 1]
+
+    def owner(self, kind: str, name: str, choice: str | None = None, how_to_choose: str = "") -> str | None:
+        """The plugin that serves ``name`` of ``kind``; None when nobody declared it.
+
+        :param choice: the plugin the configuration picked (``adapter=`` / ``plugin:name``).
+        :param how_to_choose: the config syntax that picks one, named in a conflict error.
+        :raises PluginConflictError: several installed plugins declared it and ``choice`` picks none
+            of them (the message lists them).
+        """
+        plugins = self.candidates(kind, name)
+        if choice is not None:
+            if choice in self.providers[kind].get(name, []):
+                return choice
+            what = kind.rstrip("s").replace("_", " ")
+            raise PluginConflictError(
+                f"plugin {choice!r} does not provide {what} {name!r}; it is provided by "
+                f"{', '.join(repr(p) for p in plugins) or 'no loaded plugin'}")
+        if not plugins:
+            return None
+        if len(plugins) > 1:
+            what = kind.rstrip("s").replace("_", " ")
+            raise PluginConflictError(
+                f"{what} {name!r} is provided by several installed plugins ({', '.join(map(repr, plugins))}); "
+                f"choose one{' with ' + how_to_choose if how_to_choose else ''} (install order never decides)")
+        return plugins[0]
+
+    def get_class(self, kind: str, name: str, plugin: str) -> type:
+        """The class ``plugin`` declared as ``name`` of a class kind."""
+        return self.classes[(kind, name, plugin)]
 
     def unknown(self, kind: str, name: str, broken: dict[str, str] | None = None) -> str:
         """The message for a name nobody provides: the known ones, a suggestion, and broken plugins."""
         known = self.names(kind)
         what = kind.rstrip("s").replace("_", " ")
-        msg = f"unknown {what} {name!r}; installed: {', '.join(known) or '(none)'}"
-        close = difflib.get_close_matches(name, known, n=1)
-        if close:
-            msg += f". Did you mean {close[0]!r}?"
+        msg = f"unknown {what} {name!r}; installed: {', '.join(known) or '(none)'}{did_you_mean(name, known)}"
         if broken:
             msg += " Plugins that failed to load and might provide it: " + "; ".join(
                 f"{p}: {e}" for p, e in sorted(broken.items())

@@ -1,19 +1,26 @@
-"""ModelRunner: load → parallelize → compile → KV cache → execute steps."""
+"""ModelRunner: one process's model — load → parallelize → compile → KV tensors → execute steps.
+
+The runner knows devices, dtypes, the plugins and the KV-cache tensors; it does not schedule. The
+block allocator that hands out its KV blocks belongs to whoever schedules (the engine's
+:class:`~modelrunner.engine.scheduler.Scheduler`); the runner only reports how many blocks it holds.
+"""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
-import attrs
 import torch
 
+from .article import ArticleAPI
 from .config import RunnerConfig
-from .distributed import min_over_ranks
-from .errors import ModelRunnerError, UnknownNameError
+from .distributed import STAGE_OUTPUTS, min_over_ranks
+from .errors import ModelRunnerError
 from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
+from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
+from .models.loader import ModelLoader
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
 from .source import ModelSource, resolve_source
@@ -44,103 +51,118 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float16
 
 
-class ModelRunner:
-    """Runs one model: the article's ModelRunner, with every stage a plugin hook.
+def resolve_max_model_len(hf_config: Any, asked: int | None) -> int:
+    """``asked``, else the model's ``max_position_embeddings`` capped at :data:`MAX_DEFAULT_MODEL_LEN`.
 
-    ``load_model()`` resolves the checkpoint, lets the load hook's adapter build it, applies the
-    parallelize and compile hooks, then sizes and allocates the paged KV cache and its block
-    allocator. ``execute_model(batch)`` runs one step and returns logits.
+    :raises ValueError: ``asked`` exceeds the model's ``max_position_embeddings``.
+    """
+    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
+    limit = getattr(text, "max_position_embeddings", None) or MAX_DEFAULT_MODEL_LEN
+    if asked is None:
+        return min(int(limit), MAX_DEFAULT_MODEL_LEN)
+    if asked > limit:
+        raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
+    return asked
+
+
+class ModelRunner(ArticleAPI):
+    """Runs one model in one process (one rank's shard when parallel): the article's ModelRunner,
+    with every stage a plugin hook routed to the plugin that owns the name.
+
+    ``load_model()`` resolves the checkpoint, lets the adapter that registered its architecture
+    build it, applies the parallelize and compile hooks, then sizes and allocates the paged KV
+    cache. ``execute_model(batch)`` runs one step and returns a :class:`ForwardOutput`. The article's
+    ``forward(input_ids)`` and ``generate(input_ids)`` work on top (:class:`~modelrunner.article.ArticleAPI`).
+
+    :param config: the configuration (a :class:`RunnerConfig` or its flat dict).
+    :param parallel: this process's ranks (default: a single process).
+    :param plugins: the plugins to route through (default: :func:`~modelrunner.plugins.get_plugins`).
     """
 
     def __init__(self, config: RunnerConfig | dict[str, Any], parallel: ParallelState | None = None,
                  plugins: Plugins | None = None) -> None:
         self.config = RunnerConfig.from_dict(config) if isinstance(config, dict) else config
+        """The whole configuration."""
         self.device = resolve_device(self.config.device)
+        """Where the weights and the KV cache live."""
         self.parallel = parallel or ParallelState()
+        """This process's tensor/pipeline ranks."""
         self.plugins = plugins or get_plugins()
+        """The plugins every hook call is routed through."""
         self.dtype: torch.dtype | None = None
+        """Weight and activation dtype (set by :meth:`load_model`)."""
         self.source: ModelSource | None = None
+        """The resolved checkpoint."""
         self.loaded: LoadedModel | None = None
+        """The loaded model (None until :meth:`load_model`)."""
         self.kv_caches: list[torch.Tensor] = []
-        self.allocator: Any = None
+        """One ``[2, num_blocks, block_size, kv_heads, head_dim]`` tensor per attention layer of this rank."""
+        self.num_blocks = 0
+        """KV-cache blocks every layer holds (the block allocator's pool size)."""
         self.max_model_len = 0
-        self.last_aux: dict[str, Any] = {}
-        """Extra outputs of the last step (e.g. ``router_logits``), when the adapter returned them."""
-        self._engine: Any = None
+        """Longest sequence (prompt + output) this runner serves."""
 
     # -- loading -------------------------------------------------------------------------------
+
+    def check_config(self) -> None:
+        """Fail now, before anything loads, on names no plugin provides and on settings the chosen
+        pieces cannot serve (e.g. a ``block_size`` above the attention backend's limit)."""
+        cfg = self.config
+        self.plugins.require("compile_backends", cfg.compile.backend_name)
+        self.plugins.require("allocators", cfg.cache.kv_allocator)
+        if cfg.model.attention_backend is not None:
+            backend = self.plugins.attention_backend_class(cfg.model.attention_backend)
+            backend.check_config(cfg.cache.block_size)
 
     def load_model(self) -> LoadedModel:
         """Load, parallelize and compile the model, then allocate its KV cache. Idempotent."""
         if self.loaded is not None:
             return self.loaded
+        self.check_config()
         cfg = self.config
-        self.plugins.require("compile_backends", cfg.compile.backend_name)
-        self.plugins.require("allocators", cfg.cache.kv_allocator)
-        if cfg.model.attention_backend is not None:
-            self.plugins.require("attention_backends", cfg.model.attention_backend)
         self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
         self.dtype = resolve_dtype(cfg.model.dtype, self.source.hf_config, self.device)
+        self.max_model_len = resolve_max_model_len(self.source.hf_config, cfg.model.max_model_len)
+        backend = self.plugins.attention_backend(self.device, cfg.model.attention_backend)
+        type(backend).check_config(cfg.cache.block_size, self.dtype)
         torch.manual_seed(cfg.model.seed)
-        loaded = self.plugins.hook.load(
-            source=self.source, config=cfg, device=self.device, dtype=self.dtype, parallel=self.parallel
-        )
-        if loaded is None:
-            raise UnknownNameError(self.plugins.registry.unknown(
-                "architectures", self.source.architecture or f"model_type={self.source.hf_config.model_type}",
-                self.plugins.broken))
-        loaded = self.plugins.hook.parallelize(loaded=loaded, parallel=self.parallel) or loaded
+        loader = ModelLoader(self.plugins, cfg, self.device, self.dtype, self.parallel, backend, self.max_model_len)
+        loaded = loader.parallelize(loader.load(self.source, adapter=cfg.model.adapter))
+        loaded.runnable = loaded.model  # what the compile hook may wrap (the eager backend keeps it)
         loaded.runnable = self.plugins.compile_model(cfg.compile.backend_name, loaded, cfg.compile)
         self.loaded = loaded
-        self.max_model_len = self._max_model_len(loaded.hf_config)
         self._init_kv_cache()
         return loaded
-
-    def _max_model_len(self, hf_config: Any) -> int:
-        text = getattr(hf_config, "get_text_config", lambda: hf_config)()
-        limit = getattr(text, "max_position_embeddings", None) or MAX_DEFAULT_MODEL_LEN
-        asked = self.config.model.max_model_len
-        if asked is None:
-            return min(limit, MAX_DEFAULT_MODEL_LEN)
-        if asked > limit:
-            raise ValueError(f"max_model_len={asked} exceeds the model's max_position_embeddings={limit}")
-        return asked
 
     def _init_kv_cache(self) -> None:
         assert self.loaded is not None
         cache_cfg = self.config.cache
-        block_size = cache_cfg.block_size
         spec = self.loaded.kv_cache_spec
         if spec is None:
-            # The model keeps its own cache: the allocator only does the bookkeeping of lengths.
-            num_blocks = math.ceil(self.max_model_len / block_size) * self.config.scheduler.max_num_seqs
-            cache_cfg = attrs.evolve(cache_cfg, enable_prefix_caching=False)
-        else:
-            weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
-            budget = kv_cache_budget(cache_cfg, self.device, weights, self._profile_activation_peak())
-            num_blocks = num_blocks_for_budget(spec, budget, self.max_model_len)
-            if self.parallel.world_size > 1:
-                # One allocator (rank 0's) decides block ids for every rank: all must hold as many blocks.
-                num_blocks = min_over_ranks(num_blocks, self.device)
-            self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
-        self.allocator = self.plugins.create_allocator(
-            cache_cfg.kv_allocator, num_blocks, block_size, self.max_model_len, cache_cfg
-        )
+            # The model keeps its own cache: blocks only count lengths, no KV tensors.
+            self.num_blocks = math.ceil(self.max_model_len / cache_cfg.block_size) * self.config.scheduler.max_num_seqs
+            return
+        weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        budget = kv_cache_budget(cache_cfg, self.device, weights, self._profile_activation_peak(spec))
+        num_blocks = num_blocks_for_budget(spec, budget, self.max_model_len)
+        if self.parallel.world_size > 1:
+            # One allocator (rank 0's engine) decides block ids for every rank: all must hold as many blocks.
+            num_blocks = min_over_ranks(num_blocks, self.device)
+        self.kv_caches = allocate_kv_caches(spec, num_blocks, self.device)
+        self.num_blocks = num_blocks
 
-    def _profile_activation_peak(self) -> int:
+    def _profile_activation_peak(self, spec: KVCacheSpec) -> int:
         """Bytes a step of ``max_num_batched_tokens`` needs beyond the weights (CUDA only; 0 on CPU)."""
         if self.device.type != "cuda" or self.config.cache.kv_cache_memory is not None:
             return 0
-        assert self.loaded is not None and self.loaded.kv_cache_spec is not None
-        spec = self.loaded.kv_cache_spec
         tokens = min(self.config.scheduler.max_num_batched_tokens, self.max_model_len)
         blocks = math.ceil(tokens / spec.block_size)
         caches = allocate_kv_caches(spec, blocks, self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         before = torch.cuda.memory_allocated(self.device)
-        batch = _single_sequence_batch(list(range(tokens)), list(range(blocks)), spec.block_size,
-                                       [tokens - 1], seq_id=-1)
+        batch = ForwardBatch.build([-1], [list(range(tokens))], [0], [list(range(blocks))], spec.block_size,
+                                   [[tokens - 1]])
         self._run(batch.to(self.device), caches)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before
@@ -155,32 +177,41 @@ class ModelRunner:
             raise ModelRunnerError("call load_model() first")
         return self.loaded
 
-    def _run(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def _run(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> ForwardOutput:
+        loaded = self.loaded
         with torch.inference_mode():
-            logits = self.plugins.hook.forward(loaded=self.loaded, batch=batch, kv_caches=kv_caches)
-        if logits is None:
-            raise ModelRunnerError(f"no plugin's forward hook runs models loaded by {self.loaded.adapter!r}")
-        if isinstance(logits, ForwardOutput):
-            self.last_aux = logits.aux
-            return logits.logits
-        self.last_aux = {}
-        return logits
+            out = self.plugins.call("forward", loaded.adapter, loaded=loaded, batch=batch, kv_caches=kv_caches)
+        if out is None:
+            raise ModelRunnerError(f"adapter {loaded.adapter!r} implements no forward hook for the model it loaded")
+        if not isinstance(out, ForwardOutput):
+            out = ForwardOutput(logits=out)
+        if STAGE_OUTPUTS not in out.aux:
+            rows, wanted = tuple(out.logits.shape), batch.logits_indices.shape[0]
+            if len(rows) != 2 or rows[0] != wanted:
+                raise ValueError(f"adapter {loaded.adapter!r}'s forward hook returned logits of shape {list(rows)} "
+                                 f"for {wanted} requested rows (batch.logits_indices); expected [{wanted}, vocab]")
+        return out
 
-    def execute_model(self, batch: ForwardBatch) -> torch.Tensor:
-        """Run one step; float32 logits ``[len(batch.logits_indices), vocab]`` on the CPU."""
+    def execute_model(self, batch: ForwardBatch) -> ForwardOutput:
+        """Run one step; its float32 logits ``[len(batch.logits_indices), vocab]`` on the CPU, and the
+        adapter's extra outputs.
+
+        :raises ValueError: the adapter returned a different number of logits rows than asked.
+        """
         self._require_loaded()
-        return self._run(batch.to(self.device), self.kv_caches).float().cpu()
+        out = self._run(batch.to(self.device), self.kv_caches)
+        return ForwardOutput(logits=out.logits.float().cpu(), aux=out.aux)
 
     def process_inputs(self, prompt_text: str | None, token_ids: list[int],
                        extra: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
-        """A request's prompt and extra inputs as the model runs them (the ``process_inputs`` hook).
+        """A request's prompt and extra inputs as the model runs them (the adapter's ``process_inputs`` hook).
 
-        :raises ValueError: the adapter rejected them, or the request carries ``images`` and no
-            adapter takes images for this model.
+        :raises ValueError: the adapter rejected them, or the request carries ``images`` and the
+            model's adapter takes none.
         """
         loaded = self._require_loaded()
-        result = self.plugins.hook.process_inputs(loaded=loaded, prompt_text=prompt_text, token_ids=token_ids,
-                                                  extra=extra)
+        result = self.plugins.call("process_inputs", loaded.adapter, loaded=loaded, prompt_text=prompt_text,
+                                   token_ids=token_ids, extra=extra)
         if result is not None:
             return result
         images = extra.get("images")
@@ -195,6 +226,9 @@ class ModelRunner:
         if copies and self.kv_caches:
             copy_blocks(self.kv_caches, copies)
 
+    def shutdown(self) -> None:
+        """Nothing to stop in one process (the executor interface's method)."""
+
     @property
     def block_size(self) -> int:
         """Token slots per KV-cache block."""
@@ -202,25 +236,25 @@ class ModelRunner:
 
     @property
     def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer."""
+        """The checkpoint's tokenizer (None for a checkpoint without one)."""
         return self._require_loaded().tokenizer
 
-    def memory_stats(self) -> dict[str, Any]:
-        """The KV-cache pool's statistics (blocks used/free/cached, peak, prefix hits, fragmentation)."""
-        self._require_loaded()
-        stats = self.allocator.stats().as_dict()
-        spec = self.loaded.kv_cache_spec
-        stats["allocator"] = self.config.cache.kv_allocator
-        stats["kv_cache_bytes"] = sum(t.numel() * t.element_size() for t in self.kv_caches)
-        stats["bytes_per_token"] = spec.bytes_per_token if spec else 0
-        return stats
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec | None:
+        """The layout of this rank's KV cache (None: the model keeps its own cache)."""
+        return self._require_loaded().kv_cache_spec
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of this rank's KV-cache tensors."""
+        return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     def stats(self) -> dict[str, Any]:
-        """Every statistic the runner knows: ``kv_cache`` (see :meth:`memory_stats`), plus ``model``
-        (from the model's ``runner_stats()`` when it has one, e.g. MoE expert token counts) and
-        ``compile`` (from the compiled callable's ``stats()`` when it has one, e.g. recompiles)."""
+        """What the runner knows beyond the KV blocks: ``model`` (from the model's ``runner_stats()``
+        when it has one, e.g. MoE expert token counts) and ``compile`` (from the compiled callable's
+        ``stats()`` when it has one, e.g. recompiles)."""
         loaded = self._require_loaded()
-        out: dict[str, Any] = {"kv_cache": self.memory_stats()}
+        out: dict[str, Any] = {}
         model_stats = getattr(loaded.model, "runner_stats", None)
         if callable(model_stats):
             out["model"] = model_stats()
@@ -228,88 +262,3 @@ class ModelRunner:
         if callable(compile_stats):
             out["compile"] = compile_stats()
         return out
-
-    # -- the article's convenience API ---------------------------------------------------------
-
-    def forward(self, input_ids: torch.Tensor, return_router_logits: bool = False) -> torch.Tensor | dict[str, Any]:
-        """Logits for every position of ``input_ids`` (``[L]`` or ``[B, L]``): ``[B, L, vocab]``.
-
-        With ``return_router_logits`` (MoE models): ``{"logits": [B, L, vocab], "router_logits":
-        one [B, L, num_experts] tensor per MoE layer}``.
-        """
-        self._require_loaded()
-        ids = torch.as_tensor(input_ids)
-        if ids.dim() == 1:
-            ids = ids.unsqueeze(0)
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ValueError(f"input_ids must be [L] or [B, L] with L > 0, got shape {tuple(ids.shape)}")
-        extra = {"return_router_logits": True} if return_router_logits else {}
-        out, routers = [], []
-        for row in ids.tolist():
-            seq_id = -1000 - len(out)
-            out.append(self._forward_one(row, seq_id, extra))
-            routers.append(self.last_aux.get("router_logits"))
-        if not return_router_logits:
-            return torch.stack(out)
-        if any(r is None for r in routers):
-            raise ModelRunnerError(f"the {self.loaded.adapter!r} adapter returned no router_logits (not an MoE model?)")
-        return {"logits": torch.stack(out), "router_logits": [torch.stack(layer) for layer in zip(*routers)]}
-
-    def _forward_one(self, tokens: list[int], seq_id: int, extra: dict[str, Any] | None = None) -> torch.Tensor:
-        # A scratch sequence: no prefix reuse (all positions' logits are wanted), freed at once.
-        alloc = self.allocator
-        alloc.allocate(seq_id, tokens, extra_keys=("forward", seq_id, id(self)))
-        try:
-            batch = _single_sequence_batch(tokens, alloc.block_table(seq_id), self.block_size,
-                                           list(range(len(tokens))), seq_id,
-                                           slots=alloc.slot_mapping(seq_id, 0, len(tokens)))
-            return self.execute_model(attrs.evolve(batch, extra=extra or {}))
-        finally:
-            alloc.free(seq_id)
-            if self.loaded.kv_cache_spec is None:
-                self.loaded.extra.get("caches", {}).pop(seq_id, None)
-
-    def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int = 16,
-                 **sampling: Any) -> torch.Tensor | list[torch.Tensor]:
-        """Generate up to ``max_new_tokens`` after ``input_ids``; returns the new ids.
-
-        ``input_ids`` is one prompt (``[L]``: returns a tensor) or several (``[B, L]`` or a list of
-        lists of any lengths: returns a list of tensors).
-
-        Keyword arguments are :class:`~modelrunner.SamplingParams` fields (default greedy).
-        """
-        from .engine.llm_engine import LLMEngine
-        from .engine.sampling_params import SamplingParams
-
-        self._require_loaded()
-        if isinstance(input_ids, torch.Tensor):
-            input_ids = input_ids.tolist()
-        # One prompt ([L]) or several, possibly of different lengths ([[...], [...]]).
-        rows = input_ids if input_ids and isinstance(input_ids[0], (list, tuple)) else [input_ids]
-        params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": max_new_tokens})
-        if self._engine is None:
-            self._engine = LLMEngine(self)
-        outputs = self._engine.generate_token_ids(rows, params)
-        tensors = [torch.tensor(o, dtype=torch.long) for o in outputs]
-        return tensors if rows is input_ids else tensors[0]
-
-
-def _single_sequence_batch(tokens: list[int], block_table: list[int], block_size: int, logits_rows: list[int],
-                           seq_id: int, slots: list[int] | None = None) -> ForwardBatch:
-    n = len(tokens)
-    if slots is None:
-        slots = [block_table[p // block_size] * block_size + p % block_size for p in range(n)]
-    return ForwardBatch(
-        input_ids=torch.tensor(tokens, dtype=torch.long),
-        positions=torch.arange(n, dtype=torch.long),
-        seq_ids=(seq_id,),
-        query_start_loc=torch.tensor([0, n], dtype=torch.long),
-        seq_lens=torch.tensor([n], dtype=torch.long),
-        context_lens=torch.tensor([0], dtype=torch.long),
-        slot_mapping=torch.tensor(slots, dtype=torch.long),
-        block_tables=torch.tensor([block_table], dtype=torch.long),
-        logits_indices=torch.tensor(logits_rows, dtype=torch.long),
-        block_size=block_size,
-        max_query_len=n,
-        max_seq_len=n,
-    )

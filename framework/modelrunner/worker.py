@@ -1,9 +1,10 @@
 """What every rank of a parallel group runs: its part of a step, the loop of the ranks that wait for
-steps, their failure reports, and the entry point of a worker process rank 0 spawned.
+steps, their failure reports, and the entry point of a worker process rank 0 started
+(``python -m modelrunner.worker``, reading its launch information from stdin).
 
-Every rank holds a plain :class:`~modelrunner.runner.ModelRunner` for its shard (rank 0's is the
-:class:`~modelrunner.executor.ParallelExecutor` itself), and they all go through the same sequence
-of collectives: join, wait for rank 0 to resolve the checkpoint, load (agreeing on the number of KV
+Every rank has a :class:`~modelrunner.runner.ModelRunner` for its shard (rank 0's belongs to the
+:class:`~modelrunner.executor.MultiprocExecutor`), and they all go through the same sequence of
+collectives: join, wait for rank 0 to resolve the checkpoint, load (agreeing on the number of KV
 blocks), report, then one :func:`run_step` per step rank 0 broadcasts.
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import signal
 import socket
 import sys
@@ -37,7 +39,7 @@ from .distributed import (
     send_tensor_dict,
 )
 from .errors import ModelRunnerError
-from .forward_batch import ForwardBatch
+from .forward_batch import ForwardBatch, ForwardOutput
 from .runner import ModelRunner, resolve_device
 from .source import resolve_source
 
@@ -49,6 +51,8 @@ STOP = "stop"
 PEER_FAILURE_MARKERS = ("Connection closed by peer", "Connection reset by peer", "Broken pipe",
                         "NCCL communicator was aborted", "ProcessGroup abort")
 """Substrings of the errors a collective raises when another rank, not this one, failed."""
+TIMEOUT_MARKERS = ("Timed out", "timed out", "Timeout", "timeout")
+"""Substrings of the errors a collective raises when a peer did not answer in time."""
 
 
 def rank_device(config: RunnerConfig, local_rank: int) -> torch.device:
@@ -74,8 +78,8 @@ def load_rank(ctx: DistributedContext, runner: ModelRunner) -> list[dict[str, An
     if ctx.rank == 0:
         resolve_source(cfg.model, cfg.cache_dir, cfg.trust_remote_code)
     dist.barrier(group=ctx.control_group)
-    ModelRunner.load_model(runner)
-    return gather_objects(rank_info(ctx, runner), ctx.control_group)
+    runner.load_model()
+    return gather_objects(rank_info(ctx, runner), ctx.stage_group)
 
 
 def rank_info(ctx: DistributedContext, runner: ModelRunner) -> dict[str, Any]:
@@ -90,44 +94,44 @@ def rank_info(ctx: DistributedContext, runner: ModelRunner) -> dict[str, Any]:
         "tp_rank": p.tp_rank,
         "pp_rank": p.pp_rank,
         "num_layers": spec.num_layers if spec is not None else None,
-        "num_blocks": runner.allocator.num_blocks,
-        "kv_cache_bytes": sum(t.numel() * t.element_size() for t in runner.kv_caches),
+        "num_blocks": runner.num_blocks,
+        "kv_cache_bytes": runner.kv_cache_bytes,
         "plugins": sorted(name for name, info in runner.plugins.infos.items() if info.error is None),
     }
 
 
 def run_step(ctx: DistributedContext, runner: ModelRunner, batch: ForwardBatch,
-             block_copies: list[tuple[int, int]]) -> torch.Tensor | None:
-    """This rank's part of one step; the step's logits on rank 0, None on the others.
+             block_copies: list[tuple[int, int]]) -> ForwardOutput | None:
+    """This rank's part of one step; the step's output on rank 0, None on the others.
 
     Copies KV blocks, takes the previous stage's tensors (all stages but the first), runs this
     rank's layers, hands its outputs to the next stage (all but the last); the last stage's
-    tensor-parallel rank 0 sends the logits to rank 0.
+    tensor-parallel rank 0 sends the logits to rank 0. Every message goes over groups bounded by
+    ``MODELRUNNER_DIST_TIMEOUT``, so a hung peer fails the step instead of stalling it.
     """
     p = ctx.parallel
-    if block_copies:
-        ModelRunner.copy_blocks(runner, block_copies)
+    runner.copy_blocks(block_copies)
     if not p.is_first_stage:
-        inputs = recv_tensor_dict(ctx.prev_stage_rank, ctx.device, ctx.control_group)
+        inputs = recv_tensor_dict(ctx.prev_stage_rank, ctx.device, ctx.stage_group)
         batch = attrs.evolve(batch, extra={**batch.extra, STAGE_INPUTS: inputs})
-    logits: torch.Tensor | None = ModelRunner.execute_model(runner, batch)
+    out: ForwardOutput | None = runner.execute_model(batch)
     if not p.is_last_stage:
-        outputs = runner.last_aux.get(STAGE_OUTPUTS)
+        outputs = out.aux.get(STAGE_OUTPUTS)
         if outputs is None:
             raise ModelRunnerError(
                 f"the {runner.loaded.adapter!r} adapter's forward hook returned no {STAGE_OUTPUTS!r} on pipeline "
                 f"stage {p.pp_rank} of {p.pp_size}: it does not implement pipeline parallelism; "
                 "use pipeline_parallel_size=1"
             )
-        send_tensor_dict(outputs, ctx.next_stage_rank, ctx.control_group)
-        logits = None
+        send_tensor_dict(outputs, ctx.next_stage_rank, ctx.stage_group)
+        out = ForwardOutput(logits=torch.empty(0), aux={k: v for k, v in out.aux.items() if k != STAGE_OUTPUTS})
     if ctx.logits_rank == 0:
-        return logits if ctx.rank == 0 else None
+        return out if ctx.rank == 0 else None
     if ctx.rank == ctx.logits_rank:
-        send_tensor_dict({"logits": logits}, 0, ctx.control_group, group=ctx.control_group)
+        send_tensor_dict({"logits": out.logits}, 0, ctx.stage_group, group=ctx.stage_group)
     elif ctx.rank == 0:
-        return recv_tensor_dict(ctx.logits_rank, torch.device("cpu"), ctx.control_group,
-                                group=ctx.control_group)["logits"]
+        logits = recv_tensor_dict(ctx.logits_rank, torch.device("cpu"), ctx.stage_group, group=ctx.stage_group)
+        return ForwardOutput(logits=logits["logits"], aux=out.aux)
     return None
 
 
@@ -169,6 +173,11 @@ class Worker:
 def is_peer_failure(exc: BaseException) -> bool:
     """True when ``exc`` is a collective failing because another rank went away (not this rank's fault)."""
     return isinstance(exc, dist.DistNetworkError) or any(m in str(exc) for m in PEER_FAILURE_MARKERS)
+
+
+def is_timeout(exc: BaseException) -> bool:
+    """True when ``exc`` is a collective giving up on a peer that did not answer in time."""
+    return isinstance(exc, (TimeoutError, dist.DistStoreError)) or any(m in str(exc) for m in TIMEOUT_MARKERS)
 
 
 def report_failure(ctx: DistributedContext, phase: str, exc: BaseException) -> None:
@@ -221,12 +230,10 @@ def _die_with_parent(parent_pid: int) -> None:
 
 
 def worker_main(launch: LaunchInfo, config: RunnerConfig, parent_pid: int) -> None:
-    """Entry point of a worker process that rank 0 (``parent_pid``) spawned.
+    """Run rank ``launch.rank`` in this process until rank 0 (``parent_pid``) stops the group.
 
-    The worker leads its own process group, so rank 0 can stop it together with any process it
-    started, and a Ctrl-C in the terminal reaches rank 0 only.
+    The process (started by rank 0 in a session of its own) kills itself when rank 0 disappears.
     """
-    os.setpgrp()
     _die_with_parent(parent_pid)
     limit_threads(launch.world_size)
     device = rank_device(config, launch.local_rank)
@@ -242,3 +249,23 @@ def worker_main(launch: LaunchInfo, config: RunnerConfig, parent_pid: int) -> No
         # Skip interpreter teardown: process-group threads of a broken group can abort it.
         os._exit(1)
     destroy_distributed()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown here too: gloo's threads can abort it ("terminate called without an
+    # active exception") after a clean stop.
+    os._exit(0)
+
+
+def main() -> None:
+    """``python -m modelrunner.worker``: read ``pickle((sys.path, pickle((launch, config, parent_pid))))``
+    from stdin, then :func:`worker_main`."""
+    path, payload = pickle.loads(sys.stdin.buffer.read())
+    for entry in reversed(path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    launch, config, parent_pid = pickle.loads(payload)
+    worker_main(launch, config, parent_pid)
+
+
+if __name__ == "__main__":
+    main()

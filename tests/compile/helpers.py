@@ -49,7 +49,7 @@ def greedy_texts(llm: Any) -> list[str]:
 def step_logits(runner: Any, prompts: list[list[int]], decode_tokens: list[list[int]]) -> list[torch.Tensor]:
     """Logits of one prefill step of all ``prompts`` then one decode step per row of ``decode_tokens``
     (the tokens each sequence is fed), through ``runner.execute_model``; the sequences are freed after."""
-    alloc, block_size = runner.allocator, runner.block_size
+    alloc, block_size = runner.scratch_allocator(), runner.block_size
     seq_ids = list(range(900, 900 + len(prompts)))
     lengths = [len(p) for p in prompts]
     out = []
@@ -58,12 +58,12 @@ def step_logits(runner: Any, prompts: list[list[int]], decode_tokens: list[list[
             assert alloc.allocate(seq_id, prompt) == 0
         starts = [0] + list(torch.tensor(lengths).cumsum(0).tolist())
         out.append(runner.execute_model(_batch(
-            alloc, block_size, seq_ids, [list(p) for p in prompts], [0] * len(prompts), starts)))
+            alloc, block_size, seq_ids, [list(p) for p in prompts], [0] * len(prompts), starts)).logits)
         for tokens in decode_tokens:
             for seq_id, token in zip(seq_ids, tokens):
                 assert alloc.append_slots(seq_id, [token]) == []
             out.append(runner.execute_model(_batch(
-                alloc, block_size, seq_ids, [[t] for t in tokens], lengths, list(range(len(prompts) + 1)))))
+                alloc, block_size, seq_ids, [[t] for t in tokens], lengths, list(range(len(prompts) + 1)))).logits)
             lengths = [n + 1 for n in lengths]
     finally:
         for seq_id in seq_ids:

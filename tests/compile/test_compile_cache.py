@@ -83,11 +83,11 @@ def test_the_attention_backend_is_part_of_the_key(tiny_llama_dir):
     # Compiled code calls the attention backend's kernels: a cache filled under one backend must not
     # serve a run that asked for another.
     from modelrunner import ModelRunner
-    from modelrunner.layers import attention_backends
+    from modelrunner.plugins import get_plugins
     from modelrunner_compile_inductor.cache import model_identity
 
     identities = {}
-    for backend in attention_backends("cpu"):
+    for backend in get_plugins().attention_backends("cpu"):
         runner = ModelRunner({"model": str(tiny_llama_dir), "attention_backend": backend})
         runner.load_model()
         identities[backend] = model_identity(runner.loaded, "inductor", "modelrunner-compile-inductor")

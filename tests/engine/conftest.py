@@ -15,7 +15,9 @@ import pytest
 import torch
 
 from modelrunner.config import RunnerConfig
-from modelrunner.kv_cache.paged import PagedBlockAllocator
+from modelrunner.executor import Executor
+from modelrunner.forward_batch import ForwardOutput
+from modelrunner.plugins import get_plugins
 
 VOCAB = 64
 EOS = 0
@@ -45,33 +47,69 @@ def context_logits(tokens: list[int]) -> torch.Tensor:
     return torch.randn(VOCAB, generator=torch.Generator().manual_seed(h)) * 3.0
 
 
-class FakeRunner:
-    """Quacks like ModelRunner for the engine: allocator, tokenizer, execute_model, copy_blocks."""
+class _FakeModel(types.SimpleNamespace):
+    """What the engine reads of a loaded model."""
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return frozenset() if self.eos is None else frozenset({self.eos, *( [self.tokenizer.eos_token_id]
+                                                                            if self.tokenizer.eos_token_id is not None
+                                                                            else [])})
+
+
+class FakeRunner(Executor):
+    """Quacks like an executor for the engine: tokenizer, block count, execute_model, copy_blocks.
+
+    The engine lends it the allocator it creates (``runner.allocator``), as it does to real executors.
+    """
 
     def __init__(self, num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128,
                  enable_prefix_caching: bool = True, eos_token_id: int | None = EOS, **scheduler) -> None:
-        self.config = RunnerConfig.from_dict({"model": "fake", "block_size": block_size,
-                                              "enable_prefix_caching": enable_prefix_caching, **scheduler})
-        self.allocator = PagedBlockAllocator(num_blocks, block_size, max_model_len, enable_prefix_caching)
-        self.max_model_len = max_model_len
-        self.block_size = block_size
-        self.tokenizer = FakeTokenizer()
-        self.loaded = types.SimpleNamespace(
-            vocab_size=VOCAB, hf_config=types.SimpleNamespace(eos_token_id=eos_token_id), kv_cache_spec=object()
-        )
+        self._config = RunnerConfig.from_dict({"model": "fake", "block_size": block_size,
+                                               "enable_prefix_caching": enable_prefix_caching, **scheduler})
+        self._num_blocks = num_blocks
+        self._max_model_len = max_model_len
+        self._tokenizer = FakeTokenizer()
+        self._loaded = _FakeModel(vocab_size=VOCAB, hf_config=types.SimpleNamespace(eos_token_id=eos_token_id),
+                                  kv_cache_spec=object(), eos=eos_token_id, tokenizer=self._tokenizer,
+                                  adapter="fake", extra={})
         self.kv = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.batches: list = []
         self.fail_on_token: int | None = None
 
+    # The executor interface, answered without a model.
+    config = property(lambda self: self._config)
+    plugins = property(lambda self: get_plugins())
+    loaded = property(lambda self: self._loaded)
+    num_blocks = property(lambda self: self._num_blocks)
+    block_size = property(lambda self: self._config.cache.block_size)
+    max_model_len = property(lambda self: self._max_model_len)
+    tokenizer = property(lambda self: self._tokenizer)
+    kv_cache_spec = property(lambda self: self._loaded.kv_cache_spec)
+    kv_cache_bytes = property(lambda self: int(self.kv.numel() * 8))
+    allocator = property(lambda self: self._lent_allocator)
+
     def load_model(self):
-        return self.loaded
+        return self._loaded
+
+    def shutdown(self) -> None:
+        pass
+
+    def stats(self) -> dict:
+        return {}
+
+    def process_inputs(self, prompt_text, token_ids, extra):
+        return token_ids, extra
+
+    def _require_loaded(self):
+        return self._loaded
 
     def copy_blocks(self, copies) -> None:
         bs = self.block_size
         for src, dst in copies:
             self.kv[dst * bs:(dst + 1) * bs] = self.kv[src * bs:(src + 1) * bs]
 
-    def execute_model(self, batch) -> torch.Tensor:
+    def execute_model(self, batch) -> ForwardOutput:
         if self.fail_on_token is not None and bool((batch.input_ids == self.fail_on_token).any()):
             raise RuntimeError(f"token {self.fail_on_token} is poison")
         self.batches.append(batch)
@@ -88,10 +126,7 @@ class FakeRunner:
             tokens = self.kv[slots].tolist()
             assert -1 not in tokens, f"sequence {batch.seq_ids[i]} read an unwritten KV slot"
             rows.append(context_logits(tokens))
-        return torch.stack(rows) if rows else torch.zeros(0, VOCAB)
-
-    def memory_stats(self) -> dict:
-        return self.allocator.stats().as_dict()
+        return ForwardOutput(logits=torch.stack(rows) if rows else torch.zeros(0, VOCAB))
 
 
 @pytest.fixture

@@ -8,13 +8,14 @@ import torch
 from modelrunner.engine.batch_builder import build_forward_batch
 from modelrunner.engine.sampling_params import SamplingParams
 from modelrunner.engine.scheduler import ScheduledSequence
+from modelrunner.engine.outputs import RequestMetrics
 from modelrunner.engine.sequence import Request, Sequence
 from modelrunner.kv_cache.paged import PagedBlockAllocator
 
 
 def _seq(seq_id: int, tokens: list[int], extra=None) -> Sequence:
     request = Request(request_id=str(seq_id), prompt=None, prompt_token_ids=tokens[:3], params=SamplingParams(),
-                      arrival=seq_id, extra=extra or {})
+                      arrival=seq_id, metrics=RequestMetrics(0.0), extra=extra or {})
     seq = Sequence(seq_id=seq_id, request=request, index=0, token_ids=list(tokens))
     request.seqs.append(seq)
     return seq
@@ -42,7 +43,8 @@ def test_mixed_prefill_chunk_and_decode():
     expected_slots = alloc.slot_mapping(0, 5, 6) + alloc.slot_mapping(1, 0, 6) + alloc.slot_mapping(2, 0, 3)
     assert batch.slot_mapping.tolist() == expected_slots
     # The decode and the completed prompt are sampled; the intermediate chunk is not.
-    assert batch.logits_indices.tolist() == [0, 9] and rows == [0, 2]
+    assert batch.logits_indices.tolist() == [0, 9] and [(o.item, o.position, o.samples) for o in rows] == [
+        (0, 5, True), (2, 2, True)]
     assert batch.seq_ids == (0, 1, 2) and batch.finished_seq_ids == (9,)
     assert batch.extra == {"images": {2: "img"}}
 
@@ -72,7 +74,7 @@ def test_decode_only_batch():
         alloc.append_slots(s.seq_id, s.token_ids[4:])
     batch, rows = build_forward_batch([ScheduledSequence(s, 4, 1) for s in seqs], alloc)
     assert batch.is_decode_only and batch.positions.tolist() == [4, 4, 4]
-    assert batch.logits_indices.tolist() == [0, 1, 2] and rows == [0, 1, 2]
+    assert batch.logits_indices.tolist() == [0, 1, 2] and [o.item for o in rows] == [0, 1, 2]
     assert batch.split_decodes() is None
 
 

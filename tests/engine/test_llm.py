@@ -158,7 +158,7 @@ def test_other_runners_give_the_same_tokens(llm, tiny_llama_dir, how):
     done = engine.run_until_finished(["0", "1"])
     for i in range(2):
         assert [o.token_ids for o in done[str(i)].outputs] == [o.token_ids for o in expected[i].outputs]
-    assert runner.allocator.stats().used_blocks == 0
+    assert engine.allocator.stats().used_blocks == 0
 
 
 def test_shared_prefix_admitted_together_hits_the_cache_and_stays_exact(llm, tiny_llama_dir):

@@ -204,10 +204,10 @@ def test_abort_frees_blocks_and_reports(fake_runner):
     [
         ("n", 0, r"n must be an integer >= 1, got 0"),
         ("max_tokens", -3, r"max_tokens must be an integer >= 1 or None, got -3"),
-        ("temperature", -0.5, r"temperature must be >= 0"),
+        ("temperature", -0.5, r"temperature must be a finite number >= 0"),
         ("top_k", -2, r"top_k must be a positive integer, or -1 or 0"),
-        ("top_p", 1.5, r"top_p must be in \(0, 1\]"),
-        ("seed", "x", r"seed must be an integer or None"),
+        ("top_p", 1.5, r"top_p must be a number in \(0, 1\]"),
+        ("seed", "x", r"seed must be an integer in \[-2\*\*63, 2\*\*64 - 1\] or None"),
         ("stop", [""], r"stop must be"),
         ("stop_token_ids", [-1], r"stop_token_ids must be"),
         ("ignore_eos", 1, r"ignore_eos must be True or False"),

@@ -140,4 +140,4 @@ def test_loading_is_idempotent():
 
     first = get_plugins()
     assert get_plugins() is first
-    assert first.registry.provided["compile_backends"]["counting"] == "sample"
+    assert first.registry.owner("compile_backends", "counting") == "sample"

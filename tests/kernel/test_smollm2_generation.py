@@ -83,4 +83,4 @@ def test_article_runner_api_forward_and_generate(smollm2_dir, reference):
     assert new.tolist() == reference[PROMPTS[0]][:8]
     ragged = runner.generate([tok(p).input_ids for p in PROMPTS[:2]], max_new_tokens=4)
     assert [t.tolist() for t in ragged] == [reference[p][:4] for p in PROMPTS[:2]]
-    assert runner.memory_stats()["used_blocks"] == 0
+    assert runner.scratch_allocator().stats().used_blocks == 0

@@ -13,12 +13,10 @@ import torch
 
 from modelrunner import LLM, SamplingParams
 from modelrunner.errors import UnknownNameError
-from modelrunner.layers import attention_backends
 from modelrunner.plugins import get_plugins
 
 kernel = pytest.importorskip("modelrunner_attention_cpu")
-get_plugins()
-if "cpu_paged" not in attention_backends("cpu"):
+if "cpu_paged" not in get_plugins().attention_backends("cpu"):
     pytest.skip("the cpu_paged kernel does not build here", allow_module_level=True)
 
 
@@ -124,17 +122,16 @@ def test_without_a_compiler_it_steps_aside_for_torch_sdpa(tmp_path):
     # A fresh build directory and a compiler that does not exist: as on a machine without g++.
     script = """
 import warnings
-from modelrunner.layers import attention_backends, select_attention_backend
 from modelrunner.plugins import get_plugins
-get_plugins()
+plugins = get_plugins()
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    usable = attention_backends("cpu")
+    usable = plugins.attention_backends("cpu")
 print("USABLE", usable)
-print("DEFAULT", select_attention_backend("cpu").name)
+print("DEFAULT", plugins.attention_backend("cpu").name)
 print("WARNED", [str(w.message) for w in caught])
 try:
-    select_attention_backend("cpu", "cpu_paged")
+    plugins.attention_backend("cpu", "cpu_paged")
 except ValueError as e:
     print("ASKED", e)
 """

@@ -11,22 +11,23 @@ import pytest
 import torch
 
 from modelrunner.forward_batch import ForwardBatch
-from modelrunner.layers import Attention, AttentionBackend, attention_backends, select_attention_backend
+from modelrunner.errors import UnknownNameError
+from modelrunner.layers import Attention, AttentionBackend
 from modelrunner.layers.sdpa_attention import SDPASplitMetadata
 from modelrunner.plugins import get_plugins
 
 BLOCK = 4
 HEAD_DIM = 8
 
-get_plugins()  # installed plugins register their attention backends
-BACKENDS = attention_backends()
+PLUGINS = get_plugins()
+BACKENDS = PLUGINS.attention_backends()
 
 
 def _attention(backend, heads, kv_heads, window):
-    if backend not in attention_backends("cpu"):
+    if backend not in PLUGINS.attention_backends("cpu"):
         pytest.skip(f"attention backend {backend!r} does not run on this CPU")
     return Attention(heads, HEAD_DIM, HEAD_DIM**-0.5, kv_heads, sliding_window=window,
-                     backend=select_attention_backend("cpu", backend))
+                     backend=PLUGINS.attention_backend("cpu", backend))
 
 
 def _scenario(context_lens, query_lens, heads, kv_heads, num_blocks=64, seed=0):
@@ -120,14 +121,14 @@ def test_matches_reference(backend, case, heads, kv_heads, window):
 
 
 def test_backend_seam():
-    assert "torch_sdpa" in attention_backends()
-    assert get_plugins().registry.provided["attention_backends"]["torch_sdpa"] == "default-sdpa"
+    assert "torch_sdpa" in PLUGINS.attention_backends()
+    assert PLUGINS.registry.owner("attention_backends", "torch_sdpa") == "default-sdpa"
     # The default is the highest-priority backend that runs here.
-    usable = [select_attention_backend("cpu", name) for name in attention_backends("cpu")]
-    assert select_attention_backend("cpu").name == max(usable, key=lambda b: b.priority).name
-    with pytest.raises(ValueError, match="unknown attention backend 'nope'; registered: .*torch_sdpa"):
-        select_attention_backend("cpu", "nope")
-    assert issubclass(type(select_attention_backend("cpu")), AttentionBackend)
+    usable = [PLUGINS.attention_backend("cpu", name) for name in PLUGINS.attention_backends("cpu")]
+    assert PLUGINS.attention_backend("cpu").name == max(usable, key=lambda b: b.priority).name
+    with pytest.raises(UnknownNameError, match="unknown attention backend 'nope'; installed: .*torch_sdpa"):
+        PLUGINS.attention_backend("cpu", "nope")
+    assert issubclass(type(PLUGINS.attention_backend("cpu")), AttentionBackend)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -9,13 +9,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig
 
-import modelrunner_llama
 from modelrunner.config import RunnerConfig
 from modelrunner.errors import UnknownNameError
-from modelrunner.parallel_state import ParallelState
 from modelrunner.plugins import get_plugins
 from modelrunner.runner import ModelRunner
-from modelrunner.source import resolve_source
+from modelrunner.testing import load_adapter
 from modelrunner.weights import CheckpointError
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -32,8 +30,7 @@ def checkpoint(tmp_path):
 
 
 def _load(path):
-    return modelrunner_llama.load(source=resolve_source(str(path)), config=RunnerConfig(),
-                                  device=torch.device("cpu"), dtype=torch.float32, parallel=ParallelState())
+    return load_adapter(path, RunnerConfig(), plugins=get_plugins(allow=["llama"])).loaded
 
 
 def _shard(path):
@@ -101,7 +98,6 @@ def test_unknown_architecture_is_left_to_the_kernel(checkpoint):
     config = json.loads((checkpoint / "config.json").read_text())
     config["architectures"] = ["FancyNewForCausalLM"]
     (checkpoint / "config.json").write_text(json.dumps(config))
-    assert _load(checkpoint) is None
     plugins = get_plugins(allow=["llama"], block=["default-transformers"])
     runner = ModelRunner(RunnerConfig.from_dict({"model": str(checkpoint), "device": "cpu"}), plugins=plugins)
     with pytest.raises(UnknownNameError, match=r"FancyNewForCausalLM.*LlamaForCausalLM"):
@@ -109,7 +105,5 @@ def test_unknown_architecture_is_left_to_the_kernel(checkpoint):
 
 
 def test_native_adapter_wins_and_generic_takes_over_when_excluded(tiny_llama_dir):
-    args = dict(source=resolve_source(str(tiny_llama_dir)), config=RunnerConfig(), device=torch.device("cpu"),
-                dtype=torch.float32, parallel=ParallelState())
-    assert get_plugins(allow=["llama"]).hook.load(**args).adapter == "llama"
-    assert get_plugins(allow=[]).hook.load(**args).adapter == "default-transformers"
+    assert load_adapter(tiny_llama_dir, plugins=get_plugins(allow=["llama"])).loaded.adapter == "llama"
+    assert load_adapter(tiny_llama_dir, plugins=get_plugins(allow=[])).loaded.adapter == "default-transformers"

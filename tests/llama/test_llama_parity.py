@@ -7,11 +7,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 from modelrunner.config import CacheConfig, RunnerConfig
-from modelrunner.parallel_state import ParallelState
 from modelrunner.plugins import get_plugins
-from modelrunner.source import resolve_source
-
-from .paged_driver import PagedDriver
+from modelrunner.testing import PagedDriver, load_adapter
 
 TOLERANCE = 1e-4
 """Largest absolute logit difference accepted in float32."""
@@ -50,15 +47,11 @@ def _checkpoint(name: str, path):
     return model
 
 
-def _load(path, block_size: int = 4):
+def _load(path, block_size: int = 4, dtype: torch.dtype = torch.float32):
     plugins = get_plugins(allow=["llama"])
-    config = RunnerConfig(cache=CacheConfig(block_size=block_size))
-    loaded = plugins.hook.load(source=resolve_source(str(path)), config=config, device=torch.device("cpu"),
-                               dtype=torch.float32, parallel=ParallelState())
-    assert loaded is not None and loaded.adapter == "llama"
-    loaded = plugins.hook.parallelize(loaded=loaded, parallel=ParallelState())
-    loaded.runnable = plugins.compile_model("eager", loaded, config.compile)
-    return plugins, loaded
+    model = load_adapter(path, RunnerConfig(cache=CacheConfig(block_size=block_size)), plugins=plugins, dtype=dtype)
+    assert model.loaded.adapter == "llama"
+    return model
 
 
 def _reference(model, tokens: list[int]) -> torch.Tensor:
@@ -69,9 +62,8 @@ def _reference(model, tokens: list[int]) -> torch.Tensor:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_logits_match_transformers(name, tmp_path):
     reference = _checkpoint(name, tmp_path)
-    plugins, loaded = _load(tmp_path)
-    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
-                         loaded.kv_cache_spec, num_blocks=64)
+    model = _load(tmp_path)
+    driver = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=64)
     gen = torch.Generator().manual_seed(1)
     prompts = {i: torch.randint(0, 128, (n,), generator=gen).tolist() for i, n in enumerate((7, 13, 3, 10))}
     got: dict[int, list[torch.Tensor]] = {i: [] for i in prompts}
@@ -107,9 +99,8 @@ def test_logits_match_transformers(name, tmp_path):
 
 def test_forward_returns_only_the_asked_rows(tmp_path):
     reference = _checkpoint("llama-gqa-tied", tmp_path)
-    plugins, loaded = _load(tmp_path, block_size=16)
-    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
-                         loaded.kv_cache_spec, num_blocks=8)
+    model = _load(tmp_path, block_size=16)
+    driver = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=8)
     prompts = {10: [1, 2, 3, 4, 5], 11: [9, 8, 7]}
     logits = driver.step(prompts)  # last token of each sequence only
     assert logits.shape == (2, 128)
@@ -119,7 +110,8 @@ def test_forward_returns_only_the_asked_rows(tmp_path):
 
 def test_kv_cache_spec_and_registration(tmp_path):
     _checkpoint("qwen2-qkv-bias", tmp_path)
-    plugins, loaded = _load(tmp_path, block_size=8)
+    model = _load(tmp_path, block_size=8)
+    loaded, plugins = model.loaded, model.plugins
     spec = loaded.kv_cache_spec
     assert (spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.dtype, spec.block_size) == (
         2, 2, 16, torch.float32, 8)
@@ -130,13 +122,11 @@ def test_kv_cache_spec_and_registration(tmp_path):
 
 def test_bfloat16_weights_and_cache(tmp_path):
     reference = _checkpoint("qwen2-qkv-bias", tmp_path)
-    plugins = get_plugins(allow=["llama"])
-    loaded = plugins.hook.load(source=resolve_source(str(tmp_path)), config=RunnerConfig(cache=CacheConfig(block_size=4)),
-                               device=torch.device("cpu"), dtype=torch.bfloat16, parallel=ParallelState())
+    model = _load(tmp_path, dtype=torch.bfloat16)
+    loaded = model.loaded
     assert loaded.kv_cache_spec.dtype == torch.bfloat16
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
-    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
-                         loaded.kv_cache_spec, num_blocks=16)
+    driver = PagedDriver(model.forward, loaded.kv_cache_spec, num_blocks=16)
     prompt = [3, 14, 15, 92, 65, 35, 89]
     logits = driver.step({0: prompt}, all_logits=True)
     logits = torch.cat([logits, driver.step({0: [79]}, all_logits=True)])

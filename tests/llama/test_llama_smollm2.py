@@ -6,11 +6,8 @@ import pytest
 import torch
 
 from modelrunner.config import RunnerConfig
-from modelrunner.parallel_state import ParallelState
 from modelrunner.plugins import get_plugins
-from modelrunner.source import resolve_source
-
-from .paged_driver import PagedDriver
+from modelrunner.testing import PagedDriver, load_adapter
 
 NEW_TOKENS = 64
 
@@ -30,12 +27,9 @@ PROMPTS = [
 def test_greedy_batch_matches_transformers_generate(smollm2_dir):
     from transformers import AutoModelForCausalLM
 
-    plugins = get_plugins(allow=["llama"])
-    config = RunnerConfig()
-    loaded = plugins.hook.load(source=resolve_source(str(smollm2_dir)), config=config, device=torch.device("cpu"),
-                               dtype=torch.float32, parallel=ParallelState())
+    model = load_adapter(smollm2_dir, RunnerConfig(), plugins=get_plugins(allow=["llama"]))
+    loaded = model.loaded
     assert loaded.adapter == "llama"
-    loaded.runnable = plugins.compile_model("eager", loaded, config.compile)
     tokenizer = loaded.tokenizer
     prompts = {i: tokenizer(text)["input_ids"] for i, text in enumerate(PROMPTS)}
     assert len({len(p) for p in prompts.values()}) >= 6  # genuinely mixed lengths
@@ -43,8 +37,7 @@ def test_greedy_batch_matches_transformers_generate(smollm2_dir):
 
     # All eight prompts prefilled in one step, then decoded together. EOS is suppressed (as
     # transformers' min_new_tokens does) so every continuation runs the full 64 tokens.
-    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
-                         loaded.kv_cache_spec, num_blocks=8 * 8)
+    driver = PagedDriver(model.forward, loaded.kv_cache_spec, num_blocks=8 * 8)
     ours = driver.greedy(prompts, NEW_TOKENS, suppress=[eos])
 
     reference = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()

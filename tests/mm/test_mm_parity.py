@@ -7,11 +7,7 @@ import attrs
 import pytest
 import torch
 
-from llama.paged_driver import PagedDriver
-from modelrunner.config import CacheConfig, RunnerConfig
-from modelrunner.parallel_state import ParallelState
-from modelrunner.plugins import get_plugins
-from modelrunner.source import resolve_source
+from modelrunner.testing import PagedDriver, load_adapter
 
 from .checkpoint import IMAGE_SEQ_LENGTH, random_image
 
@@ -25,15 +21,10 @@ PROMPTS = {
 
 
 def _load(path):
-    plugins = get_plugins()
-    config = RunnerConfig(cache=CacheConfig(block_size=4))
-    loaded = plugins.hook.load(source=resolve_source(str(path)), config=config, device=torch.device("cpu"),
-                               dtype=torch.float32, parallel=ParallelState())
-    assert loaded is not None and loaded.adapter == "mm"
-    assert loaded.extra["language_model"].adapter == "llama"  # the text model came through the load hook
-    loaded = plugins.hook.parallelize(loaded=loaded, parallel=ParallelState())
-    loaded.runnable = plugins.compile_model("eager", loaded, config.compile)
-    return plugins, loaded
+    model = load_adapter(path)
+    assert model.loaded.adapter == "mm"
+    assert model.loaded.parts["language_model"].adapter == "llama"  # the text model came through the loader
+    return model, model.loaded
 
 
 @pytest.mark.parametrize("name", list(PROMPTS))
@@ -45,15 +36,13 @@ def test_logits_match_transformers_in_chunks(name, tiny_llava):
     with torch.no_grad():
         expected = reference(**expected_inputs).logits[0]
 
-    plugins, loaded = _load(path)
-    token_ids, extra = plugins.hook.process_inputs(loaded=loaded, prompt_text=text,
-                                                   token_ids=loaded.tokenizer.encode(text), extra={"images": images})
+    model, loaded = _load(path)
+    token_ids, extra = model.process_inputs(text, loaded.tokenizer.encode(text), {"images": images})
     assert token_ids == expected_inputs["input_ids"][0].tolist()  # placeholders expanded as the processor does
     assert len(extra["image_positions"]) == count * IMAGE_SEQ_LENGTH
     torch.testing.assert_close(extra["pixel_values"], expected_inputs["pixel_values"])
 
-    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
-                         loaded.kv_cache_spec, num_blocks=64)
+    driver = PagedDriver(model.forward, loaded.kv_cache_spec, num_blocks=64)
     seq = 7
     first_image = int(extra["image_positions"][0])
     cuts = [0, first_image + 5, first_image + 11, len(token_ids)]  # chunks begin inside the image
@@ -61,7 +50,7 @@ def test_logits_match_transformers_in_chunks(name, tiny_llava):
     for start, end in zip(cuts, cuts[1:]):
         batch = driver.build({seq: token_ids[start:end]}, all_logits=True)
         batch = attrs.evolve(batch, extra={k: {seq: v} for k, v in extra.items()})
-        got.append(plugins.hook.forward(loaded=loaded, batch=batch, kv_caches=driver.kv_caches))
+        got.append(model.logits(batch, driver.kv_caches))
     got = torch.cat(got)
     diff = (got - expected).abs().max().item()
     print(f"{name}: max |logit diff| = {diff:.2e}")
@@ -72,14 +61,13 @@ def test_logits_match_transformers_in_chunks(name, tiny_llava):
 
 def test_text_only_prompt_matches_transformers(tiny_llava):
     path, reference, processor = tiny_llava
-    plugins, loaded = _load(path)
+    model, loaded = _load(path)
     tokens = loaded.tokenizer.encode("No picture here, just words.")
     with torch.no_grad():
         expected = reference(input_ids=torch.tensor([tokens])).logits[0]
-    token_ids, extra = plugins.hook.process_inputs(loaded=loaded, prompt_text=None, token_ids=tokens, extra={})
+    token_ids, extra = model.process_inputs(None, tokens, {})
     assert (token_ids, extra) == (tokens, {})
-    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
-                         loaded.kv_cache_spec, num_blocks=64)
+    driver = PagedDriver(model.forward, loaded.kv_cache_spec, num_blocks=64)
     got = driver.step({0: tokens}, all_logits=True)
     assert (got - expected).abs().max().item() <= TOLERANCE
 
@@ -115,11 +103,9 @@ def test_other_checkpoint_layouts_load_the_same_model(layout, tiny_llava, tmp_pa
     inputs = processor(text=text, images=images, return_tensors="pt")
     with torch.no_grad():
         expected = reference(**inputs).logits[0]
-    plugins, loaded = _load(tmp_path)
-    token_ids, extra = plugins.hook.process_inputs(loaded=loaded, prompt_text=text,
-                                                   token_ids=loaded.tokenizer.encode(text), extra={"images": images})
-    driver = PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv),
-                         loaded.kv_cache_spec, num_blocks=64)
+    model, loaded = _load(tmp_path)
+    token_ids, extra = model.process_inputs(text, loaded.tokenizer.encode(text), {"images": images})
+    driver = PagedDriver(model.forward, loaded.kv_cache_spec, num_blocks=64)
     batch = attrs.evolve(driver.build({0: token_ids}, all_logits=True), extra={k: {0: v} for k, v in extra.items()})
-    got = plugins.hook.forward(loaded=loaded, batch=batch, kv_caches=driver.kv_caches)
+    got = model.logits(batch, driver.kv_caches)
     assert (got - expected).abs().max().item() <= TOLERANCE

@@ -6,11 +6,9 @@ import attrs
 import pytest
 import torch
 
-from llama.paged_driver import PagedDriver
 from modelrunner.config import CacheConfig, RunnerConfig
-from modelrunner.parallel_state import ParallelState
 from modelrunner.plugins import get_plugins
-from modelrunner.source import resolve_source
+from modelrunner.testing import AdapterUnderTest, PagedDriver, load_adapter
 
 from .checkpoints import CONFIGS, make_config, make_reference, save_checkpoint
 
@@ -18,21 +16,16 @@ TOLERANCE = 1e-4
 """Largest absolute logit difference accepted in float32."""
 
 
-def load(path, block_size: int = 4):
+def load(path, block_size: int = 4, dtype: torch.dtype = torch.float32) -> tuple[AdapterUnderTest, object]:
     """The checkpoint at ``path`` through the moe plugin's load, parallelize and compile hooks."""
-    plugins = get_plugins(allow=["moe"])
-    config = RunnerConfig(cache=CacheConfig(block_size=block_size))
-    loaded = plugins.hook.load(source=resolve_source(str(path)), config=config, device=torch.device("cpu"),
-                               dtype=torch.float32, parallel=ParallelState())
-    assert loaded is not None and loaded.adapter == "moe"
-    loaded = plugins.hook.parallelize(loaded=loaded, parallel=ParallelState())
-    loaded.runnable = plugins.compile_model("eager", loaded, config.compile)
-    return plugins, loaded
+    model = load_adapter(path, RunnerConfig(cache=CacheConfig(block_size=block_size)),
+                         plugins=get_plugins(allow=["moe"]), dtype=dtype)
+    assert model.loaded.adapter == "moe"
+    return model, model.loaded
 
 
-def driver_for(plugins, loaded, num_blocks: int = 64) -> PagedDriver:
-    return PagedDriver(lambda b, kv: plugins.hook.forward(loaded=loaded, batch=b, kv_caches=kv).logits,
-                       loaded.kv_cache_spec, num_blocks=num_blocks)
+def driver_for(model: AdapterUnderTest, loaded, num_blocks: int = 64) -> PagedDriver:
+    return PagedDriver(model.forward, loaded.kv_cache_spec, num_blocks=num_blocks)
 
 
 @pytest.fixture(scope="module", params=list(CONFIGS))
@@ -45,8 +38,8 @@ def checkpoint(request, tmp_path_factory):
 
 def test_logits_match_transformers_under_chunked_prefill_and_decode(checkpoint):
     name, reference, path = checkpoint
-    plugins, loaded = load(path)
-    driver = driver_for(plugins, loaded)
+    model_, loaded = load(path)
+    driver = driver_for(model_, loaded)
     gen = torch.Generator().manual_seed(1)
     prompts = {i: torch.randint(0, 128, (n,), generator=gen).tolist() for i, n in enumerate((7, 13, 3, 10))}
     got: dict[int, list[torch.Tensor]] = {i: [] for i in prompts}
@@ -74,11 +67,11 @@ def test_logits_match_transformers_under_chunked_prefill_and_decode(checkpoint):
 
 def test_router_logits_match_transformers(checkpoint):
     name, reference, path = checkpoint
-    plugins, loaded = load(path)
-    driver = driver_for(plugins, loaded)
+    model_, loaded = load(path)
+    driver = driver_for(model_, loaded)
     tokens = [3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46]
     batch = attrs.evolve(driver.build({0: tokens}, all_logits=True), extra={"return_router_logits": True})
-    out = plugins.hook.forward(loaded=loaded, batch=batch, kv_caches=driver.kv_caches)
+    out = model_.forward(batch, driver.kv_caches)
     with torch.no_grad():
         expected = reference(torch.tensor([tokens]), output_router_logits=True).router_logits
     sparse = [i for i, s in enumerate(loaded.model.spec.sparse_layers) if s]
@@ -93,19 +86,19 @@ def test_router_logits_match_transformers(checkpoint):
     assert worst <= 1e-5
 
     # Without the request (and without output_router_logits in the config) no router logits are returned.
-    plain = driver_for(plugins, loaded)
+    plain = driver_for(model_, loaded)
     batch = plain.build({0: tokens})
-    assert plugins.hook.forward(loaded=loaded, batch=batch, kv_caches=plain.kv_caches).aux == {}
+    assert model_.forward(batch, plain.kv_caches).aux == {}
 
 
 def test_expert_token_counts_follow_routing(checkpoint):
     name, _, path = checkpoint
-    plugins, loaded = load(path)
-    driver = driver_for(plugins, loaded)
+    model_, loaded = load(path)
+    driver = driver_for(model_, loaded)
     model = loaded.model
     tokens = [7, 1, 99, 23, 54]
     batch = attrs.evolve(driver.build({0: tokens}, all_logits=True), extra={"return_router_logits": True})
-    router_logits = plugins.hook.forward(loaded=loaded, batch=batch, kv_caches=driver.kv_caches).aux["router_logits"]
+    router_logits = model_.forward(batch, driver.kv_caches).aux["router_logits"]
     stats = model.runner_stats()
     top_k, experts = model.spec.top_k, model.spec.num_experts
     expected = [torch.bincount(r.topk(top_k).indices.flatten(), minlength=experts).tolist() for r in router_logits]
@@ -121,25 +114,23 @@ def test_config_output_router_logits_returns_them_on_every_step(tmp_path):
     config = make_config("mixtral")
     config.output_router_logits = True
     path = save_checkpoint(make_reference(config), tmp_path)
-    plugins, loaded = load(path)
-    driver = driver_for(plugins, loaded)
+    model_, loaded = load(path)
+    driver = driver_for(model_, loaded)
     batch = driver.build({0: [1, 2, 3], 1: [4, 5]})
-    out = plugins.hook.forward(loaded=loaded, batch=batch, kv_caches=driver.kv_caches)
+    out = model_.forward(batch, driver.kv_caches)
     assert [r.shape for r in out.aux["router_logits"]] == [(5, 4), (5, 4)]
     # A batch may still opt out.
     batch = attrs.evolve(driver.build({0: [6], 1: [7]}), extra={"return_router_logits": False})
-    assert plugins.hook.forward(loaded=loaded, batch=batch, kv_caches=driver.kv_caches).aux == {}
+    assert model_.forward(batch, driver.kv_caches).aux == {}
 
 
 def test_bfloat16_weights_and_cache(tmp_path):
     reference = make_reference(make_config("qwen2_moe"))
     path = save_checkpoint(reference, tmp_path)
-    plugins = get_plugins(allow=["moe"])
-    loaded = plugins.hook.load(source=resolve_source(str(path)), config=RunnerConfig(cache=CacheConfig(block_size=4)),
-                               device=torch.device("cpu"), dtype=torch.bfloat16, parallel=ParallelState())
+    model_, loaded = load(path, dtype=torch.bfloat16)
     assert loaded.kv_cache_spec.dtype == torch.bfloat16
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
-    driver = driver_for(plugins, loaded, num_blocks=16)
+    driver = driver_for(model_, loaded, num_blocks=16)
     prompt = [3, 14, 15, 92, 65, 35, 89]
     logits = driver.step({0: prompt}, all_logits=True)
     assert logits.dtype == torch.float32
@@ -149,12 +140,5 @@ def test_bfloat16_weights_and_cache(tmp_path):
 
 
 def test_llama_models_are_left_to_the_llama_adapter(tiny_llama_dir):
-    plugins = get_plugins(allow=["moe", "llama"])
-    config = RunnerConfig(cache=CacheConfig(block_size=16))
-    loaded = plugins.hook.load(source=resolve_source(str(tiny_llama_dir)), config=config,
-                               device=torch.device("cpu"), dtype=torch.float32, parallel=ParallelState())
-    assert loaded.adapter == "llama"
-    import modelrunner_moe
-
-    assert modelrunner_moe.parallelize(loaded=loaded, parallel=ParallelState()) is None
-    assert modelrunner_moe.forward(loaded=loaded, batch=None, kv_caches=[]) is None
+    model_ = load_adapter(tiny_llama_dir, plugins=get_plugins(allow=["moe", "llama"]))
+    assert model_.loaded.adapter == "llama"

@@ -37,11 +37,11 @@ def _on_rank_1():
     return dist.is_initialized() and dist.get_rank() == 1
 
 
-@hookimpl(tryfirst=True)
+@hookimpl(wrapper=True)
 def load(source, config, device, dtype, parallel):
     if FAULT == "load" and _on_rank_1():
         raise ValueError(f"injected load failure on pipeline stage {parallel.pp_rank}")
-    return None
+    return (yield)
 
 
 @hookimpl(wrapper=True)

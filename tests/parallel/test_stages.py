@@ -9,16 +9,11 @@ import attrs
 import pytest
 import torch
 
-import modelrunner_llama
-from modelrunner.config import CacheConfig, RunnerConfig
 from modelrunner.distributed import STAGE_INPUTS, STAGE_OUTPUTS, LaunchInfo, stage_layer_range
-from modelrunner.executor import create_executor
+from modelrunner.executor import UniprocExecutor, create_executor
+from modelrunner.models import StageMissingLayer
 from modelrunner.parallel_state import ParallelState
-from modelrunner.runner import ModelRunner
-from modelrunner.source import resolve_source
-from modelrunner_llama.model import StageMissingLayer
-
-from llama.paged_driver import PagedDriver
+from modelrunner.testing import PagedDriver, load_adapter
 
 from .conftest import save_tiny_llama
 
@@ -49,7 +44,7 @@ def test_launch_info_reads_torchrun_environment():
 
 
 def test_world_size_one_is_a_plain_runner_and_torchrun_size_mismatch_is_named(tiny_llama, monkeypatch):
-    assert type(create_executor({"model": str(tiny_llama)})) is ModelRunner
+    assert type(create_executor({"model": str(tiny_llama)})) is UniprocExecutor
     for key, value in {**TORCHRUN_ENV, "WORLD_SIZE": "4"}.items():
         monkeypatch.setenv(key, value)
     with pytest.raises(ValueError, match=r"4 processes were started, but tensor_parallel_size × "
@@ -58,10 +53,7 @@ def test_world_size_one_is_a_plain_runner_and_torchrun_size_mismatch_is_named(ti
 
 
 def _load(path, parallel: ParallelState):
-    loaded = modelrunner_llama.load(source=resolve_source(str(path)),
-                                    config=RunnerConfig(cache=CacheConfig(block_size=4)),
-                                    device=torch.device("cpu"), dtype=torch.float32, parallel=parallel)
-    return modelrunner_llama.parallelize(loaded=loaded, parallel=parallel)
+    return load_adapter(path, parallel=parallel)
 
 
 @pytest.mark.parametrize(("layers", "tie"), [(2, False), (3, True)], ids=["2-layers", "3-layers-tied"])
@@ -71,25 +63,24 @@ def test_stages_chained_by_hand_equal_the_whole_model(tmp_path, smollm2_tokenize
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a stage must not report the other stage's tensors as unused
         stages = [_load(path, ParallelState(pp_rank=r, pp_size=2)) for r in range(2)]
-    first, last = (s.model for s in stages)
-    assert [s.kv_cache_spec.num_layers for s in stages] == [layers - layers // 2, layers // 2]
+    first, last = (s.loaded.model for s in stages)
+    assert [s.loaded.kv_cache_spec.num_layers for s in stages] == [layers - layers // 2, layers // 2]
     assert not any(n.startswith(("lm_head.", "model.norm.")) for n, _ in first.named_parameters())
     assert not any(n.startswith(f"model.layers.{first.model.end_layer - 1}.") for n, _ in last.named_parameters())
     assert isinstance(first.model.layers[layers - 1], StageMissingLayer)
     assert isinstance(last.model.embed_tokens, StageMissingLayer) != tie  # a tied head keeps the embedding
 
-    split = stages[0].kv_cache_spec.num_layers
+    split = stages[0].loaded.kv_cache_spec.num_layers
 
     def chained(batch, kv):
-        out = modelrunner_llama.forward(loaded=stages[0], batch=batch, kv_caches=kv[:split])
-        assert out.logits.shape == (0, whole.vocab_size)
+        out = stages[0].forward(batch, kv[:split])
+        assert out.logits.shape == (0, whole.loaded.vocab_size)
         batch = attrs.evolve(batch, extra={STAGE_INPUTS: out.aux[STAGE_OUTPUTS]})
-        return modelrunner_llama.forward(loaded=stages[1], batch=batch, kv_caches=kv[split:])
+        return stages[1].forward(batch, kv[split:])
 
     prompts = {0: [5, 9, 2, 77, 31, 8, 100], 1: [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]}
-    whole_driver = PagedDriver(lambda b, kv: modelrunner_llama.forward(loaded=whole, batch=b, kv_caches=kv),
-                               whole.kv_cache_spec, num_blocks=32)
-    staged_driver = PagedDriver(chained, whole.kv_cache_spec, num_blocks=32)
+    whole_driver = PagedDriver(whole.forward, whole.loaded.kv_cache_spec, num_blocks=32)
+    staged_driver = PagedDriver(chained, whole.loaded.kv_cache_spec, num_blocks=32)
     for step in (prompts, {0: [11], 1: [12]}):
         expected, got = whole_driver.step(step, all_logits=True), staged_driver.step(step, all_logits=True)
         assert torch.equal(got, expected)
@@ -97,13 +88,12 @@ def test_stages_chained_by_hand_equal_the_whole_model(tmp_path, smollm2_tokenize
 
 def test_a_later_stage_runs_from_zeros_without_inputs_and_placeholders_refuse_use(tiny_llama):
     last = _load(tiny_llama, ParallelState(pp_rank=1, pp_size=2))
-    driver = PagedDriver(lambda b, kv: modelrunner_llama.forward(loaded=last, batch=b, kv_caches=kv),
-                         last.kv_cache_spec, num_blocks=8)
-    assert driver.step({0: [1, 2, 3]}).shape == (1, last.vocab_size)  # a dummy step (memory profiling)
-    placeholder = last.model.model.layers[0]
+    driver = PagedDriver(last.forward, last.loaded.kv_cache_spec, num_blocks=8)
+    assert driver.step({0: [1, 2, 3]}).shape == (1, last.loaded.vocab_size)  # a dummy step (memory profiling)
+    placeholder = last.loaded.model.model.layers[0]
     with pytest.raises(AttributeError, match="belongs to another pipeline stage"):
         placeholder.self_attn  # noqa: B018
     with pytest.raises(AttributeError, match="cannot set 'mlp': this module belongs to another pipeline stage"):
         placeholder.mlp = torch.nn.Linear(1, 1)
     with pytest.raises(ValueError, match="loaded for pipeline stage 1/2, but parallelize was called for 0/2"):
-        modelrunner_llama.parallelize(loaded=last, parallel=ParallelState(pp_rank=0, pp_size=2))
+        last.parallelize(ParallelState(pp_rank=0, pp_size=2))

@@ -14,11 +14,9 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import GPT2Config, GPT2LMHeadModel
 
-import modelrunner_example_gpt2
 from modelrunner import LLM, SamplingParams
-from modelrunner.config import RunnerConfig
 from modelrunner.parallel_state import ParallelState
-from modelrunner.source import resolve_source
+from modelrunner.testing import load_adapter
 
 TOLERANCE = 1e-4
 """Largest absolute logit difference accepted in float32."""
@@ -89,8 +87,7 @@ def test_loads_checkpoints_saved_without_the_transformer_prefix(gpt2_dir, tmp_pa
     save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        loaded = modelrunner_example_gpt2.load(source=resolve_source(str(tmp_path)), config=RunnerConfig(),
-                                               device=torch.device("cpu"), dtype=torch.float32)
+        loaded = load_adapter(tmp_path).loaded
     assert not [w for w in caught if "tensor(s) the model does not use" in str(w.message)]
     expected = llm.runner.loaded.model.state_dict()
     assert all(torch.equal(t, expected[name]) for name, t in loaded.model.state_dict().items())
@@ -98,4 +95,4 @@ def test_loads_checkpoints_saved_without_the_transformer_prefix(gpt2_dir, tmp_pa
 
 def test_parallel_runs_are_refused_clearly(llm):
     with pytest.raises(ValueError, match="tensor_parallel_size=2"):
-        modelrunner_example_gpt2.parallelize(loaded=llm.runner.loaded, parallel=ParallelState(tp_size=2))
+        load_adapter(llm.runner.runner.source).parallelize(ParallelState(tp_size=2))

@@ -45,14 +45,22 @@ def register(registry: Any) -> None:
     registry.compile_backends("eager")
 
 
-@hookimpl
-def compile(name: str, loaded: Any, config: Any) -> Callable[..., Any] | None:
-    """The model, with its float32 CPU linear weights prepacked unless ``prepack_weights`` is False."""
-    if name != "eager":
-        return None
-    options = getattr(config, "options", None) or {}
+def eager_model(loaded: Any, options: dict[str, Any] | None = None) -> EagerModel:
+    """The eager backend's callable for ``loaded``: its model, with float32 CPU linear weights prepacked
+    unless ``options["prepack_weights"]`` is False. A compile backend that only wraps the model (to
+    count, trace or time calls) builds on this to keep the prepacked weights.
+
+    :raises ValueError: ``prepack_weights`` is not a bool.
+    """
+    options = options or {}
     prepack = options.get(PREPACK_OPTION, True)
     if not isinstance(prepack, bool):
         raise ValueError(f"compile option {PREPACK_OPTION!r} must be true or false, got {prepack!r}")
     model = loaded.model
     return EagerModel(model, prepack_weights(model) if prepack and hasattr(model, "modules") else 0)
+
+
+@hookimpl
+def compile(loaded: Any, config: Any) -> Callable[..., Any]:
+    """:func:`eager_model` with the config's ``compile_options``."""
+    return eager_model(loaded, getattr(config, "options", None))

@@ -13,17 +13,19 @@ import torch
 
 from ..hookspecs import hookimpl
 from ..loaded_model import LoadedModel
-
-NAME = "default-transformers"
+from ..registry import FALLBACK_ARCHITECTURE
 
 
 @hookimpl
 def register(registry: Any) -> None:
-    registry.architectures("AutoModelForCausalLM")
+    """Declare the fallback architecture: the kernel asks this adapter for any architecture no plugin registered."""
+    registry.architectures(FALLBACK_ARCHITECTURE)
 
 
 @hookimpl
 def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> LoadedModel | None:
+    """transformers' own model for ``source``; None when transformers has no causal LM for its
+    ``model_type`` (and ``trust_remote_code`` is off)."""
     from transformers import AutoModelForCausalLM
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -39,28 +41,24 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> 
         tokenizer=source.load_tokenizer(),
         hf_config=model.config,
         kv_cache_spec=None,
-        adapter=NAME,
         extra={"caches": {}},
     )
 
 
 @hookimpl
-def parallelize(loaded: LoadedModel, parallel: Any) -> LoadedModel | None:
-    if loaded.adapter != NAME:
-        return None
+def parallelize(loaded: LoadedModel, parallel: Any) -> None:
+    """Refuse more than one process: transformers' model has no split plan here."""
     if parallel.world_size > 1:
         raise ValueError(
             f"the generic transformers adapter cannot shard {type(loaded.model).__name__} across "
             f"{parallel.world_size} processes; install a native adapter for it or use "
             "tensor_parallel_size=1, pipeline_parallel_size=1"
         )
-    return loaded
 
 
 @hookimpl
-def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor | None:
-    if loaded.adapter != NAME:
-        return None
+def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor:
+    """Run each sequence of the step through transformers' model with its own ``DynamicCache``."""
     from transformers import DynamicCache
 
     caches: dict[int, Any] = loaded.extra["caches"]

@@ -2,8 +2,8 @@
 
 from .input_processor import InputProcessor
 from .llm_engine import LLMEngine
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from ..sampling.params import SamplingParams
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, SequenceStatus
 from .stop_checker import StopChecker
@@ -13,6 +13,8 @@ __all__ = [
     "SamplingParams",
     "RequestOutput",
     "CompletionOutput",
+    "Logprob",
+    "RequestMetrics",
     "Scheduler",
     "SchedulerOutput",
     "ScheduledSequence",

@@ -47,8 +47,8 @@ def _fast_decode(tokenizer: Any) -> Any:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
-def truncate_at_stop_string(seq: Sequence, search_from: int) -> str | None:
-    """Cut ``seq.output_text`` before the earliest stop string that ends in its new part.
+def truncate_at_stop_string(seq: Sequence, search_from: int, keep: bool = False) -> str | None:
+    """Cut ``seq.output_text`` before (with ``keep``: after) the earliest stop string that ends in its new part.
 
     :param search_from: characters before this were already checked.
     :returns: the stop string found, or None.
@@ -60,7 +60,7 @@ def truncate_at_stop_string(seq: Sequence, search_from: int) -> str | None:
         if at != -1 and at < found_at:
             found, found_at = stop, at
     if found is not None:
-        seq.output_text = text[:found_at]
+        seq.output_text = text[:found_at + (len(found) if keep else 0)]
     return found
 
 

@@ -8,7 +8,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
-from .sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
 
 
 @attrs.frozen
@@ -24,7 +24,9 @@ class ProcessedPrompt:
     extra_keys: tuple
     """A hashable content fingerprint of ``extra`` for the prefix cache."""
     params: SamplingParams
-    """Validated sampling parameters."""
+    """Validated sampling parameters (the engine's own copy)."""
+    processor_states: dict[str, Any] = attrs.field(factory=dict)
+    """Logits processor name → its state for this request."""
 
 
 class InputProcessor:
@@ -37,7 +39,7 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_capacity_tokens: int,
                  max_num_seqs: int, process_inputs: Callable[..., tuple[list[int], dict[str, Any]]] | None = None,
-                 ) -> None:
+                 processor_states: Callable[[SamplingParams], dict[str, Any]] | None = None) -> None:
         self.tokenizer = tokenizer
         """Encodes text prompts."""
         self.vocab_size = vocab_size
@@ -51,6 +53,8 @@ class InputProcessor:
         self.process_inputs = process_inputs
         """The model's own request transform (``ModelRunner.process_inputs``: image preprocessing,
         placeholder expansion), called with ``prompt_text``, ``token_ids`` and ``extra``; None: none."""
+        self.processor_states = processor_states
+        """Which logits processors a request uses (raises ``ValueError`` for a bad one); None: none."""
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | dict | None,
                 extra: dict[str, Any] | None = None) -> ProcessedPrompt:
@@ -58,20 +62,32 @@ class InputProcessor:
 
         :param prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
             whose other keys (e.g. ``"images"``) join ``extra``.
-        :raises ValueError: empty or too long prompt, token ids outside the vocabulary, invalid
-            sampling parameters, ``n`` above ``max_num_seqs``, extra inputs the model rejects
-            (e.g. more images than image placeholders).
+        :raises ValueError: empty or too long prompt, token ids outside the vocabulary, a text prompt
+            for a model without a tokenizer, invalid sampling parameters (checked again here, as they
+            may have been changed since construction), ``n`` above ``max_num_seqs``, a logits
+            processor that rejects the request, extra inputs the model rejects (e.g. more images than
+            image placeholders).
         """
-        params = SamplingParams.from_optional(params)
+        if not isinstance(params, SamplingParams) and not isinstance(params, (dict, type(None))):
+            raise ValueError(f"sampling_params must be a SamplingParams, a dict or None, got {type(params).__name__}")
+        params = SamplingParams.from_optional(params).clone().validate()
         text, token_ids, prompt_extra = self._parse(prompt)
         extra = {**prompt_extra, **(extra or {})}
+        if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
+            token_ids = token_ids[-params.truncate_prompt_tokens:]
+            text = None  # the text no longer matches the tokens
         if self.process_inputs is not None:
             try:
                 token_ids, extra = self.process_inputs(prompt_text=text, token_ids=token_ids, extra=extra)
             except ValueError as e:
                 raise ValueError(f"request {request_id!r}: {e}") from e
         self._check_lengths(request_id, token_ids, params)
-        return ProcessedPrompt(text, token_ids, extra, extra_keys(extra), params)
+        states = self.processor_states(params) if self.processor_states is not None else {}
+        keys = extra_keys(extra)
+        if params.prompt_logprobs is not None:
+            # Prompt log-probabilities need every prompt position computed: no prefix-cache hits.
+            keys += (("prompt_logprobs", request_id),)
+        return ProcessedPrompt(text, token_ids, extra, keys, params, states)
 
     def _parse(self, prompt: Any) -> tuple[str | None, list[int], dict[str, Any]]:
         extra: dict[str, Any] = {}
@@ -85,6 +101,9 @@ class InputProcessor:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty; give at least one character or token id")
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint ships no tokenizer, so prompts must be token ids "
+                                 "({'prompt_token_ids': [...]} or a list of ints), not text")
             return prompt, list(self.tokenizer.encode(prompt)), extra
         if isinstance(prompt, (list, tuple, torch.Tensor)):
             return None, self._check_token_ids(prompt), extra

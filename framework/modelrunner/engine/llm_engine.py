@@ -1,70 +1,142 @@
-"""LLMEngine: requests in, one batched step at a time, outputs out (vLLM's ``add_request`` / ``step``)."""
+"""LLMEngine: requests in, one batched step at a time, outputs out (vLLM's ``add_request`` / ``step``).
+
+The engine owns the scheduling state: its :class:`~.scheduler.Scheduler` owns the KV block
+allocator (created here through the allocator plugin, for the block count the executor reports).
+Each step is atomic for every request in it: a request either advances (its computed tokens and
+its new token together) or, when its forward or its sampling fails, is retried alone once and fails
+by itself with ``finish_reason="error"`` if it fails again — the others continue.
+
+Outputs go to each request's consumer (the ``on_output`` of :meth:`LLMEngine.add_request`); those
+of requests without one are kept until :meth:`LLMEngine.step` returns them. So several callers
+(``LLM.generate``, a server, code stepping ``llm.llm_engine`` directly) share one engine loop
+without losing each other's outputs.
+"""
 
 from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Iterable
+import time
+from collections.abc import Callable, Iterable
 from typing import Any
 
+import attrs
 import torch
 
+from ..config import RunnerConfig
 from ..errors import FatalError
+from ..executor import Executor, UniprocExecutor, create_executor
 from ..kv_cache.allocator import KVCacheError
 from ..layers.sampler import Sampler, SamplingMetadata
-from .batch_builder import build_forward_batch
+from ..runner import ModelRunner
+from ..sampling.logits_processor import ProcessorContext
+from ..sampling.logprobs import token_logprobs
+from ..sampling.params import SamplingParams
+from .batch_builder import LogitsRowOwner, build_forward_batch
 from .detokenizer import start_detokenizer, text_delta
 from .input_processor import InputProcessor
-from .outputs import CompletionOutput, RequestOutput
-from .sampling_params import SamplingParams
+from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .processors import ProcessorFailed, ProcessorPipeline
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, child_seed
-from .stop_checker import StopChecker, eos_token_ids
+from .stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
 
+OutputConsumer = Callable[[RequestOutput], None]
+"""Receives a request's outputs as steps produce them (the last one has ``finished=True``)."""
+
+
+def as_executor(target: Executor | ModelRunner | RunnerConfig | dict[str, Any]) -> Executor:
+    """An executor for ``target``: itself, a runner wrapped in one process, or one built from a config."""
+    if isinstance(target, Executor):
+        return target
+    if isinstance(target, ModelRunner):
+        return UniprocExecutor(runner=target)
+    if isinstance(target, (RunnerConfig, dict)):
+        return create_executor(target)
+    raise TypeError(f"LLMEngine needs an Executor, a ModelRunner or a config, got {type(target).__name__}")
+
+
+@attrs.frozen
+class _Chosen:
+    """What sampling decided for one logits row."""
+
+    token: int
+    """The sampled token."""
+    logprobs: dict[int, Logprob] | None
+    """Its and the top tokens' log-probabilities, when asked."""
+
 
 class LLMEngine:
-    """Continuous batching over one loaded :class:`~modelrunner.runner.ModelRunner`.
+    """Continuous batching over one loaded executor.
 
     ``add_request`` validates and queues a request (a bad one raises ``ValueError`` and leaves
-    nothing behind); each ``step`` schedules, runs one forward over the flattened batch, samples
-    every finished row at once, and returns a :class:`RequestOutput` for every request that
-    changed. Requests may be added between steps.
+    nothing behind); each step schedules, runs one forward over the flattened batch, applies the
+    logits processors and samples every finished row at once, and reports every request that changed.
+
+    :param executor: what runs the model: an :class:`~modelrunner.executor.Executor`, a
+        :class:`~modelrunner.runner.ModelRunner` (run in this process) or a configuration.
     """
 
-    def __init__(self, runner: Any) -> None:
-        runner.load_model()
-        self.runner = runner
-        """The model runner (loaded)."""
-        self.tokenizer = runner.tokenizer
-        """The checkpoint's tokenizer."""
-        self.allocator = runner.allocator
-        """The runner's KV block allocator."""
-        self.max_model_len: int = runner.max_model_len
-        """Longest sequence (prompt + output) the runner accepts."""
-        self.scheduler = Scheduler(runner.config.scheduler, runner.allocator)
-        """Waiting and running queues."""
-        self.sampler = Sampler(seed=runner.config.model.seed)
+    def __init__(self, executor: Executor | ModelRunner | RunnerConfig | dict[str, Any]) -> None:
+        executor = as_executor(executor)
+        executor.load_model()
+        self.executor = executor
+        """Runs the model (one process or several)."""
+        config = executor.config
+        self.config: RunnerConfig = config
+        """The whole configuration."""
+        self.tokenizer = executor.tokenizer
+        """The checkpoint's tokenizer (None for a checkpoint without one: prompts must be token ids)."""
+        self.max_model_len: int = executor.max_model_len
+        """Longest sequence (prompt + output) accepted."""
+        cache = config.cache
+        if executor.kv_cache_spec is None:  # the model keeps its own cache: nothing to share
+            cache = attrs.evolve(cache, enable_prefix_caching=False)
+        allocator = executor.plugins.create_allocator(cache.kv_allocator, executor.num_blocks, executor.block_size,
+                                                      self.max_model_len, cache)
+        executor.lend_allocator(allocator)
+        self.scheduler = Scheduler(config.scheduler, allocator)
+        """Waiting and running queues; owns the KV block allocator."""
+        self.sampler = Sampler(seed=config.model.seed)
         """Batched sampler; its shared generator serves requests without a seed."""
-        self.vocab_size: int = runner.loaded.vocab_size
+        loaded = executor.loaded
+        self.vocab_size: int = loaded.vocab_size
         """Valid token ids are ``0 … vocab_size - 1``."""
-        self.eos_token_ids: frozenset[int] = eos_token_ids(self.tokenizer, runner.loaded.hf_config)
+        self.eos_token_ids: frozenset[int] = loaded.eos_token_ids
         """Token ids that end a completion unless ``ignore_eos``."""
+        self.processors = ProcessorPipeline(executor.plugins,
+                                            ProcessorContext(self.vocab_size, self.tokenizer, self.eos_token_ids))
+        """The logits processors (built-in and named) requests use."""
         self.input_processor = InputProcessor(
-            self.tokenizer, self.vocab_size, self.max_model_len,
-            runner.allocator.num_blocks * runner.allocator.block_size, runner.config.scheduler.max_num_seqs,
-            process_inputs=getattr(runner, "process_inputs", None),
+            self.tokenizer, self.vocab_size, self.max_model_len, allocator.num_blocks * allocator.block_size,
+            config.scheduler.max_num_seqs, process_inputs=executor.process_inputs,
+            processor_states=self.processors.states_for,
         )
         """Tokenizes and validates new requests."""
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         """Appends sampled tokens and decides when sequences end."""
-        self._shares_kv_on_fork = runner.loaded.kv_cache_spec is not None
+        self._shares_kv_on_fork = executor.kv_cache_spec is not None
         self._requests: dict[str, Request] = {}
+        self._unclaimed: list[RequestOutput] = []
+        self._consumers: dict[str, OutputConsumer] = {}
         self._pending: list[RequestOutput] = []
         self._seq_ids = itertools.count()
         self._arrivals = itertools.count()
         self._auto_ids = itertools.count()
+        self.num_steps = 0
+        """Steps run so far."""
+
+    @property
+    def allocator(self) -> Any:
+        """The KV block allocator (owned by the scheduler)."""
+        return self.scheduler.allocator
+
+    @property
+    def runner(self) -> Executor:
+        """Deprecated name of :attr:`executor`."""
+        return self.executor
 
     # -- requests --------------------------------------------------------------------------------
 
@@ -74,15 +146,19 @@ class LLMEngine:
         prompt: str | list[int] | dict[str, Any],
         params: SamplingParams | dict | None = None,
         extra: dict[str, Any] | None = None,
+        on_output: OutputConsumer | None = None,
     ) -> None:
         """Validate and queue a request.
 
         :param prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
             whose other keys (e.g. ``"images"``) join ``extra``.
         :param params: sampling parameters (None: defaults; a dict is turned into SamplingParams).
+            The engine keeps a validated copy: changing ``params`` later does not affect the request.
         :param extra: adapter inputs passed to the model in ``ForwardBatch.extra``.
+        :param on_output: receives this request's outputs as steps produce them; without one they
+            are returned by :meth:`step`.
         :raises ValueError: duplicate id, empty or too long prompt, token ids outside the
-            vocabulary, invalid sampling parameters. Nothing is queued then.
+            vocabulary, invalid sampling parameters or logits processors. Nothing is queued then.
         """
         request_id = str(request_id)
         if request_id in self._requests:
@@ -90,20 +166,26 @@ class LLMEngine:
         p = self.input_processor.process(request_id, prompt, params, extra)
         request = Request(
             request_id=request_id, prompt=p.text, prompt_token_ids=p.token_ids, params=p.params,
-            arrival=next(self._arrivals), extra=p.extra, extra_keys=p.extra_keys,
+            arrival=next(self._arrivals), metrics=RequestMetrics(arrival_time=time.monotonic()), extra=p.extra,
+            extra_keys=p.extra_keys, processor_states=p.processor_states,
+            prompt_logprobs=None if p.params.prompt_logprobs is None else [None] * len(p.token_ids),
         )
         seed = p.params.seed
         generator = None if seed is None else torch.Generator().manual_seed(child_seed(seed, 0))
         seq = Sequence(seq_id=next(self._seq_ids), request=request, index=0, token_ids=list(p.token_ids),
                        generator=generator)
+        if p.params.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
         start_detokenizer(seq)
         request.seqs.append(seq)
         self._requests[request_id] = request
+        if on_output is not None:
+            self._consumers[request_id] = on_output
         self.scheduler.add(seq)
 
     def abort_request(self, request_id: str) -> bool:
-        """Stop a request now; its blocks are freed and the next :meth:`step` reports it
-        (``finish_reason="abort"``). Returns False for an unknown or finished id."""
+        """Stop a request now; its blocks are freed and its consumer (or the next :meth:`step`) gets a
+        final output with ``finish_reason="abort"``. Returns False for an unknown or finished id."""
         request = self._requests.pop(str(request_id), None)
         if request is None:
             return False
@@ -111,6 +193,7 @@ class LLMEngine:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
         request.forked = True
+        request.metrics.finished_time = time.monotonic()
         self._pending.append(self._output(request))
         return True
 
@@ -122,15 +205,36 @@ class LLMEngine:
         """Requests waiting or running."""
         return len(self._requests)
 
+    def is_running(self, request_id: str) -> bool:
+        """True while the request waits or runs."""
+        return str(request_id) in self._requests
+
     # -- the step --------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of every request that changed.
+        """Run one step; return the outputs of every request without a consumer that changed since the
+        last call (outputs of requests with one went to it).
 
         Each output carries the cumulative text and token ids plus the delta since the last
         report; finished requests appear once more with ``finished=True`` and are then forgotten.
         """
+        self.advance()
+        outputs, self._unclaimed = self._unclaimed, []
+        return outputs
+
+    @torch.inference_mode()
+    def advance(self) -> None:
+        """Run one scheduled step and deliver its outputs: to each request's consumer, or kept for
+        :meth:`step` when it has none."""
+        for output in self._run_step():
+            consumer = (self._consumers.pop(output.request_id, None) if output.finished
+                        else self._consumers.get(output.request_id))
+            if consumer is None:
+                self._unclaimed.append(output)
+            else:
+                consumer(output)
+
+    def _run_step(self) -> list[RequestOutput]:
         out = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         changed: dict[str, Request] = {}
@@ -139,14 +243,25 @@ class LLMEngine:
         for seq in out.ended:
             changed[seq.request.request_id] = seq.request
         if not out.is_empty:
+            self.num_steps += 1
+            now = time.monotonic()
+            for item in out.scheduled:
+                metrics = item.seq.request.metrics
+                metrics.first_scheduled_time = metrics.first_scheduled_time or now
             if out.block_copies:
-                self.runner.copy_blocks(out.block_copies)
+                self.executor.copy_blocks(out.block_copies)
             executed = self._execute(out, outputs)
             if executed is not None:
-                logits, rows, scheduled = executed
+                logits, owners, scheduled = executed
+                # The forward wrote these tokens' KV. From here on every sequence that reached its last
+                # token either gets its next token or its request fails: none is left half-advanced.
                 for item in scheduled:
                     item.seq.num_computed_tokens = item.start + item.num_new_tokens
-                self._sample_and_append(logits, [scheduled[r].seq for r in rows], changed)
+                self._record_prompt_logprobs(logits, owners, scheduled)
+                sampled = [(r, scheduled[o.item].seq) for r, o in enumerate(owners) if o.samples]
+                for seq, choice in self._sample([r for r, _ in sampled], [seq for _, seq in sampled], logits,
+                                                outputs):
+                    self._append(seq, choice, changed, outputs)
         for request in changed.values():
             if request.request_id in self._requests:
                 outputs.append(self._output(request))
@@ -155,33 +270,32 @@ class LLMEngine:
         self.scheduler.drop_finished()
         return outputs
 
+    # -- forward -------------------------------------------------------------------------------
+
     def _execute(
         self, out: SchedulerOutput, outputs: list[RequestOutput]
-    ) -> tuple[torch.Tensor, list[int], list[ScheduledSequence]] | None:
-        """One forward over the whole batch. If it raises, each request runs alone so that only the
-        one(s) that fail are finished with ``finish_reason="error"`` (their KV slots are rewritten
-        identically by the retry, so the others are unaffected). The failed step's blocks leave the
-        prefix cache first: a later prompt must not reuse KV that was never written. A request that
-        hit, in this step, blocks of one that then fails alone computes those blocks itself.
+    ) -> tuple[torch.Tensor, list[LogitsRowOwner], list[ScheduledSequence]] | None:
+        """One forward over the whole batch. If it raises, each request runs alone once, so that only
+        the one(s) that fail again are finished with ``finish_reason="error"`` (their KV slots are
+        rewritten identically by the retry, so the others are unaffected). The failed step's blocks
+        leave the prefix cache first: a later prompt must not reuse KV that was never written. A
+        request that hit, in this step, blocks of one that then fails alone computes those blocks itself.
 
-        :returns: logits, the ``scheduled`` index of each logits row, and the scheduled sequences
-            that ran; None when none did.
+        :returns: logits, who owns each logits row, and the scheduled sequences that ran; None when none did.
         """
         scheduled = out.scheduled
-        batch, rows = build_forward_batch(scheduled, self.allocator, out.finished_seq_ids)
+        batch, owners = build_forward_batch(scheduled, self.allocator, out.finished_seq_ids)
         try:
-            return self.runner.execute_model(batch), rows, scheduled
+            return self.executor.execute_model(batch).logits, owners, scheduled
         except FatalError:
             raise
         except Exception as exc:  # noqa: BLE001 - isolated below, reported per request
-            first_error = exc
+            logger.warning("step of %d requests failed (%s: %s); running each alone", len(scheduled),
+                           type(exc).__name__, exc)
         # The step's new KV was not (fully) written: its blocks must not serve prefix-cache hits.
         for item in scheduled:
             self.allocator.forget_uncomputed(item.seq.seq_id, item.start)
         requests = list(dict.fromkeys(item.seq.request for item in scheduled))
-        if len(requests) == 1:
-            self._fail(requests[0], _forward_error(first_error), outputs)
-            return None
         kept: list[ScheduledSequence] = []
         parts: list[torch.Tensor] = []
         unwritten: set[int] = set()  # blocks whose new KV a failed request never wrote
@@ -189,13 +303,13 @@ class LLMEngine:
             mine = [self._recompute_unwritten(item, unwritten) for item in scheduled if item.seq.request is request]
             try:
                 batch, _ = build_forward_batch(mine, self.allocator, out.finished_seq_ids)
-                logits = self.runner.execute_model(batch)
+                logits = self.executor.execute_model(batch).logits
             except FatalError:
                 raise
             except Exception as exc:  # noqa: BLE001
                 for item in mine:  # before _fail frees them
                     unwritten.update(self._blocks_written_by(item))
-                self._fail(request, _forward_error(exc), outputs)
+                self._fail(request, f"model forward failed: {type(exc).__name__}: {exc}", outputs)
                 continue
             kept += mine
             parts.append(logits)
@@ -224,12 +338,19 @@ class LLMEngine:
                 return ScheduledSequence(item.seq, start, item.num_new_tokens + item.start - start)
         return item
 
-    def _sample_and_append(self, logits: torch.Tensor, seqs: list[Sequence], changed: dict[str, Request]) -> None:
-        if not seqs:
-            return  # only intermediate prefill chunks ran
-        row_of: list[int] = []
+    # -- sampling --------------------------------------------------------------------------------
+
+    def _sample(self, rows: list[int], seqs: list[Sequence], logits: torch.Tensor,
+                outputs: list[RequestOutput]) -> list[tuple[Sequence, _Chosen]]:
+        """Choose the next token of every sequence that reached its last token (forking ``n > 1``
+        requests at their first token). Nothing here changes a sequence: if choosing fails for the
+        whole batch, each request's rows are chosen alone (generators rewound first), and a request
+        that fails again fails by itself, naming the cause."""
         targets: list[Sequence] = []
-        for row, seq in enumerate(seqs):
+        row_of: list[int] = []
+        for row, seq in zip(rows, seqs):
+            if seq.is_finished:
+                continue
             targets.append(seq)
             row_of.append(row)
             request = seq.request
@@ -239,21 +360,132 @@ class LLMEngine:
                         targets.append(child)
                         row_of.append(row)
                 request.forked = True
-        if len(targets) != logits.shape[0]:
-            logits = logits[torch.tensor(row_of)]
-        self._suppress_stop_tokens(logits, targets)
-        metadata = SamplingMetadata.from_rows(
-            [s.params.temperature for s in targets],
-            [s.params.top_k for s in targets],
-            [s.params.top_p for s in targets],
-            [s.generator for s in targets],
-        )
-        tokens = self.sampler(logits, metadata).tolist()
-        for seq, token in zip(targets, tokens):
-            finish = self.stop_checker.append_token(seq, token)
-            if finish is not None:
-                self.scheduler.finish(seq, *finish)
-            changed[seq.request.request_id] = seq.request
+        if not targets:
+            return []
+        raw = logits.index_select(0, torch.tensor(row_of, dtype=torch.long)) if row_of != list(range(len(logits))) \
+            else logits
+        try:
+            with self._rewind_on_failure(targets):
+                return list(zip(targets, self._choose(raw, targets)))
+        except FatalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - isolated below
+            logger.warning("sampling %d rows failed (%s: %s); sampling each request alone", len(targets),
+                           type(exc).__name__, exc)
+        chosen: list[tuple[Sequence, _Chosen]] = []
+        for request in dict.fromkeys(seq.request for seq in targets):
+            mine = [i for i, seq in enumerate(targets) if seq.request is request]
+            try:
+                with self._rewind_on_failure([targets[i] for i in mine]):
+                    picks = self._choose(raw[mine], [targets[i] for i in mine])
+            except FatalError:
+                raise
+            except Exception as exc:  # noqa: BLE001
+                self._fail(request, _sampling_error(exc), outputs)
+                continue
+            chosen += [(targets[i], pick) for i, pick in zip(mine, picks)]
+        return chosen
+
+    def _choose(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[_Chosen]:
+        """Tokens for ``raw`` logits rows (one per sequence): check them, apply the logits processors,
+        sample, and compute the asked log-probabilities from the raw logits."""
+        broken = torch.isnan(raw).any(1) | torch.isposinf(raw).any(1) | torch.isneginf(raw).all(1)
+        if bool(broken.any()):
+            seq = seqs[int(broken.nonzero()[0])]
+            raise BrokenLogits(f"the model's logits for request {seq.request.request_id!r} contain NaN or +inf (or "
+                               "are all -inf): a broken model or plugin; nothing was sampled")
+        logits = self.processors.apply(raw.clone(), seqs)
+        masked = torch.isneginf(logits).all(1)
+        if bool(masked.any()):
+            seq = seqs[int(masked.nonzero()[0])]
+            raise BrokenLogits(f"every token is excluded for request {seq.request.request_id!r} (by "
+                               "allowed_token_ids, bad_words, logit_bias or a logits processor); nothing can be sampled")
+        params = [s.params for s in seqs]
+        metadata = SamplingMetadata.from_rows([p.temperature for p in params], [p.top_k for p in params],
+                                              [p.top_p for p in params], [s.generator for s in seqs],
+                                              [p.min_p for p in params])
+        tokens = self.sampler(logits, metadata)
+        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
+        found: dict[int, dict[int, Logprob]] = {}
+        if asking:
+            k = max(params[i].logprobs for i in asking)
+            index = torch.tensor(asking, dtype=torch.long)
+            picked, rank, top_ids, top_lps = token_logprobs(raw[index], tokens[index], k)
+            for j, i in enumerate(asking):
+                found[i] = self._logprob_entry(int(tokens[i]), float(picked[j]), int(rank[j]),
+                                               top_ids[j, :params[i].logprobs].tolist(),
+                                               top_lps[j, :params[i].logprobs].tolist())
+        return [_Chosen(int(t), found.get(i)) for i, t in enumerate(tokens.tolist())]
+
+    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int],
+                       top_logprobs: list[float]) -> dict[int, Logprob]:
+        entry = {tid: Logprob(lp, r + 1, self._decode_one(tid))
+                 for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs))}
+        if token not in entry:
+            entry[token] = Logprob(logprob, rank, self._decode_one(token))
+        return entry
+
+    def _decode_one(self, token: int) -> str | None:
+        return None if self.tokenizer is None else self.tokenizer.decode([token])
+
+    def _rewind_on_failure(self, seqs: list[Sequence]) -> Any:
+        """A context that restores the random generators ``seqs`` draw from if its body raises, so a
+        retry draws exactly what a run without the failure would have."""
+        engine = self
+
+        class _Rewind:
+            def __enter__(self) -> None:
+                gens = [s.generator for s in seqs if s.generator is not None]
+                if engine.sampler.generator is not None:
+                    gens.append(engine.sampler.generator)
+                self.saved = [(g, g.get_state()) for g in gens]
+
+            def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
+                if kind is not None:
+                    for g, state in self.saved:
+                        g.set_state(state)
+                return False
+
+        return _Rewind()
+
+    def _record_prompt_logprobs(self, logits: torch.Tensor, owners: list[LogitsRowOwner],
+                                scheduled: list[ScheduledSequence]) -> None:
+        rows = [(r, o) for r, o in enumerate(owners) if not o.samples]
+        if not rows:
+            return
+        index = torch.tensor([r for r, _ in rows], dtype=torch.long)
+        seqs = [scheduled[o.item].seq for _, o in rows]
+        targets = torch.tensor([seq.token_ids[o.position + 1] for (_, o), seq in zip(rows, seqs)], dtype=torch.long)
+        k = max(seq.params.prompt_logprobs for seq in seqs)
+        picked, rank, top_ids, top_lps = token_logprobs(logits.index_select(0, index), targets, k)
+        for j, ((_, owner), seq) in enumerate(zip(rows, seqs)):
+            n = seq.params.prompt_logprobs
+            seq.request.prompt_logprobs[owner.position + 1] = self._logprob_entry(
+                int(targets[j]), float(picked[j]), int(rank[j]), top_ids[j, :n].tolist(), top_lps[j, :n].tolist())
+
+    def _append(self, seq: Sequence, choice: _Chosen, changed: dict[str, Request],
+                outputs: list[RequestOutput]) -> None:
+        request = seq.request
+        if seq.is_finished:
+            return
+        try:
+            finish = self.stop_checker.append_token(seq, choice.token)
+        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
+            self._fail(request, f"appending token {choice.token} failed: {type(exc).__name__}: {exc}", outputs)
+            return
+        if choice.logprobs is not None and seq.logprobs is not None:
+            seq.logprobs.append(choice.logprobs)
+            seq.cumulative_logprob += choice.logprobs[choice.token].logprob
+        now = time.monotonic()
+        metrics = request.metrics
+        metrics.first_token_time = metrics.first_token_time or now
+        metrics.last_token_time = now
+        metrics.num_generated_tokens += 1
+        if finish is not None:
+            self.scheduler.finish(seq, *finish)
+            if request.is_finished:
+                metrics.finished_time = now
+        changed[request.request_id] = request
 
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Create completions 1 … n-1 sharing the parent's freshly prefilled prompt blocks."""
@@ -264,7 +496,7 @@ class LLMEngine:
             children.append(child)
             if self._shares_kv_on_fork:
                 try:
-                    self.runner.copy_blocks(self.allocator.fork(parent.seq_id, child.seq_id))
+                    self.executor.copy_blocks(self.allocator.fork(parent.seq_id, child.seq_id))
                     self.scheduler.add_running(child)
                     continue
                 except KVCacheError:
@@ -274,16 +506,6 @@ class LLMEngine:
             self.scheduler.waiting.appendleft(child)
         return children
 
-    def _suppress_stop_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Below ``min_tokens``, EOS and stop token ids cannot be sampled."""
-        for row, seq in enumerate(seqs):
-            params = seq.params
-            if params.min_tokens and seq.num_output_tokens < params.min_tokens:
-                banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.eos_token_ids))
-                banned = [t for t in banned if t < logits.shape[1]]
-                if banned:
-                    logits[row, banned] = float("-inf")
-
     def _fail(self, request: Request, reason: str, outputs: list[RequestOutput]) -> None:
         logger.warning("request %r failed: %s", request.request_id, reason)
         request.error = reason
@@ -291,6 +513,7 @@ class LLMEngine:
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")
+        request.metrics.finished_time = time.monotonic()
         if self._requests.pop(request.request_id, None) is not None:
             outputs.append(self._output(request))
 
@@ -309,6 +532,9 @@ class LLMEngine:
                 stop_reason=seq.stop_reason,
                 delta_text=delta,
                 delta_token_ids=new_ids,
+                logprobs=None if seq.logprobs is None else list(seq.logprobs),
+                cumulative_logprob=seq.cumulative_logprob,
+                delta_logprobs=None if seq.logprobs is None else seq.logprobs[sent:],
             ))
         completions.sort(key=lambda c: c.index)
         return RequestOutput(
@@ -319,6 +545,8 @@ class LLMEngine:
             finished=request.is_finished,
             num_cached_tokens=request.seqs[0].num_cached_tokens,
             error=request.error,
+            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
+            metrics=attrs.evolve(request.metrics),
         )
 
     # -- conveniences ----------------------------------------------------------------------------
@@ -331,39 +559,71 @@ class LLMEngine:
                 return rid
 
     def run_until_finished(self, request_ids: Iterable[str], on_finished: Any = None) -> dict[str, RequestOutput]:
-        """Step until every request in ``request_ids`` finished; return their final outputs.
+        """Step until every request in ``request_ids`` (added without a consumer) finished; return their
+        final outputs. Their other outputs are dropped; those of other requests stay for :meth:`step`.
 
         :param on_finished: called with each final output as it arrives (e.g. to advance a progress bar).
         """
         wanted = set(request_ids)
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(wanted):
-            if not self._requests and not self._pending:
-                missing = sorted(wanted - set(done))
-                raise RuntimeError(f"requests {missing} are not in the engine (aborted elsewhere?)")
-            for output in self.step():
-                if output.finished and output.request_id in wanted:
-                    done[output.request_id] = output
-                    if on_finished is not None:
-                        on_finished(output)
-        return done
+        while True:
+            mine = [o for o in self._unclaimed if o.request_id in wanted]
+            if mine:
+                self._unclaimed = [o for o in self._unclaimed if o.request_id not in wanted]
+                for output in mine:
+                    if output.finished:
+                        done[output.request_id] = output
+                        if on_finished is not None:
+                            on_finished(output)
+            missing = wanted - set(done)
+            if not missing:
+                return done
+            if not any(rid in self._requests for rid in missing) and not self._pending:
+                raise RuntimeError(f"requests {sorted(missing)} are not in the engine (aborted elsewhere?)")
+            self.advance()
 
     def generate_token_ids(self, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
         """Generate for each token-id prompt and return the first completion's token ids, in order."""
         ids = [self.new_request_id() for _ in prompts]
+        results: dict[str, RequestOutput] = {}
         for rid, prompt in zip(ids, prompts):
-            self.add_request(rid, prompt, params)
-        done = self.run_until_finished(ids)
-        return [done[rid].outputs[0].token_ids for rid in ids]
+            self.add_request(rid, prompt, params, on_output=self.collect(results))
+        while len(results) < len(ids):
+            self.advance()
+        return [results[rid].outputs[0].token_ids for rid in ids]
+
+    @staticmethod
+    def collect(into: dict[str, RequestOutput]) -> OutputConsumer:
+        """A consumer that keeps each request's final output in ``into`` (by request id)."""
+        def consume(output: RequestOutput) -> None:
+            if output.finished:
+                into[output.request_id] = output
+        return consume
 
     def memory_stats(self) -> dict[str, Any]:
-        """The runner's KV-cache statistics plus the engine's queue lengths."""
-        stats = dict(self.runner.memory_stats())
+        """The KV-cache pool's statistics (blocks used/free/cached, peak, prefix hits, fragmentation),
+        its size in bytes, and the engine's queue lengths."""
+        stats = dict(self.allocator.stats().as_dict())
+        spec = self.executor.kv_cache_spec
+        stats["allocator"] = self.config.cache.kv_allocator
+        stats["kv_cache_bytes"] = self.executor.kv_cache_bytes
+        stats["bytes_per_token"] = spec.bytes_per_token if spec else 0
         stats["num_waiting_seqs"] = len(self.scheduler.waiting)
         stats["num_running_seqs"] = len(self.scheduler.running)
         stats["num_preemptions"] = self.scheduler.num_preemptions
         return stats
 
+    def stats(self) -> dict[str, Any]:
+        """Everything measured: ``kv_cache`` (:meth:`memory_stats`) plus the executor's ``model``,
+        ``compile`` and (parallel) ``parallel`` sections."""
+        return {"kv_cache": self.memory_stats(), **self.executor.stats()}
 
-def _forward_error(exc: Exception) -> str:
-    return f"model forward failed: {type(exc).__name__}: {exc}"
+
+class BrokenLogits(ValueError):
+    """A request's logits cannot be sampled (NaN/inf from the model, or every token masked)."""
+
+
+def _sampling_error(exc: Exception) -> str:
+    if isinstance(exc, (BrokenLogits, ProcessorFailed)):
+        return str(exc)
+    return f"sampling failed: {type(exc).__name__}: {exc}"

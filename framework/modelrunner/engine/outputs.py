@@ -5,6 +5,57 @@ from __future__ import annotations
 import attrs
 
 
+@attrs.frozen
+class Logprob:
+    """The log-probability of one token at one position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    """Natural log of the token's probability under the model's raw logits."""
+    rank: int | None = None
+    """1 for the most likely token, 2 for the next, …"""
+    decoded_token: str | None = None
+    """The token's text (None when the model has no tokenizer)."""
+
+
+PositionLogprobs = dict[int, Logprob]
+"""token id → its :class:`Logprob` at one position: the top tokens plus the chosen one."""
+
+
+@attrs.define
+class RequestMetrics:
+    """When things happened to a request (``time.monotonic()`` seconds)."""
+
+    arrival_time: float
+    """When the request was added."""
+    first_scheduled_time: float | None = None
+    """When its prompt first ran in a step."""
+    first_token_time: float | None = None
+    """When its first token was sampled."""
+    last_token_time: float | None = None
+    """When its latest token was sampled."""
+    finished_time: float | None = None
+    """When it finished."""
+    num_generated_tokens: int = 0
+    """Tokens generated over all completions."""
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        """Seconds from arrival to the first token."""
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def time_per_output_token(self) -> float | None:
+        """Mean seconds between tokens after the first (None with fewer than two)."""
+        if self.first_token_time is None or self.last_token_time is None or self.num_generated_tokens < 2:
+            return None
+        return (self.last_token_time - self.first_token_time) / (self.num_generated_tokens - 1)
+
+    @property
+    def e2e_latency(self) -> float | None:
+        """Seconds from arrival to finishing."""
+        return None if self.finished_time is None else self.finished_time - self.arrival_time
+
+
 @attrs.define
 class CompletionOutput:
     """One of a request's ``n`` completions, as of the latest step."""
@@ -24,6 +75,13 @@ class CompletionOutput:
     """Text added since the previous report of this request (what a stream prints)."""
     delta_token_ids: list[int] = attrs.field(factory=list)
     """Token ids added since the previous report."""
+    logprobs: list[PositionLogprobs] | None = None
+    """Per generated token, the top ``SamplingParams.logprobs`` tokens' and the chosen token's
+    log-probabilities (None unless asked)."""
+    cumulative_logprob: float | None = None
+    """Sum of the chosen tokens' log-probabilities (None unless ``logprobs`` was asked)."""
+    delta_logprobs: list[PositionLogprobs] | None = None
+    """The entries of ``logprobs`` added since the previous report."""
 
     @property
     def finished(self) -> bool:
@@ -54,6 +112,11 @@ class RequestOutput:
     """Prompt tokens whose KV came from the prefix cache instead of being computed."""
     error: str | None = None
     """Why the request failed (then ``finished`` is True and ``finish_reason`` is ``"error"``)."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """Per prompt token, its log-probability and the top ``prompt_logprobs`` at its position (None
+    for the first token, which nothing predicts); None unless asked."""
+    metrics: RequestMetrics | None = None
+    """When the request arrived, was first scheduled, got its first token and finished."""
 
     @property
     def num_prompt_tokens(self) -> int:

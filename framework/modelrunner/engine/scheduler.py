@@ -35,11 +35,6 @@ class ScheduledSequence:
     num_new_tokens: int
     """Tokens computed in this step (the query length)."""
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the sequence's last token, so its logits are sampled."""
-        return self.start + self.num_new_tokens == len(self.seq.token_ids)
-
 
 @attrs.define
 class SchedulerOutput:
@@ -57,11 +52,6 @@ class SchedulerOutput:
     """Sequences that can never run, with the reason; not allocated."""
     finished_seq_ids: tuple[int, ...] = ()
     """Ids of sequences that ended or were preempted since the previous batch (for adapters' state)."""
-
-    @property
-    def num_batched_tokens(self) -> int:
-        """New tokens in the step."""
-        return sum(s.num_new_tokens for s in self.scheduled)
 
     @property
     def is_empty(self) -> bool:
@@ -96,15 +86,6 @@ class Scheduler:
         """Track a sequence that already holds blocks (a forked completion) as the newest running one."""
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
-
-    def has_unfinished(self) -> bool:
-        """True while any sequence waits or runs."""
-        return bool(self.waiting or self.running)
-
-    @property
-    def num_unfinished(self) -> int:
-        """Sequences waiting or running."""
-        return len(self.waiting) + len(self.running)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         """End a sequence: mark it finished and free its blocks (it leaves the queues on the next

@@ -8,7 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from .sampling_params import SamplingParams
+from ..sampling.params import SamplingParams
+from .outputs import PositionLogprobs, RequestMetrics
 
 
 class SequenceStatus(enum.Enum):
@@ -66,6 +67,10 @@ class Sequence:
     """Characters of ``output_text`` already reported as deltas."""
     sent_token_len: int = 0
     """Generated tokens already reported as deltas."""
+    logprobs: list[PositionLogprobs] | None = None
+    """Per generated token, its and the top tokens' log-probabilities (when the request asks)."""
+    cumulative_logprob: float | None = None
+    """Sum of the generated tokens' log-probabilities (when the request asks)."""
 
     @property
     def prompt_len(self) -> int:
@@ -97,11 +102,6 @@ class Sequence:
         """True once the sequence ended."""
         return self.status is SequenceStatus.FINISHED
 
-    @property
-    def is_prefill(self) -> bool:
-        """True while more than one token is left to compute (prompt, or recompute after preemption)."""
-        return self.num_tokens - self.num_computed_tokens > 1
-
     def reset_for_recompute(self) -> None:
         """Forget the cached KV (after preemption): everything is computed again later."""
         self.num_computed_tokens = 0
@@ -111,7 +111,8 @@ class Sequence:
         """A copy of this sequence as completion ``index`` of the same request."""
         seed = self.request.params.seed
         generator = None if seed is None else torch.Generator().manual_seed(child_seed(seed, index))
-        return attrs.evolve(self, seq_id=seq_id, index=index, token_ids=list(self.token_ids), generator=generator)
+        return attrs.evolve(self, seq_id=seq_id, index=index, token_ids=list(self.token_ids), generator=generator,
+                            logprobs=None if self.logprobs is None else list(self.logprobs))
 
 
 @attrs.define(eq=False)
@@ -128,6 +129,8 @@ class Request:
     """Sampling and stopping rules."""
     arrival: int
     """Arrival order (ties in scheduling go to the earlier request)."""
+    metrics: RequestMetrics
+    """When it arrived, was first scheduled, got its first token, finished."""
     extra: dict[str, Any] = attrs.field(factory=dict)
     """Adapter inputs (e.g. ``images``) passed to the model in ``ForwardBatch.extra``."""
     extra_keys: tuple = ()
@@ -138,6 +141,10 @@ class Request:
     """True once all ``n`` sequences exist."""
     error: str | None = None
     """Why the request failed, when it did."""
+    processor_states: dict[str, Any] = attrs.field(factory=dict)
+    """Logits processor name → its state for this request (only the processors it uses)."""
+    prompt_logprobs: list[PositionLogprobs | None] | None = None
+    """Per prompt position, the logprobs of the prompt token there (when the request asks)."""
 
     @property
     def num_prompt_tokens(self) -> int:

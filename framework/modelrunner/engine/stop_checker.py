@@ -10,8 +10,10 @@ from .sequence import Sequence
 
 class StopChecker:
     """Applies, in order: EOS (unless ``ignore_eos``), ``stop_token_ids``, stop strings (text cut
-    before them), ``max_tokens`` and ``max_model_len``. Stop tokens stay in ``token_ids`` but are
-    not detokenized. ``min_tokens`` is enforced earlier, by masking those tokens' logits."""
+    before them unless ``include_stop_str_in_output``), ``max_tokens`` and ``max_model_len``. Stop
+    tokens stay in ``token_ids`` but are not detokenized. ``min_tokens`` is enforced earlier, by a
+    logits processor that masks those tokens. Without a tokenizer (or with ``detokenize=False``) no
+    text is produced."""
 
     def __init__(self, tokenizer: Any, eos_token_ids: frozenset[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
@@ -32,27 +34,14 @@ class StopChecker:
             return "stop", None
         if token in params.stop_token_ids:
             return "stop", token
-        search_from = detokenize_incrementally(self.tokenizer, seq)
-        if params.stop:
-            found = truncate_at_stop_string(seq, search_from)
-            if found is not None:
-                return "stop", found
+        if params.detokenize and self.tokenizer is not None:
+            search_from = detokenize_incrementally(self.tokenizer, seq)
+            if params.stop:
+                found = truncate_at_stop_string(seq, search_from, keep=params.include_stop_str_in_output)
+                if found is not None:
+                    return "stop", found
         if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
             return "length", None
         if seq.num_tokens >= self.max_model_len:
             return "length", None
         return None
-
-
-def eos_token_ids(tokenizer: Any, hf_config: Any) -> frozenset[int]:
-    """The tokenizer's EOS plus every ``eos_token_id`` of the model config (which may be a list)."""
-    ids: set[int] = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    text = getattr(hf_config, "get_text_config", lambda: hf_config)()
-    eos = getattr(text, "eos_token_id", None)
-    if isinstance(eos, int):
-        ids.add(eos)
-    elif isinstance(eos, (list, tuple)):
-        ids.update(int(t) for t in eos)
-    return frozenset(ids)

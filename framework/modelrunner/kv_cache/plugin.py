@@ -20,12 +20,8 @@ def register(registry: Registry) -> None:
 
 
 @hookimpl
-def allocate(
-    name: str, num_blocks: int, block_size: int, max_model_len: int, config: CacheConfig
-) -> PagedBlockAllocator | None:
-    """A :class:`PagedBlockAllocator` when ``name`` is ``paged``, else None."""
-    if name != PagedBlockAllocator.name:
-        return None
+def allocate(num_blocks: int, block_size: int, max_model_len: int, config: CacheConfig) -> PagedBlockAllocator:
+    """A fresh :class:`PagedBlockAllocator` (the kernel calls this only for ``paged``)."""
     return PagedBlockAllocator(
         num_blocks, block_size, max_model_len, enable_prefix_caching=config.enable_prefix_caching
     )

@@ -4,14 +4,16 @@ Every parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)``
 tensor-parallel rank's slice of a full checkpoint tensor (see :func:`modelrunner.weights.load_weights`).
 """
 
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+
 from .activation import SiluAndMul
-from .attention import (
-    Attention,
-    AttentionBackend,
-    attention_backends,
-    register_attention_backend,
-    select_attention_backend,
-)
+from .attention import Attention
+from .attention_backend import AttentionBackend
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     ColumnParallelLinear,
@@ -25,6 +27,7 @@ from .linear import (
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, rope_parameters
 from .sampler import Sampler, SamplingMetadata
+from .sdpa_attention import TorchSDPABackend
 
 __all__ = [
     "Attention",
@@ -41,10 +44,29 @@ __all__ = [
     "Sampler",
     "SamplingMetadata",
     "SiluAndMul",
+    "TorchSDPABackend",
     "VocabParallelEmbedding",
-    "attention_backends",
     "default_weight_loader",
-    "register_attention_backend",
     "rope_parameters",
-    "select_attention_backend",
 ]
+
+
+def select_attention_backend(device: torch.device | str = "cpu", name: str | None = None) -> Any:
+    """Deprecated: a load hook receives the selected backend as its ``attention_backend`` argument.
+
+    Kept for adapters written against plugin API 0.x; picks from the process's default plugins.
+    """
+    warnings.warn("modelrunner.layers.select_attention_backend is deprecated: accept the `attention_backend` "
+                  "argument of the load hook instead (see CHANGELOG.md)", DeprecationWarning, stacklevel=2)
+    from ..plugins import get_plugins
+
+    return get_plugins().attention_backend(device, name)
+
+
+def attention_backends(device: torch.device | str | None = None) -> list[str]:
+    """Deprecated: use ``Plugins.attention_backends(device)`` (``modelrunner.plugins.get_plugins()``)."""
+    warnings.warn("modelrunner.layers.attention_backends is deprecated: use "
+                  "modelrunner.plugins.get_plugins().attention_backends(device)", DeprecationWarning, stacklevel=2)
+    from ..plugins import get_plugins
+
+    return get_plugins().attention_backends(device)

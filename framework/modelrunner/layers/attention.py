@@ -1,107 +1,20 @@
-"""Paged attention over a flattened variable-length batch, behind a small backend seam.
+"""The attention core of a layer: cache write, paged read, softmax(QKᵀ)V, through an attention backend.
 
-An :class:`AttentionBackend` does two things: once per step, turn the :class:`ForwardBatch` into
-whatever per-step tensors it needs (``build_metadata``); then, per layer, write the new keys/values
-into the layer's paged cache at ``batch.slot_mapping`` and attend each sequence's queries to its
-cached keys through its block table (``forward``). Backends register by name with
-:func:`register_attention_backend`; :func:`select_attention_backend` picks the highest-priority one
-that supports the device, so a GPU kernel (flash-attn, FlashInfer) plugs in without touching models.
-
-The built-in ``torch_sdpa`` backend (:mod:`.sdpa_attention`) runs everywhere torch does.
+The implementation is an :class:`~.attention_backend.AttentionBackend` chosen once per model by the
+runner; the kernel's ``torch_sdpa`` (:mod:`.sdpa_attention`) runs everywhere torch does.
 """
 
 from __future__ import annotations
 
-import abc
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any
 
 import torch
 from torch import nn
 
-if TYPE_CHECKING:
-    from ..forward_batch import ForwardBatch
+from .attention_backend import AttentionBackend
+from .sdpa_attention import TorchSDPABackend
 
-
-class AttentionBackend(abc.ABC):
-    """One implementation of paged attention (the seam where faster kernels plug in)."""
-
-    name: ClassVar[str] = "?"
-    """Registry name (``torch_sdpa``, ``flash_attn``, ...)."""
-    priority: ClassVar[int] = 0
-    """Higher wins when several backends support the device."""
-
-    @classmethod
-    def supports(cls, device: torch.device) -> bool:
-        """Whether this backend can run on ``device`` (e.g. a CUDA kernel returns False on CPU)."""
-        return True
-
-    @abc.abstractmethod
-    def build_metadata(self, batch: ForwardBatch, sliding_windows: Iterable[int | None] = (None,)) -> Any:
-        """Per-step tensors shared by every attention layer of the model (built once per forward).
-
-        :param batch: the step's flattened batch.
-        :param sliding_windows: the distinct ``sliding_window`` values of the model's layers.
-        """
-
-    @abc.abstractmethod
-    def forward(
-        self,
-        layer: Attention,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_cache: torch.Tensor,
-        metadata: Any,
-    ) -> torch.Tensor:
-        """Store ``key``/``value`` in ``kv_cache`` and attend.
-
-        :param layer: the calling layer (heads, scale, sliding window).
-        :param query: ``[tokens, num_heads, head_dim]``.
-        :param key: ``[tokens, num_kv_heads, head_dim]``; ``value`` likewise.
-        :param kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``.
-        :param metadata: what :meth:`build_metadata` returned for this step.
-        :returns: ``[tokens, num_heads * head_dim]``.
-        """
-
-
-_BACKENDS: dict[str, type[AttentionBackend]] = {}
-
-
-def register_attention_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
-    """Class decorator: make an :class:`AttentionBackend` selectable under ``cls.name``."""
-    _BACKENDS[cls.name] = cls
-    return cls
-
-
-def attention_backends(device: torch.device | str | None = None) -> list[str]:
-    """Names of the registered attention backends; with ``device``, only those that support it."""
-    _load_builtin()
-    if device is None:
-        return sorted(_BACKENDS)
-    return sorted(name for name, cls in _BACKENDS.items() if cls.supports(torch.device(device)))
-
-
-def select_attention_backend(device: torch.device | str = "cpu", name: str | None = None) -> AttentionBackend:
-    """An instance of backend ``name``, or of the highest-priority backend that supports ``device``.
-
-    :raises ValueError: ``name`` is unknown (the message lists the registered ones) or does not
-        support ``device``.
-    """
-    _load_builtin()
-    device = torch.device(device)
-    if name is not None:
-        if name not in _BACKENDS:
-            raise ValueError(f"unknown attention backend {name!r}; registered: {', '.join(sorted(_BACKENDS))}")
-        if not _BACKENDS[name].supports(device):
-            raise ValueError(f"attention backend {name!r} does not support device {device}")
-        return _BACKENDS[name]()
-    usable = [b for b in _BACKENDS.values() if b.supports(device)]
-    return max(usable, key=lambda b: b.priority)()
-
-
-def _load_builtin() -> None:
-    from . import sdpa_attention  # noqa: F401  (registers torch_sdpa)
+__all__ = ["Attention", "AttentionBackend"]
 
 
 class Attention(nn.Module):
@@ -112,7 +25,7 @@ class Attention(nn.Module):
     :param scale: multiplier of ``QKᵀ`` (usually ``head_dim ** -0.5``).
     :param num_kv_heads: key/value heads on this rank (fewer than ``num_heads`` for GQA).
     :param sliding_window: attend only to the last ``sliding_window`` positions (Mistral); None: all.
-    :param backend: the implementation; default: :func:`select_attention_backend` for CPU.
+    :param backend: the implementation (the one the load hook received); default: ``torch_sdpa``.
     """
 
     def __init__(
@@ -138,7 +51,7 @@ class Attention(nn.Module):
         """Multiplier of the attention scores."""
         self.sliding_window = sliding_window
         """Window of visible past positions, or None for full causal attention."""
-        self.backend = backend or select_attention_backend("cpu")
+        self.backend = backend or TorchSDPABackend()
         """The attention implementation."""
 
     def forward(

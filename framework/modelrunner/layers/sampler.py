@@ -7,7 +7,10 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from ..sampling.params import SAMPLING_EPS
+
 _TINY = torch.finfo(torch.float32).tiny
+_TOP_K_CAP = 2**31 - 1  # any top_k at least the vocabulary means "all tokens"
 
 
 @attrs.frozen
@@ -20,6 +23,8 @@ class SamplingMetadata:
     """[S] int64, 0 = off; None when no row uses top-k."""
     top_p: torch.Tensor | None
     """[S] float32, 1 = off; None when no row uses top-p."""
+    min_p: torch.Tensor | None
+    """[S] float32, 0 = off; None when no row uses min-p."""
     generators: tuple[torch.Generator | None, ...]
     """Each row's own generator (seeded requests) or None to use the shared one."""
     all_greedy: bool
@@ -34,22 +39,28 @@ class SamplingMetadata:
         top_ks: Sequence[int],
         top_ps: Sequence[float],
         generators: Sequence[torch.Generator | None],
+        min_ps: Sequence[float] | None = None,
     ) -> SamplingMetadata:
-        """Gather per-row Python values into tensors. ``top_k`` <= 0 and ``top_p`` == 1 mean off."""
-        if not len(temperatures) == len(top_ks) == len(top_ps) == len(generators):
+        """Gather per-row Python values into tensors. ``top_k`` <= 0, ``top_p`` == 1 and ``min_p`` == 0
+        mean off; a temperature below :data:`~modelrunner.sampling.SAMPLING_EPS` means greedy; a
+        ``top_k`` beyond the vocabulary means all tokens."""
+        min_ps = [0.0] * len(temperatures) if min_ps is None else min_ps
+        if not len(temperatures) == len(top_ks) == len(top_ps) == len(generators) == len(min_ps):
             raise ValueError(
                 f"per-row sampling lists must have equal lengths, got temperatures={len(temperatures)}, "
-                f"top_ks={len(top_ks)}, top_ps={len(top_ps)}, generators={len(generators)}"
+                f"top_ks={len(top_ks)}, top_ps={len(top_ps)}, generators={len(generators)}, min_ps={len(min_ps)}"
             )
-        greedy = [t == 0.0 for t in temperatures]
+        greedy = [t < SAMPLING_EPS for t in temperatures]
         all_greedy = all(greedy)
         sampled_rows = [i for i, g in enumerate(greedy) if not g]
         use_top_k = any(top_ks[i] > 0 for i in sampled_rows)
         use_top_p = any(top_ps[i] < 1.0 for i in sampled_rows)
+        use_min_p = any(min_ps[i] > 0.0 for i in sampled_rows)
         return cls(
-            temperature=torch.tensor(temperatures, dtype=torch.float32),
-            top_k=torch.tensor([max(k, 0) for k in top_ks], dtype=torch.int64) if use_top_k else None,
+            temperature=torch.tensor([0.0 if g else t for g, t in zip(greedy, temperatures)], dtype=torch.float32),
+            top_k=torch.tensor([min(max(k, 0), _TOP_K_CAP) for k in top_ks], dtype=torch.int64) if use_top_k else None,
             top_p=torch.tensor(top_ps, dtype=torch.float32) if use_top_p else None,
+            min_p=torch.tensor(min_ps, dtype=torch.float32) if use_min_p else None,
             generators=tuple(generators),
             all_greedy=all_greedy,
             any_greedy=any(greedy),
@@ -109,7 +120,7 @@ def sample(
     """Pick one token per row of ``logits``.
 
     Greedy rows take the argmax. The others are scaled by their temperature, cut to their top-k /
-    top-p set, and sampled with the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws
+    top-p set and by min-p, and sampled with the exponential race (``argmax(p / E)``, ``E ~ Exp(1)``), which draws
     exactly from ``p``. A seeded row's noise comes from its own generator only, so its tokens do not
     depend on which other rows share the batch.
 
@@ -132,6 +143,10 @@ def sample(
     scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
     scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
     probs = scaled.softmax(dim=-1)
+    if metadata.min_p is not None:
+        # Tokens less likely than min_p times the likeliest are dropped (the likeliest always stays).
+        floor = probs.amax(dim=-1, keepdim=True) * metadata.min_p.to(probs.device).unsqueeze(1)
+        probs = probs.masked_fill_(probs < floor, 0.0)
     noise = _exponential_noise(tuple(probs.shape), metadata.generators, generator, probs.device)
     sampled = probs.div_(noise).argmax(dim=-1)
     if greedy_ids is None:

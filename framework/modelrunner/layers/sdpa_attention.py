@@ -35,10 +35,11 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .attention import Attention, AttentionBackend, register_attention_backend
+from .attention_backend import AttentionBackend
 
 if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch
+    from .attention import Attention
 
 
 def _store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -114,7 +115,6 @@ class SDPASplitMetadata:
     """``(token rows, metadata)`` of each part."""
 
 
-@register_attention_backend
 class TorchSDPABackend(AttentionBackend):
     """Paged attention with torch's ``scaled_dot_product_attention``; runs on any device."""
 

@@ -20,6 +20,8 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
 
     name = "cpu_paged"
     priority = 10
+    max_block_size = 256  # the kernel keeps one block's row pointers on the stack
+    dtypes = (torch.float32, torch.bfloat16, torch.float16)
 
     def __init__(self) -> None:
         kernel.load()  # raises KernelUnavailable with the compiler's message

@@ -43,13 +43,11 @@ def register(registry: Any) -> None:
 
 @hookimpl
 def compile(name: str, loaded: Any, config: Any) -> Callable[..., Any] | None:
-    """Wrap the model of ``loaded`` so its decode steps run an AOTInductor package, when ``name`` is ``aot``.
+    """Wrap the model of ``loaded`` so its decode steps run an AOTInductor package.
 
     :raises ValueError: the mode or options are invalid, or the model keeps its own KV cache (the
         exported step reads and writes the kernel's paged cache).
     """
-    if name != BACKEND_NAME:
-        return None
     if loaded.kv_cache_spec is None:
         raise ValueError(f"the aot compile backend needs a model on the kernel's paged KV cache; adapter "
                          f"{loaded.adapter!r} keeps its own cache. Use compile_backend='inductor' or 'eager'")

@@ -30,7 +30,7 @@ MAX_ROWS = 4096
 class DecodeStep(nn.Module):
     """``model``'s forward over a decode step given as tensors.
 
-    :param model: the adapter's module (``model(input_ids, positions, batch, kv_caches)``).
+    :param model: the adapter's module (``model(batch, kv_caches)``).
     :param block_size: tokens per KV-cache block.
     """
 
@@ -58,7 +58,7 @@ class DecodeStep(nn.Module):
             max_query_len=1,
             max_seq_len=block_tables.shape[1] * self.block_size,
         )
-        return self.model(input_ids, positions, batch, kv_caches)
+        return self.model(batch, kv_caches)
 
 
 def decode_inputs(batch: ForwardBatch) -> tuple[torch.Tensor, ...]:

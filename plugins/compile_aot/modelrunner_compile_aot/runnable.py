@@ -21,7 +21,7 @@ from .package import DecodePackage
 
 
 class AOTModel:
-    """Runs ``model(input_ids, positions, batch, kv_caches, **kwargs)``, decode steps through a package.
+    """Runs ``model(batch, kv_caches, **kwargs)``, decode steps through a package.
 
     :param model: the loaded module.
     :param package: builds or loads the compiled decode step on the first decode step.
@@ -36,14 +36,13 @@ class AOTModel:
         self._steps: collections.Counter[str] = collections.Counter()
         self._padded_rows = 0
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                 kv_caches: list[torch.Tensor], **kwargs: Any) -> Any:
+    def __call__(self, batch: ForwardBatch, kv_caches: list[torch.Tensor], **kwargs: Any) -> Any:
         """The model's output for this step."""
         plain = (batch.is_decode_only and not batch.extra and all(v is None for v in kwargs.values())
-                 and input_ids is batch.input_ids and positions is batch.positions and batch.num_seqs <= MAX_ROWS)
+                 and batch.num_seqs <= MAX_ROWS)
         if not plain:
             self._steps["eager"] += 1
-            return self.model(input_ids, positions, batch, kv_caches, **kwargs)
+            return self.model(batch, kv_caches, **kwargs)
         inputs = decode_inputs(batch)
         if self._program is None:
             self._program = self.package.get(inputs, kv_caches)

@@ -32,13 +32,11 @@ def register(registry: Any) -> None:
 
 @hookimpl
 def compile(name: str, loaded: Any, config: Any) -> Callable[..., Any] | None:
-    """``torch.compile`` the model of ``loaded`` when ``name`` is ``inductor``.
+    """``torch.compile`` the model of ``loaded``.
 
     :raises ValueError: ``compile_mode`` or ``compile_options`` are invalid (the message lists the
         accepted values).
     """
-    if name != BACKEND_NAME:
-        return None
     from .runnable import InductorModel  # torch._dynamo takes a second to import: only when compiling
 
     options = InductorOptions.from_config(config.mode, config.options)

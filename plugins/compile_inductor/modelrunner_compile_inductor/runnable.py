@@ -31,7 +31,7 @@ from modelrunner.forward_batch import ForwardBatch
 from modelrunner.layers.dense import onednn_in_compiled_graphs
 
 from . import lowerings
-from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows, repeat_last_row
+from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows
 from .cache import CompileCache
 from .options import InductorOptions
 
@@ -42,23 +42,21 @@ SPLIT_MIN_PADDING = 256
 than its token count) runs its decodes and its other sequences as two steps."""
 
 
-def _decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                 kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-    return model(input_ids, positions, batch, kv_caches, **kwargs)
+def _decode_step(model: Any, batch: ForwardBatch, kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    return model(batch, kv_caches, **kwargs)
 
 
-def _frozen_decode_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                        kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-    return model(input_ids, positions, batch, kv_caches, **kwargs)
+def _frozen_decode_step(model: Any, batch: ForwardBatch, kv_caches: list[torch.Tensor],
+                        kwargs: dict[str, Any]) -> Any:
+    return model(batch, kv_caches, **kwargs)
 
 
-def _general_step(model: Any, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                  kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
-    return model(input_ids, positions, batch, kv_caches, **kwargs)
+def _general_step(model: Any, batch: ForwardBatch, kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    return model(batch, kv_caches, **kwargs)
 
 
 class InductorModel:
-    """Runs ``model(input_ids, positions, batch, kv_caches, **kwargs)`` through ``torch.compile``.
+    """Runs ``model(batch, kv_caches, **kwargs)`` through ``torch.compile``.
 
     :param model: the loaded module (its forward takes the runner's arguments).
     :param options: mode, freezing and buckets.
@@ -93,8 +91,7 @@ class InductorModel:
 
     # -- running -------------------------------------------------------------------------------
 
-    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                 kv_caches: list[torch.Tensor], **kwargs: Any) -> Any:
+    def __call__(self, batch: ForwardBatch, kv_caches: list[torch.Tensor], **kwargs: Any) -> Any:
         """The model's output for this step, computed by the graph for its shape."""
         if not self._checked:
             self.cache.check()
@@ -103,38 +100,32 @@ class InductorModel:
             torch._dynamo.mark_static(cache)
         # Graphs guard on whether inputs are inference tensors: make them all so, whoever built them.
         with torch.inference_mode():
-            original = batch
             batch = attrs.evolve(batch, **{f.name: _inference_tensors(getattr(batch, f.name))
                                            for f in attrs.fields(ForwardBatch)
                                            if isinstance(getattr(batch, f.name), torch.Tensor)})
-            # Keep the arguments' identity with the batch's tensors: graphs guard on that aliasing too.
-            input_ids = batch.input_ids if input_ids is original.input_ids else _inference_tensors(input_ids)
-            positions = batch.positions if positions is original.positions else _inference_tensors(positions)
             kwargs = _inference_tensors(kwargs)
-            out = self._run(input_ids, positions, batch, kv_caches, kwargs)
+            out = self._run(batch, kv_caches, kwargs)
         if self._dirty:
             self.cache.record()
             self._dirty = False
         return out
 
-    def _run(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-             kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    def _run(self, batch: ForwardBatch, kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
         if batch.is_decode_only:
-            return self._run_decode(input_ids, positions, batch, kv_caches, kwargs)
-        parts = self._split(input_ids, positions, batch, kwargs)
+            return self._run_decode(batch, kv_caches, kwargs)
+        parts = self._split(batch, kwargs)
         if parts is not None:
             self._split_steps += 1
-            outs = [(rows, self._run(part.input_ids, part.positions, part, kv_caches, {})) for rows, part in parts]
+            outs = [(rows, self._run(part, kv_caches, {})) for rows, part in parts]
             return _merge_rows(outs, batch.num_tokens)
         batch = normalize_key_length(batch)
-        self._mark_rows(input_ids, positions, batch, torch._dynamo.maybe_mark_dynamic)
+        self._mark_rows(batch, torch._dynamo.maybe_mark_dynamic)
         kind = "prefill" if batch.num_seqs == 1 else "mixed"
-        return self._call(self._general, kind, self.options.freeze(None), input_ids, positions, batch,
-                          kv_caches, kwargs, dynamic_ints=("max_seq_len", "max_query_len"))
+        return self._call(self._general, kind, self.options.freeze(None), batch, kv_caches, kwargs,
+                          dynamic_ints=("max_seq_len", "max_query_len"))
 
     @staticmethod
-    def _split(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-               kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, ForwardBatch]] | None:
+    def _split(batch: ForwardBatch, kwargs: dict[str, Any]) -> list[tuple[torch.Tensor, ForwardBatch]] | None:
         """``(token rows, step)`` of the decodes and of the other sequences of a mixed step, when
         running them as two steps saves more than it costs; else None.
 
@@ -142,47 +133,42 @@ class InductorModel:
         1800-token prompt attend as 49 × 1800 queries); two steps read the weights twice instead.
         Steps carrying adapter inputs (``kwargs``, ``batch.extra``) are not split.
         """
-        if kwargs or batch.extra or input_ids is not batch.input_ids or positions is not batch.positions:
+        if kwargs or batch.extra:
             return None
         padding = batch.num_seqs * batch.max_query_len - batch.num_tokens
         if padding < SPLIT_MIN_PADDING or padding <= batch.num_tokens:
             return None
         return batch.split_decodes()
 
-    def _run_decode(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch,
-                    kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
+    def _run_decode(self, batch: ForwardBatch, kv_caches: list[torch.Tensor], kwargs: dict[str, Any]) -> Any:
         rows = batch.num_seqs
         if self.options.freeze(rows):
             batch = normalize_key_length(batch)
-            self._mark_rows(input_ids, positions, batch, torch._dynamo.maybe_mark_dynamic)
+            self._mark_rows(batch, torch._dynamo.maybe_mark_dynamic)
             kind = "decode[1,frozen]" if rows == 1 else "decode[2+,frozen]"
-            return self._call(self._frozen_decode, kind, True, input_ids, positions, batch, kv_caches, kwargs,
+            return self._call(self._frozen_decode, kind, True, batch, kv_caches, kwargs,
                               dynamic_ints=("max_seq_len",))
         bucket = bucket_for(rows, self.options.batch_buckets)
         padded = normalize_key_length(pad_decode_batch(batch, bucket))
         if bucket != rows:
-            extra = bucket - rows
-            input_ids = padded.input_ids if input_ids is batch.input_ids else repeat_last_row(input_ids, extra)
-            positions = padded.positions if positions is batch.positions else repeat_last_row(positions, extra)
-            kwargs = pad_rows(kwargs, rows, extra)
-            self._padded_rows += extra
-        self._mark_rows(input_ids, positions, padded, torch._dynamo.mark_static)
-        out = self._call(self._decode, f"decode[{bucket}]", False, input_ids, positions, padded, kv_caches, kwargs,
+            kwargs = pad_rows(kwargs, rows, bucket - rows)
+            self._padded_rows += bucket - rows
+        self._mark_rows(padded, torch._dynamo.mark_static)
+        out = self._call(self._decode, f"decode[{bucket}]", False, padded, kv_caches, kwargs,
                          dynamic_ints=("max_seq_len",))
         return drop_padding(out, rows, bucket) if bucket != rows else out
 
     @staticmethod
-    def _mark_rows(input_ids: torch.Tensor, positions: torch.Tensor, batch: ForwardBatch, mark: Any) -> None:
+    def _mark_rows(batch: ForwardBatch, mark: Any) -> None:
         """Mark the token and sequence dimensions with ``mark`` (static or dynamic); the block-table
         width is always dynamic."""
-        for tensor in (input_ids, positions, batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
+        for tensor in (batch.input_ids, batch.positions, batch.slot_mapping, batch.seq_lens,
                        batch.context_lens, batch.query_start_loc, batch.logits_indices, batch.block_tables):
             mark(tensor, 0)
         torch._dynamo.maybe_mark_dynamic(batch.block_tables, 1)
 
-    def _call(self, fn: Any, shape: str, freeze: bool, input_ids: torch.Tensor, positions: torch.Tensor,
-              batch: ForwardBatch, kv_caches: list[torch.Tensor], kwargs: dict[str, Any],
-              dynamic_ints: tuple[str, ...]) -> Any:
+    def _call(self, fn: Any, shape: str, freeze: bool, batch: ForwardBatch, kv_caches: list[torch.Tensor],
+              kwargs: dict[str, Any], dynamic_ints: tuple[str, ...]) -> Any:
         self._shape, self._freeze = shape, freeze
         self._steps[shape] += 1
         limit = max(torch._dynamo.config.recompile_limit, _MIN_RECOMPILE_LIMIT, len(self.options.batch_buckets) + 8)
@@ -194,7 +180,7 @@ class InductorModel:
                 torch.compiler.config.patch(dynamic_sources=sources), \
                 torch.fx.experimental._config.patch(use_duck_shape=False), \
                 torch._inductor.config.patch(freezing=freeze), onednn_in_compiled_graphs(not freeze):
-            return fn(self.model, input_ids, positions, batch, kv_caches, kwargs)
+            return fn(self.model, batch, kv_caches, kwargs)
 
     # -- compiling -----------------------------------------------------------------------------
 

@@ -10,7 +10,6 @@ from modelrunner.hookspecs import hookimpl
 from modelrunner.kv_cache.allocator import BlockAllocator, BlockCopy, KVCacheError, KVCacheStats
 
 if TYPE_CHECKING:
-    from modelrunner.config import CacheConfig
     from modelrunner.registry import Registry
 
 __all__ = ["ContiguousBlockAllocator", "allocate", "register"]
@@ -155,10 +154,6 @@ def register(registry: Registry) -> None:
 
 
 @hookimpl
-def allocate(
-    name: str, num_blocks: int, block_size: int, max_model_len: int, config: CacheConfig
-) -> ContiguousBlockAllocator | None:
-    """A :class:`ContiguousBlockAllocator` when ``name`` is ``contiguous``, else None."""
-    if name != ContiguousBlockAllocator.name:
-        return None
+def allocate(num_blocks: int, block_size: int, max_model_len: int) -> ContiguousBlockAllocator:
+    """A fresh :class:`ContiguousBlockAllocator` (the kernel calls this only for ``contiguous``)."""
     return ContiguousBlockAllocator(num_blocks, block_size, max_model_len)

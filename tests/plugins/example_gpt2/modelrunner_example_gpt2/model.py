@@ -70,12 +70,11 @@ class GPT2LMHeadModel(nn.Module):
         self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd)
         self.lm_head.tie(self.transformer["wte"])  # GPT-2 always ties; the checkpoint has no lm_head
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, batch: Any,
-                kv_caches: list[torch.Tensor]) -> torch.Tensor:
+    def forward(self, batch: Any, kv_caches: list[torch.Tensor]) -> torch.Tensor:
         """Final hidden states ``[tokens, hidden]``; ``kv_caches`` holds one tensor per block."""
         metadata = self.backend.build_metadata(batch)  # once per step, shared by every layer
         t = self.transformer
-        x = t["wte"](input_ids) + t["wpe"](positions)
+        x = t["wte"](batch.input_ids) + t["wpe"](batch.positions)
         for block, kv_cache in zip(t["h"], kv_caches):
             x = block(x, kv_cache, metadata)
         return t["ln_f"](x)

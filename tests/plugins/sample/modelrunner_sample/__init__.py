@@ -1,7 +1,7 @@
 """A sample plugin used by modelrunner's tests: the ``counting`` compile backend.
 
-It runs the model eagerly and counts calls, so a test can prove the plugin was discovered through
-its entry point and actually used.
+It wraps the kernel's eager backend (keeping its prepacked weights) and counts calls, so a test can
+prove the plugin was discovered through its entry point and actually used.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from modelrunner import hookimpl
+from modelrunner.defaults.eager import eager_model
 
 CALLS = {"compile": 0, "forward": 0}
 
@@ -19,14 +20,12 @@ def register(registry: Any) -> None:
 
 
 @hookimpl
-def compile(name: str, loaded: Any) -> Callable[..., Any] | None:
-    if name != "counting":
-        return None
+def compile(loaded: Any, config: Any) -> Callable[..., Any]:
     CALLS["compile"] += 1
-    model = loaded.model
+    run = eager_model(loaded, config.options)
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         CALLS["forward"] += 1
-        return model(*args, **kwargs)
+        return run(*args, **kwargs)
 
     return counted
