@@ -22,7 +22,6 @@ import torch
 from modelrunner import ForwardBatch
 from modelrunner.layers import Attention
 from modelrunner.plugins import get_plugins
-from modelrunner.plugins import get_plugins
 
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, BLOCK = 9, 3, 64, 30, 16
 """SmolLM2-135M's attention."""

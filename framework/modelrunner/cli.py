@@ -31,6 +31,8 @@ def _parser() -> argparse.ArgumentParser:
 
     plugins = sub.add_parser("plugins", help="list installed plugins, their hooks and names")
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
+    plugins.add_argument("--check", action="store_true",
+                         help="exit with status 1 when a plugin is broken or two plugins claim one name (for CI)")
     return parser
 
 
@@ -102,15 +104,25 @@ def _generate(args: argparse.Namespace) -> int:
 def _plugins(args: argparse.Namespace) -> int:
     from .plugins import get_plugins
 
-    infos = get_plugins().list()
+    plugins = get_plugins()
+    infos = plugins.list()
+    problems = plugins.problems()
     if args.json:
         print(json.dumps([i.as_dict() for i in infos], indent=2))
-        return 0
-    for info in infos:
-        status = f"BROKEN: {info.error}" if info.error else ", ".join(info.hooks)
-        print(f"{info.name}  ({info.distribution} {info.version})  hooks: {status}")
-        for kind, names in info.provides.items():
-            print(f"    {kind}: {', '.join(names)}")
+    else:
+        for info in infos:
+            status = f"BROKEN: {info.error}" if info.error else ", ".join(info.hooks)
+            print(f"{info.name}  ({info.distribution} {info.version})  hooks: {status}")
+            for kind, names in info.provides.items():
+                print(f"    {kind}: {', '.join(names)}")
+        for kind, name, owners in plugins.registry.conflicts():
+            what = kind.rstrip("s").replace("_", " ")
+            choose = "adapter=<plugin>" if kind == "architectures" else f"'<plugin>:{name}'"
+            print(f"CONFLICT: {what} {name!r} is provided by {', '.join(owners)}; choose with {choose}")
+    if args.check and problems:
+        for line in problems:
+            print(f"modelrunner: check failed: {line}", file=sys.stderr)
+        return 1
     return 0
 
 

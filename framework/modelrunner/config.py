@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import Any
 
 import attrs
+
+from .errors import did_you_mean
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -187,10 +188,8 @@ class RunnerConfig:
             if key == "device":
                 continue
             if key not in FLAT_KEYS:
-                close = difflib.get_close_matches(key, [*FLAT_KEYS, "device"], n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(
-                    f"unknown config key {key!r}{hint} (known keys: {', '.join(sorted([*FLAT_KEYS, 'device']))})"
+                    f"unknown config key {key!r}{did_you_mean(key, [*FLAT_KEYS, 'device'])} (known keys: {', '.join(sorted([*FLAT_KEYS, 'device']))})"
                 )
             section, field = FLAT_KEYS[key]
             sections[section][field] = value

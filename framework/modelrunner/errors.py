@@ -2,6 +2,18 @@
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Iterable
+
+
+def did_you_mean(name: object, known: Iterable[str], n: int = 1) -> str:
+    """``"; did you mean 'x'?"`` (``n`` > 1: ``"; close matches: x, y"``) for the entries of ``known``
+    closest to ``name``, or ``""`` when none is close: the hint every "unknown name" error carries."""
+    close = difflib.get_close_matches(str(name), sorted(known), n=n)
+    if not close:
+        return ""
+    return f"; did you mean {close[0]!r}?" if n == 1 else f"; close matches: {', '.join(close)}"
+
 
 class ModelRunnerError(Exception):
     """Base class of every error modelrunner raises on purpose."""

@@ -9,13 +9,11 @@ architecture, ``plugin:name`` for the other kinds), never by install order.
 
 from __future__ import annotations
 
-import difflib
-from collections.abc import Iterable
 from typing import Any
 
 import attrs
 
-from .errors import PluginConflictError
+from .errors import PluginConflictError, did_you_mean
 
 NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
@@ -27,12 +25,6 @@ KINDS = NAME_KINDS + CLASS_KINDS
 FALLBACK_ARCHITECTURE = "AutoModelForCausalLM"
 """The architecture name a generic adapter registers: its load hook is asked for any checkpoint whose
 architecture no plugin registered."""
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """``". Did you mean 'x'?"`` for the closest of ``known`` to ``name``, or ``""``."""
-    close = difflib.get_close_matches(str(name), list(known), n=1)
-    return f". Did you mean {close[0]!r}?" if close else ""
 
 
 def split_choice(name: str) -> tuple[str | None, str]:
@@ -179,7 +171,8 @@ class Registry:
         """The message for a name nobody provides: the known ones, a suggestion, and broken plugins."""
         known = self.names(kind)
         what = kind.rstrip("s").replace("_", " ")
-        msg = f"unknown {what} {name!r}; installed: {', '.join(known) or '(none)'}{did_you_mean(name, known)}"
+        hint = did_you_mean(name, known).replace("; did", ". Did")
+        msg = f"unknown {what} {name!r}; installed: {', '.join(known) or '(none)'}{hint}"
         if broken:
             msg += " Plugins that failed to load and might provide it: " + "; ".join(
                 f"{p}: {e}" for p, e in sorted(broken.items())

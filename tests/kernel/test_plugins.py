@@ -2,41 +2,13 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import textwrap
-from pathlib import Path
 
 import pytest
 
 from modelrunner.errors import UnknownNameError
 from modelrunner.plugins import DEFAULT_PLUGINS, Plugins
 
-
-def make_distribution(root: Path, dist: str, entry: str, module: str, source: str) -> Path:
-    """Lay out an 'installed' distribution (dist-info + module) under ``root`` for sys.path."""
-    root.mkdir(parents=True, exist_ok=True)
-    info = root / f"{dist.replace('-', '_')}-0.3.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
-    (info / "entry_points.txt").write_text(f"[modelrunner]\n{entry} = {module}\n")
-    (root / f"{module}.py").write_text(textwrap.dedent(source))
-    return root
-
-
-def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | None = None):
-    full_env = {**os.environ, **(env or {})}
-    if pythonpath is not None:
-        full_env["PYTHONPATH"] = f"{pythonpath}{os.pathsep}{full_env.get('PYTHONPATH', '')}"
-    return subprocess.run([sys.executable, "-m", "modelrunner.cli", *args], capture_output=True, text=True,
-                          env=full_env, timeout=120)
-
-
-def listed(result) -> dict[str, dict]:
-    assert result.returncode == 0, result.stderr
-    return {p["name"]: p for p in json.loads(result.stdout)}
+from plugin_dists import listed, make_distribution, run_cli
 
 
 BROKEN = """

@@ -20,8 +20,8 @@ class TestInstalledAllocator(AllocatorContract):
     def allocator_name(self, request: pytest.FixtureRequest) -> str:
         self.name = request.param
         probe = self.make_allocator(8, 4, 16, True)
-        # An allocator that cannot cache prefixes reports enable_prefix_caching=False when asked for it.
-        self.supports_prefix_caching = probe.enable_prefix_caching
+        # What the allocator declares it can do decides which rules apply (BlockAllocator's docstring).
+        self.supports_prefix_caching = probe.supports_prefix_caching
         self.shares_blocks_on_fork = probe.shares_blocks_on_fork
         return self.name
 

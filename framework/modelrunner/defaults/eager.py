@@ -2,7 +2,7 @@
 
 Nothing is traced or compiled. On CPU with float32 weights the backend attaches a oneDNN-packed
 copy to every weight the model's layers declare in ``DENSE_WEIGHTS`` (see
-:func:`modelrunner.layers.dense.prepack_weights`): 1.2–1.5× faster matmuls at decode batch sizes,
+:func:`modelrunner.layers.dense.prepack_weights`): faster matmuls at decode batch sizes,
 for one extra copy of those weights' memory. Turn it off with the backend option
 ``compile_options={"prepack_weights": False}``.
 """

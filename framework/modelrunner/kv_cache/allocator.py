@@ -70,10 +70,26 @@ class BlockAllocator(abc.ABC):
     computed; the allocator reserves slots for them and answers with the sequence's block table.
     Token ids are passed so that allocators with prefix caching can hash full blocks.
     Every method that raises :class:`KVCacheError` leaves the allocator's state unchanged.
+
+    Two class attributes declare what the allocator can do; the engine and the contract suite
+    (:mod:`modelrunner.kv_cache.testing`) read them, so leave them at their defaults unless the
+    allocator really does it:
+
+    - ``supports_prefix_caching`` (default False): :meth:`allocate` can report cached leading
+      tokens. When False, ``enable_prefix_caching`` is always False, whatever the config asks.
+    - ``shares_blocks_on_fork`` (default False): :meth:`fork` shares the parent's blocks
+      (copy-on-write) instead of copying them.
+
+    :param num_blocks: blocks in the pool; ``block_size`` token slots per block; ``max_model_len``
+        the longest sequence (all positive integers, checked here).
+    :param enable_prefix_caching: reuse cached prefixes (honoured only with ``supports_prefix_caching``).
+    :raises ValueError: a size that is not a positive integer.
     """
 
     name: str = "?"
     """The name the allocator is registered under (``kv_allocator`` in the config)."""
+    supports_prefix_caching: bool = False
+    """True when :meth:`allocate` can find a prompt's leading blocks already cached."""
     shares_blocks_on_fork: bool = False
     """True when :meth:`fork` shares the parent's blocks (copy-on-write) instead of copying them;
     the contract suite then also checks the sharing rules."""
@@ -85,10 +101,17 @@ class BlockAllocator(abc.ABC):
         max_model_len: int,
         enable_prefix_caching: bool = True,
     ) -> None:
+        for field, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_model_len", max_model_len)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{field} must be a positive integer, got {value!r}")
         self.num_blocks = num_blocks
+        """Blocks in the pool."""
         self.block_size = block_size
+        """Token slots per block."""
         self.max_model_len = max_model_len
-        self.enable_prefix_caching = enable_prefix_caching
+        """The longest sequence the allocator hands slots to."""
+        self.enable_prefix_caching = bool(enable_prefix_caching) and self.supports_prefix_caching
+        """Whether prompts' leading blocks are reused (the config's wish, if the allocator can)."""
 
     @abc.abstractmethod
     def can_allocate(self, token_ids: Sequence[int], extra_keys: tuple = ()) -> bool:

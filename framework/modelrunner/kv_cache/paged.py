@@ -66,6 +66,7 @@ class PagedBlockAllocator(BlockAllocator):
     """
 
     name = "paged"
+    supports_prefix_caching = True
     shares_blocks_on_fork = True
     """``fork`` shares blocks; the first append to a shared partial block copies it."""
 
@@ -76,9 +77,6 @@ class PagedBlockAllocator(BlockAllocator):
         max_model_len: int,
         enable_prefix_caching: bool = True,
     ) -> None:
-        for field, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_model_len", max_model_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
         super().__init__(num_blocks, block_size, max_model_len, enable_prefix_caching)
         self._ref_counts = [0] * num_blocks
         self._fill = [0] * num_blocks  # token slots written in each block

@@ -2,15 +2,13 @@
 prepacked once into oneDNN's blocked layout.
 
 On x86 CPUs torch's ``F.linear`` calls MKL's sgemm; oneDNN's matmul, on the same unpacked weight,
-ran the shapes of LLM layers 1.3–3× faster for float32 batches on this project's reference CPU
-(AMD Zen 3, see ``bench/moe_layer.py``), and a single row (a mat-vec, bound by reading the weight)
-1.7× faster: 20 GB/s of weights streamed against MKL's 12 GB/s over SmolLM2's 30 layers. Every
-linear layer of the kernel goes through :func:`dense`, so adapters get the faster path for free.
+is often faster for the shapes of LLM layers (``bench/moe_layer.py`` and the README have the
+numbers). Every linear layer of the kernel goes through :func:`dense`, so adapters get the faster
+path for free.
 
 Prepacking (:func:`prepack_weights`, which the ``eager`` compile backend applies) reorders each
-weight once into the layout oneDNN's kernels read, instead of at every call: another 1.2–1.4× at
-4–64 rows on SmolLM2's layers (used from :data:`PACKED_MIN_ROWS` rows up), for one extra copy of
-the packed weights' memory. A module opts in
+weight once into the layout oneDNN's kernels read, instead of at every call (used from
+:data:`PACKED_MIN_ROWS` rows up), for one extra copy of the packed weights' memory. A module opts in
 by listing its weight parameters in a ``DENSE_WEIGHTS`` class attribute and passing them to
 :func:`dense` (2-D) or :func:`dense` with ``packed=packed_weight(param)[i]`` (a 3-D stack of
 matrices, e.g. MoE experts).
@@ -28,8 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 PACKED_MIN_ROWS = 4
-"""Fewest rows that use a packed weight. Below it the plain weight is as fast or faster: 1.0× at one
-row on SmolLM2's layers, 0.7× on a Mixtral-like expert's larger matrices (1.3–1.4× from 4 rows up)."""
+"""Fewest rows that use a packed weight (below it the plain weight measured as fast or faster)."""
 
 PACKED_ATTR = "onednn_packed"
 """Attribute of a weight parameter holding its oneDNN-packed copy (a list of them for a 3-D stack)."""

@@ -6,7 +6,7 @@ as two matmuls over its slice (:func:`~modelrunner.layers.dense.dense`), and the
 (token, slot) order and summed with their routing weights. The work is proportional to
 ``tokens × top_k`` (experts with no tokens cost nothing), with one Python iteration per *active*
 expert and none per token. (``torch.nn.functional.grouped_mm`` runs the same loop inside ATen on
-CPU, through MKL; the explicit loop lets each product use oneDNN, 1.5–2× faster on the reference CPU.)
+CPU, through MKL; the explicit loop lets each product use oneDNN, faster there (``bench/moe_layer.py`` measures it).)
 
 Weights use vLLM's layout and names: ``w13_weight`` ``[experts, 2 * intermediate, hidden]`` (gate
 rows then up rows, transformers 5's ``experts.gate_up_proj``) and ``w2_weight``

@@ -42,9 +42,9 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
 
 def _traced_reductions_are_faster(num_seqs: int | torch.SymInt) -> bool:
     """Where torch_sdpa's compiled decode attention (reductions that inductor fuses with the cache
-    gather) beat calling the kernel, measured on SmolLM2 (bench/compile.py): in exported programs,
-    whose AOTInductor wrapper calls custom operators through its slower proxy executor (batch 32:
-    85 vs 82 ms a step), and in compiled graphs of exactly one sequence (29.5 vs 33 ms)."""
+    gather) beat calling the kernel, measured on SmolLM2 (``bench/compile.py``, numbers in the
+    plugin's README): in exported programs, whose AOTInductor wrapper calls custom operators through
+    its slower proxy executor, and in compiled graphs of exactly one sequence."""
     if not torch.compiler.is_compiling():
         return False
     return torch.compiler.is_exporting() or (isinstance(num_seqs, int) and num_seqs == 1)

@@ -10,15 +10,16 @@ compile_cache_dir=...)``; see the package README.
 from __future__ import annotations
 
 import atexit
-import difflib
 import shutil
 import tempfile
 from collections.abc import Mapping
 from typing import Any, Callable
 
+from modelrunner.errors import did_you_mean
 from modelrunner.hookspecs import hookimpl
 from modelrunner_compile_inductor import CompileCache
 from modelrunner_compile_inductor.cache import model_identity
+from modelrunner_compile_inductor.options import check_inductor_config
 from modelrunner_compile_inductor.options import torch_compile_modes
 
 from .decode_step import DecodeStep
@@ -68,26 +69,14 @@ def inductor_settings(mode: str, options: Mapping[str, Any]) -> dict[str, Any]:
 
     :raises ValueError: naming the unknown mode, option key or inductor setting.
     """
-    import torch._inductor.config as inductor_config
-
     modes = torch_compile_modes()
     if mode not in modes:
         raise ValueError(f"compile_mode {mode!r} is not a torch.compile mode; choose one of {', '.join(modes)}")
     for key in options:
         if key not in OPTION_KEYS:
-            close = difflib.get_close_matches(str(key), OPTION_KEYS, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            hint = did_you_mean(key, OPTION_KEYS)
             raise ValueError(f"unknown aot compile option {key!r}{hint} (known: {', '.join(OPTION_KEYS)})")
-    extra = options.get("inductor", {})
-    if not isinstance(extra, Mapping):
-        raise ValueError(f"compile option inductor must be a dict of torch._inductor.config settings; got {extra!r}")
-    known = set(inductor_config.get_config_copy())
-    for key in extra:
-        if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=3)
-            hint = f"; close matches: {', '.join(close)}" if close else ""
-            raise ValueError(f"compile option inductor has {key!r}, which is not a torch._inductor.config "
-                             f"setting{hint}")
+    extra = check_inductor_config(options.get("inductor", {}))
     settings = {k: v for k, v in modes[mode].items() if not k.startswith("triton.cudagraph")}
     return {**settings, **extra}
 

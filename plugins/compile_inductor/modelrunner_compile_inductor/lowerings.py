@@ -1,9 +1,8 @@
 """Inductor lowerings for the kernel's two custom ops, so compiled graphs call no Python per layer.
 
 Left to inductor's defaults, both ops are *fallback kernels*: the generated wrapper calls them
-through torch's Python custom-op machinery (under the profiler ~45 µs per linear layer and ~75 µs
-per cache write, 150 calls per SmolLM2 decode step); lowered, the batch-1 step took ~4 ms less
-(34 → 30 ms on the reference CPU). Lowered:
+through torch's Python custom-op machinery, once per linear layer and cache write (150 calls per
+SmolLM2 decode step; the plugin's README has the measured cost). Lowered:
 
 - ``modelrunner::onednn_linear`` becomes oneDNN's linear called directly (the extern kernel
   inductor itself uses for frozen weights, here on the live, unpacked weight);

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import difflib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
+from modelrunner.errors import did_you_mean
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 """Decode batch sizes compiled for; a step is padded up to the next one (at most 1.5× the rows above 4)."""
@@ -61,8 +61,7 @@ class InductorOptions:
         known = [f.name for f in attrs.fields(cls) if f.name != "mode"]
         for key in options:
             if key not in known:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f"; did you mean {close[0]!r}?" if close else ""
+                hint = did_you_mean(key, known)
                 raise ValueError(f"unknown inductor compile option {key!r}{hint} (known: {', '.join(known)})")
         freezing = options.get("freezing", "auto")
         if freezing not in FREEZING_CHOICES or isinstance(freezing, int) and not isinstance(freezing, bool):
@@ -71,7 +70,7 @@ class InductorOptions:
         if isinstance(freeze_min_batch, bool) or not isinstance(freeze_min_batch, int) or freeze_min_batch < 1:
             raise ValueError(f"compile option freeze_min_batch must be a positive integer; got {freeze_min_batch!r}")
         buckets = _buckets(options.get("batch_buckets", DEFAULT_BATCH_BUCKETS))
-        inductor = _inductor_settings(options.get("inductor", {}))
+        inductor = check_inductor_config(options.get("inductor", {}))
         return cls(mode=mode, freezing=freezing, freeze_min_batch=freeze_min_batch, batch_buckets=buckets,
                    inductor=inductor)
 
@@ -101,7 +100,11 @@ def _buckets(value: Any) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _inductor_settings(value: Any) -> dict[str, Any]:
+def check_inductor_config(value: Any) -> dict[str, Any]:
+    """``value`` checked as a dict of ``torch._inductor.config`` settings (the ``inductor`` compile option).
+
+    :raises ValueError: naming a setting inductor does not have.
+    """
     import torch._inductor.config as inductor_config
 
     if not isinstance(value, Mapping):
@@ -111,8 +114,7 @@ def _inductor_settings(value: Any) -> dict[str, Any]:
         if key == "freezing":
             raise ValueError("set freezing through the compile option 'freezing', not through 'inductor'")
         if key not in known:
-            close = difflib.get_close_matches(str(key), sorted(known), n=3)
-            hint = f"; close matches: {', '.join(close)}" if close else ""
+            hint = did_you_mean(key, known, n=3)
             raise ValueError(f"compile option inductor has {key!r}, which is not a torch._inductor.config "
                              f"setting{hint}")
     return dict(value)

@@ -34,11 +34,8 @@ class ContiguousBlockAllocator(BlockAllocator):
         max_model_len: int,
         enable_prefix_caching: bool = False,
     ) -> None:
-        for field, value in (("num_blocks", num_blocks), ("block_size", block_size), ("max_model_len", max_model_len)):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{field} must be a positive integer, got {value!r}")
-        # Prefix caching is not supported; the flag is accepted (and ignored) so configs stay portable.
-        super().__init__(num_blocks, block_size, max_model_len, enable_prefix_caching=False)
+        # Prefix caching is not supported (supports_prefix_caching stays False): the flag is accepted and ignored.
+        super().__init__(num_blocks, block_size, max_model_len, enable_prefix_caching)
         self.blocks_per_seq = -(-max_model_len // block_size)
         """Blocks in one reservation."""
         self.num_reservations = num_blocks // self.blocks_per_seq
