@@ -23,7 +23,7 @@ import torch
 from modelrunner.forward_batch import ForwardOutput
 from modelrunner.hookspecs import hookimpl
 from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import build_and_load, check_built_for, kv_cache_spec_for, load_tokenizer, run_stage
+from modelrunner.models import build_and_load, check_built_for, loaded_for, run_stage
 
 from .model import LlamaForCausalLM
 
@@ -45,12 +45,7 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, par
     """Build the Llama-family model for ``source`` with this rank's weights."""
     model = build_and_load(lambda: LlamaForCausalLM(source.hf_config, max_model_len, parallel, attention_backend),
                            source, device, dtype)
-    return LoadedModel(
-        model=model,
-        tokenizer=load_tokenizer(source),
-        hf_config=source.hf_config,
-        kv_cache_spec=kv_cache_spec_for(model, dtype, config.cache.block_size),
-    )
+    return loaded_for(model, source, config, dtype)
 
 
 @hookimpl

@@ -30,7 +30,7 @@ import torch
 from modelrunner.forward_batch import ForwardOutput
 from modelrunner.hookspecs import hookimpl
 from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import check_built_for, kv_cache_spec_for, load_tokenizer, run_stage
+from modelrunner.models import check_built_for, loaded_for, run_stage
 
 from .loader import build_moe_model
 from .model import MoeForCausalLM
@@ -54,16 +54,10 @@ def register(registry: Any) -> None:
 
 
 @hookimpl
-def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, parallel: Any,
-         attention_backend: Any, max_model_len: int) -> LoadedModel:
-    """Build the Mixtral / Qwen-MoE model for ``source`` with this rank's weights."""
-    model = build_moe_model(source, device, dtype, parallel, max_model_len, attention_backend)
-    return LoadedModel(
-        model=model,
-        tokenizer=load_tokenizer(source),
-        hf_config=source.hf_config,
-        kv_cache_spec=kv_cache_spec_for(model, dtype, config.cache.block_size),
-    )
+def load(source: Any, loader: Any) -> LoadedModel:
+    """Build the Mixtral / Qwen-MoE model for ``source`` with this rank's weights (the loader carries
+    the device, dtype, ranks, attention backend and sequence length)."""
+    return loaded_for(build_moe_model(source, loader), source, loader.config, loader.dtype)
 
 
 @hookimpl

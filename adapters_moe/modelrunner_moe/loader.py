@@ -22,10 +22,8 @@ from typing import Any
 
 import torch
 
-from modelrunner.layers import AttentionBackend
 from modelrunner.layers.fused_moe import expert_tensor_name
-from modelrunner.models import build_and_load
-from modelrunner.parallel_state import ParallelState
+from modelrunner.models import ModelLoader, build_and_load
 from modelrunner.weights import CheckpointError
 
 from .model import MoeForCausalLM
@@ -90,17 +88,18 @@ class MoeCheckpoint:
         return file_of(self._original.get(name, name)) if file_of else None
 
 
-def build_moe_model(source: Any, device: torch.device | str, dtype: torch.dtype, parallel: ParallelState,
-                    max_model_len: int, attention_backend: AttentionBackend) -> MoeForCausalLM:
-    """The model for ``source`` with this rank's weights (its experts, its pipeline stage's layers).
+def build_moe_model(source: Any, loader: ModelLoader) -> MoeForCausalLM:
+    """The model for ``source`` with this rank's weights (its experts, its pipeline stage's layers),
+    built with ``loader``'s device, dtype, ranks, attention backend and ``max_model_len``.
 
     :raises ValueError: an invalid MoE config (see :meth:`~.spec.MoeSpec.from_config`).
     :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor
         (expert tensors included, with the accepted layouts in the message).
     """
     try:
-        return build_and_load(lambda: MoeForCausalLM(source.hf_config, max_model_len, parallel, attention_backend),
-                              source, device, dtype, transform=MoeCheckpoint)
+        return build_and_load(lambda: MoeForCausalLM(source.hf_config, loader.max_model_len, loader.parallel,
+                                                     loader.attention_backend),
+                              source, loader.device, loader.dtype, transform=MoeCheckpoint)
     except CheckpointError as e:
         message = str(e)
         if ".experts." not in message:

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+PLUGIN_API_VERSION = "1.0"
+"""The version of what plugins implement (hooks, base classes, the model contract); ``CHANGELOG.md``
+records every change to it."""
+
 from .config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 from .errors import ModelRunnerError, ModelSourceError, PluginConflictError, PluginError, UnknownNameError
 from .forward_batch import ForwardBatch
@@ -14,6 +18,7 @@ from .hookspecs import hookimpl
 from .loaded_model import LoadedModel
 
 __all__ = [
+    "PLUGIN_API_VERSION",
     "LLM",
     "SamplingParams",
     "ModelRunner",

@@ -16,7 +16,7 @@ from .decoder import (
 )
 from .forward import run_stage
 from .loader import ModelLoader
-from .loading import build_and_load, kv_cache_spec_for, load_tokenizer
+from .loading import build_and_load, kv_cache_spec_for, load_tokenizer, loaded_for
 from .protocols import TextModel
 from .stages import StageMissingLayer, StageWeights, check_built_for
 
@@ -35,6 +35,7 @@ __all__ = [
     "head_dim_of",
     "kv_cache_spec_for",
     "load_tokenizer",
+    "loaded_for",
     "run_stage",
     "sliding_windows_of",
     "tp_args",

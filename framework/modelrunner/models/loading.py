@@ -11,6 +11,7 @@ from torch import nn
 
 from ..kv_cache.spec import KVCacheSpec
 from ..layers.attention import Attention
+from ..loaded_model import LoadedModel
 from ..weights import load_weights, materialize
 from .stages import StageWeights
 
@@ -77,3 +78,10 @@ def load_tokenizer(source: Any) -> Any:
     if not any((Path(source.path) / name).is_file() for name in TOKENIZER_FILES):
         return None
     return source.load_tokenizer()
+
+
+def loaded_for(model: nn.Module, source: Any, config: Any, dtype: torch.dtype) -> LoadedModel:
+    """What a load hook returns for a kernel-built model: the model, the checkpoint's tokenizer (None
+    without tokenizer files), its config, and the KV-cache spec of its attention layers."""
+    return LoadedModel(model=model, tokenizer=load_tokenizer(source), hf_config=source.hf_config,
+                       kv_cache_spec=kv_cache_spec_for(model, dtype, config.cache.block_size))

@@ -9,7 +9,7 @@ import torch
 
 from modelrunner import hookimpl
 from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import build_and_load, kv_cache_spec_for
+from modelrunner.models import build_and_load, loaded_for
 
 from .model import GPT2LMHeadModel
 
@@ -33,8 +33,7 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, att
     renamed = attrs.evolve(source, weight_renames=RENAMES)
     model = build_and_load(lambda: GPT2LMHeadModel(source.hf_config, attention_backend), renamed, device, dtype,
                            ignore=IGNORED)
-    return LoadedModel(model=model, tokenizer=source.load_tokenizer(), hf_config=source.hf_config,
-                       kv_cache_spec=kv_cache_spec_for(model, dtype, config.cache.block_size))
+    return loaded_for(model, source, config, dtype)
 
 
 @hookimpl
