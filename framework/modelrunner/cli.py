@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import traceback
 from typing import Any
 
+from .engine.input_processor import check_unicode
 from .errors import ModelRunnerError
 
 
@@ -80,14 +83,14 @@ def _generate(args: argparse.Namespace) -> int:
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
+    check_unicode("the prompt", args.prompt)
     images = _open_images(args.image)
     llm = LLM(model=args.model, **_config_overrides(args.set))
-    prompt = args.prompt
+    request: Any = {"prompt": args.prompt}
     if args.chat:
-        prompt = llm.get_tokenizer().apply_chat_template(
-            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
-        )
-    request: Any = {"prompt": prompt, "images": images} if images else prompt
+        request = llm.chat_prompt([{"role": "user", "content": args.prompt}])
+    if images:
+        request["images"] = images
     for delta in llm.generate_stream(request, params):
         sys.stdout.write(delta)
         sys.stdout.flush()
@@ -126,16 +129,27 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
+DEBUG_ENV = "MODELRUNNER_DEBUG"
+"""Set to 1 to see the traceback behind a CLI error."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``modelrunner`` console script."""
+    """Entry point of the ``modelrunner`` console script: every error is one line on stderr, exit 2
+    (``MODELRUNNER_DEBUG=1`` adds the traceback)."""
     args = _parser().parse_args(argv)
     try:
         return {"generate": _generate, "plugins": _plugins}[args.command](args)
-    except (ModelRunnerError, ValueError, OSError) as e:
-        print(f"modelrunner: error: {e}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
         return 130
+    except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, never a raw traceback
+        if os.environ.get(DEBUG_ENV):
+            traceback.print_exc()
+        expected = isinstance(e, (ModelRunnerError, ValueError, OSError))
+        message = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if not expected:
+            message = f"{type(e).__name__}: {message} (unexpected; {DEBUG_ENV}=1 shows the traceback)"
+        print(f"modelrunner: error: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ spawned itself. Ranks also leave failure reports in that store (see :mod:`modelr
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -276,11 +277,34 @@ def destroy_distributed() -> None:
 # -- the collectives of a step -------------------------------------------------------------------
 
 
-def broadcast_object(obj: Any, group: Any, src: int = 0) -> Any:
-    """``obj`` from rank ``src`` on every rank of ``group`` (pickled; pass None on the others)."""
-    box = [obj]
-    dist.broadcast_object_list(box, src=src, group=group)
-    return box[0]
+def broadcast_object(obj: Any, group: Any, src: int = 0, timeout_s: float | None = None) -> Any:
+    """``obj`` from rank ``src`` on every rank of ``group`` (pickled; pass None on the others).
+
+    :param timeout_s: how long this rank waits for the broadcast to complete (None: the group's
+        timeout). Rank 0 bounds its step messages so a peer that stopped answering fails the step
+        instead of blocking it (gloo's sender waits for every receiver).
+    :raises TimeoutError: the broadcast did not complete within ``timeout_s``.
+    """
+    is_src = dist.get_rank() == src
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if is_src else None
+    size = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64)
+    _wait(dist.broadcast(size, src=src, group=group, async_op=True), timeout_s, "the step message's size")
+    if not is_src:
+        payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    _wait(dist.broadcast(payload, src=src, group=group, async_op=True), timeout_s, "the step message")
+    return obj if is_src else pickle.loads(payload.numpy().tobytes())
+
+
+def _wait(work: Any, timeout_s: float | None, what: str) -> None:
+    if timeout_s is None:
+        work.wait()
+        return
+    try:
+        work.wait(timedelta(seconds=timeout_s))
+    except RuntimeError as e:
+        if "timed out" not in str(e).lower():
+            raise  # a peer that went away: the caller tells that apart
+        raise TimeoutError(f"timed out after {timeout_s:g} s broadcasting {what} ({e})") from e
 
 
 def gather_objects(obj: Any, group: Any, dst: int = 0) -> list[Any] | None:

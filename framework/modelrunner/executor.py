@@ -415,7 +415,7 @@ class MultiprocExecutor(Executor):
         return super().forward(input_ids, return_router_logits)
 
     def _step(self, batch: ForwardBatch, copies: list[tuple[int, int]]) -> ForwardOutput:
-        broadcast_object((STEP, batch, copies), self.ctx.control_group)
+        broadcast_object((STEP, batch, copies), self.ctx.control_group, timeout_s=collective_timeout())
         return run_step(self.ctx, self.runner, batch, [])
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -472,13 +472,14 @@ class MultiprocExecutor(Executor):
             return WorkerFailedError(
                 f"rank {self._where(rank)} stopped answering while {phase} (its process is stopped); the group "
                 f"gave up after {collective_timeout():g} s (MODELRUNNER_DIST_TIMEOUT)", rank, phase)
-        if is_timeout(exc):
-            alive = sorted(set(self.workers.processes) - set(self.workers.exited())) if self.workers else []
-            who = f"rank(s) {', '.join(self._where(r) for r in alive)}" if alive else "a peer of rank 0"
-            return WorkerFailedError(f"{who} did not answer within {collective_timeout():g} s "
-                                     f"(MODELRUNNER_DIST_TIMEOUT) while {phase}: {exc}", alive[0] if alive else None,
-                                     phase)
-        if not is_peer_failure(exc):
+        exited_now = self.workers.exited() if self.workers is not None else {}
+        if not is_peer_failure(exc) and not exited_now:
+            if is_timeout(exc):
+                alive = sorted(self.workers.processes) if self.workers is not None else []
+                who = f"rank(s) {', '.join(self._where(r) for r in alive)}" if alive else "a peer of rank 0"
+                return WorkerFailedError(f"{who} did not answer within {collective_timeout():g} s "
+                                         f"(MODELRUNNER_DIST_TIMEOUT) while {phase}: {exc}",
+                                         alive[0] if alive else None, phase)
             return WorkerFailedError(f"rank 0 (the driver) raised while {phase}: {type(exc).__name__}: {exc}",
                                      0, phase)
         deadline = time.monotonic() + SETTLE_S

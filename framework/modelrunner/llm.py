@@ -152,25 +152,82 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Generate replies to one conversation or a list of them, through the tokenizer's chat template.
+        """Generate replies to one conversation or a list of them, through a chat template.
 
-        :param messages: ``[{"role": "user", "content": ...}, ...]`` or a list of such conversations.
+        :param messages: ``[{"role": "user", "content": ...}, ...]`` or a list of such conversations;
+            ``content`` is a string or a list of ``{"type": "text", "text": ...}`` parts.
+        :param chat_template: a Jinja template to use instead of the tokenizer's.
+        :param add_generation_prompt: end the prompt with the assistant's turn header.
+        :param continue_final_message: let the reply continue the last (assistant) message instead of
+            starting a new turn (excludes ``add_generation_prompt``).
+        :param chat_template_kwargs: extra variables for the template.
         :returns: one output per conversation.
+        :raises ValueError: a malformed conversation (naming the message and field), or a model without a
+            tokenizer or chat template.
         """
-        if not isinstance(messages, (list, tuple)) or not messages:
-            raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of them)")
-        conversations = [messages] if isinstance(messages[0], dict) else list(messages)
-        tokenizer = self.get_tokenizer()
-        prompts = []
-        for conversation in conversations:
-            text = tokenizer.apply_chat_template(
-                conversation, add_generation_prompt=True, tokenize=False, **(chat_template_kwargs or {})
-            )
-            # The template already holds any BOS: encode without adding special tokens again.
-            prompts.append({"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)})
+        conversations = _as_conversations(messages)
+        if continue_final_message and add_generation_prompt:
+            add_generation_prompt = False  # vLLM's rule: continuing a message adds no new turn
+        prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
+                                    chat_template_kwargs) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat_prompt(self, conversation: list[dict[str, Any]], chat_template: str | None = None,
+                    add_generation_prompt: bool = True, continue_final_message: bool = False,
+                    chat_template_kwargs: dict[str, Any] | None = None) -> dict[str, Any]:
+        """The prompt one conversation becomes (``{"prompt": text, "prompt_token_ids": ids}``), as
+        :meth:`chat` builds it.
+
+        :raises ValueError: a malformed conversation, no tokenizer or chat template, or a template error.
+        """
+        conversation = _as_conversations(conversation)[0]
+        tokenizer = self.get_tokenizer()
+        if tokenizer is None:
+            raise ValueError("this checkpoint ships no tokenizer, so it has no chat template; use generate() "
+                             "with token ids")
+        if chat_template is None and not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template; pass chat_template=...")
+        try:
+            text = tokenizer.apply_chat_template(
+                conversation, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+                continue_final_message=continue_final_message, tokenize=False, **(chat_template_kwargs or {}))
+        except Exception as e:  # jinja raises its own errors for templates and messages it cannot render
+            raise ValueError(f"the chat template cannot render this conversation: {type(e).__name__}: {e}") from e
+        # The template already holds any BOS: encode without adding special tokens again.
+        return {"prompt": text, "prompt_token_ids": tokenizer.encode(text, add_special_tokens=False)}
+
+
+def _as_conversations(messages: Any) -> list[list[dict[str, Any]]]:
+    """One conversation or a list of them, each checked: a non-empty list of ``{"role", "content"}``
+    dicts with string roles and string (or text-part) contents."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of them)")
+    conversations = [list(messages)] if isinstance(messages[0], dict) else list(messages)
+    for c, conversation in enumerate(conversations):
+        if not isinstance(conversation, (list, tuple)) or not conversation:
+            raise ValueError(f"conversation {c} must be a non-empty list of messages, got {conversation!r}")
+        for m, message in enumerate(conversation):
+            where = f"conversation {c}, message {m}" if len(conversations) > 1 else f"message {m}"
+            if not isinstance(message, dict):
+                raise ValueError(f"{where} must be a dict with 'role' and 'content', got {type(message).__name__}")
+            for field in ("role", "content"):
+                if field not in message:
+                    raise ValueError(f"{where} has no {field!r} (keys: {sorted(message)})")
+            if not isinstance(message["role"], str):
+                raise ValueError(f"{where}: role must be a string, got {message['role']!r}")
+            content = message["content"]
+            if isinstance(content, list):
+                if not all(isinstance(p, dict) and isinstance(p.get("text", ""), str) for p in content):
+                    raise ValueError(f"{where}: content parts must be dicts like {{'type': 'text', 'text': ...}}")
+            elif not isinstance(content, str):
+                raise ValueError(f"{where}: content must be a string or a list of parts, got "
+                                 f"{type(content).__name__}")
+    return conversations
 
 
 class GenerationError(ModelRunnerError):

@@ -23,6 +23,7 @@ from .loaded_model import LoadedModel
 from .models.loader import ModelLoader
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
+from .quantization.checkpoint import check_checkpoint_quantization
 from .source import ModelSource, resolve_source
 
 MAX_DEFAULT_MODEL_LEN = 8192
@@ -121,6 +122,7 @@ class ModelRunner(ArticleAPI):
         self.check_config()
         cfg = self.config
         self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
+        check_checkpoint_quantization(self.source, self.plugins)
         self.dtype = resolve_dtype(cfg.model.dtype, self.source.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.source.hf_config, cfg.model.max_model_len)
         backend = self.plugins.attention_backend(self.device, cfg.model.attention_backend)

@@ -125,8 +125,16 @@ def _read_config(path: Path, trust_remote_code: bool) -> Any:
 
     try:
         return AutoConfig.from_pretrained(str(path), trust_remote_code=trust_remote_code)
-    except ValueError as e:
-        raise ModelSourceError(f"cannot read {path / 'config.json'}: {e}") from e
+    except Exception as e:  # transformers' validators raise their own types (strict dataclass errors)
+        raise ModelSourceError(f"cannot read {path / 'config.json'}: {one_line(e)}") from e
+
+
+def one_line(exc: BaseException) -> str:
+    """What an exception says, on one line: its innermost cause's message (validators wrap the real
+    reason in their own errors), or its type when it says nothing."""
+    while exc.__cause__ is not None:
+        exc = exc.__cause__
+    return " ".join(str(exc).split()) or type(exc).__name__
 
 
 def _file_digest(path: Path) -> str:
@@ -153,12 +161,16 @@ def convert_gguf(path: Path, root: Path) -> Path:
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=target.parent))
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        try:
+            model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        except Exception as e:  # the gguf reader fails on truncated files with numpy's own errors
+            raise ModelSourceError(f"{path}: not a readable GGUF checkpoint ({one_line(e)})") from e
         if getattr(model, "hf_quantizer", None) is not None:
             model.hf_quantizer.remove_quantization_config(model)
         model.save_pretrained(str(tmp))
         tokenizer.save_pretrained(str(tmp))
+        share_like_umask(tmp)
         try:
             os.replace(tmp, target)
         except OSError:  # another process won the race; its copy is identical
@@ -167,3 +179,13 @@ def convert_gguf(path: Path, root: Path) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def share_like_umask(folder: Path) -> None:
+    """Give ``folder`` and what it holds the permissions a plain ``mkdir``/``open`` would have
+    (``tempfile`` makes them private), so a shared cache directory serves every user."""
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(folder, 0o777 & ~umask)
+    for entry in folder.rglob("*"):
+        os.chmod(entry, (0o777 if entry.is_dir() else 0o666) & ~umask)

@@ -23,6 +23,9 @@ INDEX_FILE = "model.safetensors.index.json"
 """The index of a sharded checkpoint (``weight_map``: tensor name → file)."""
 SINGLE_FILE = "model.safetensors"
 """The weight file of an unsharded checkpoint."""
+FP8_DTYPES = tuple(getattr(torch, name) for name in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz",
+                                                      "float8_e5m2fnuz") if hasattr(torch, name))
+"""fp8 tensor types: quantized storage that needs its scales."""
 
 
 class CheckpointError(ModelRunnerError, ValueError):
@@ -191,6 +194,12 @@ def load_weights(
             unexpected.append(tensor_name)
             continue
         param = params[target]
+        if param.is_floating_point() and (not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES):
+            source = file_of(tensor_name) or where
+            raise CheckpointError(
+                f"{source}: tensor {tensor_name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}, a "
+                "quantized form; modelrunner never casts integer or fp8 weights to float without their scales. "
+                "Load the checkpoint with a quantization method that reads it (`modelrunner plugins` lists them)")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
             if shard_id is None:

@@ -220,7 +220,21 @@ def limit_threads(world_size: int) -> None:
 
 
 def _die_with_parent(parent_pid: int) -> None:
-    """Kill this process group (this worker and anything it started) as soon as the parent is gone."""
+    """Kill this process group (this worker and anything it started) as soon as the parent is gone.
+
+    On Linux the kernel also delivers SIGKILL when the parent dies (``PR_SET_PDEATHSIG``), which
+    reaches even a stopped worker, whose own watcher thread cannot run.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+        if os.getppid() != parent_pid:  # the parent died before the request took effect
+            os._exit(1)
+
     def watch() -> None:
         while os.getppid() == parent_pid:
             time.sleep(0.2)

@@ -127,3 +127,27 @@ def test_unknown_model_fails_before_starting_any_process(tmp_path):
     with pytest.raises(ModelSourceError, match="no such file or directory"):
         LLM(str(tmp_path / "missing"), tensor_parallel_size=2, **LLM_KW)
     assert children() == []
+
+
+HUNG_TIMEOUT_S = 6
+"""``MODELRUNNER_DIST_TIMEOUT`` of the hung-worker tests."""
+
+
+@pytest.mark.parametrize("sizes", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp", "pp"])
+def test_a_hung_worker_fails_the_step_within_the_timeout(tiny_llama, monkeypatch, sizes):
+    monkeypatch.setenv("MODELRUNNER_DIST_TIMEOUT", str(HUNG_TIMEOUT_S))
+    llm = LLM(str(tiny_llama), **sizes, **LLM_KW)
+    llm.generate(PROMPTS[:1], SamplingParams(max_tokens=2), use_tqdm=False)  # the group works
+    victim = llm.runner.ranks[1]["pid"]
+    os.kill(victim, signal.SIGSTOP)
+    started = time.monotonic()
+    try:
+        errors = _generate_errors(llm, max_tokens=4)
+    finally:
+        if psutil.pid_exists(victim):
+            os.kill(victim, signal.SIGCONT)
+    took = time.monotonic() - started
+    print(f"hung worker ({sizes}) reported after {took:.2f} s: {errors[0].splitlines()[0]}")
+    assert "rank 1 " in errors[0] and "stopped answering" in errors[0] and "MODELRUNNER_DIST_TIMEOUT" in errors[0]
+    assert took < HUNG_TIMEOUT_S + 10
+    assert wait_for_no_children() == []

@@ -104,6 +104,7 @@ class InputProcessor:
             if self.tokenizer is None:
                 raise ValueError("this checkpoint ships no tokenizer, so prompts must be token ids "
                                  "({'prompt_token_ids': [...]} or a list of ints), not text")
+            check_unicode("prompt", prompt)
             return prompt, list(self.tokenizer.encode(prompt)), extra
         if isinstance(prompt, (list, tuple, torch.Tensor)):
             return None, self._check_token_ids(prompt), extra
@@ -173,3 +174,13 @@ def _fingerprint(value: Any, digest: Any) -> None:
         digest.update(value.tobytes())
     else:
         digest.update(repr(value).encode())
+
+
+def check_unicode(what: str, text: str) -> None:
+    """Raise ``ValueError`` naming ``what`` when ``text`` is not valid Unicode (a lone surrogate, such as
+    Python makes of invalid UTF-8 bytes in a command line), which no tokenizer can encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid Unicode: character {e.start} is {text[e.start]!r} (a lone surrogate; "
+                         "invalid UTF-8 bytes in a command-line argument become these)") from None
