@@ -5,7 +5,11 @@ Everything public is importable from here; submodules are implementation detail.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
+
+# A library logs; the application decides what is shown (the CLI shows it with MODELRUNNER_DEBUG=1).
+logging.getLogger("modelrunner").addHandler(logging.NullHandler())
 
 PLUGIN_API_VERSION = "1.0"
 """The version of what plugins implement (hooks, base classes, the model contract); ``CHANGELOG.md``

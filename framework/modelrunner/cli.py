@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 import traceback
@@ -137,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``modelrunner`` console script: every error is one line on stderr, exit 2
     (``MODELRUNNER_DEBUG=1`` adds the traceback)."""
     args = _parser().parse_args(argv)
+    if os.environ.get(DEBUG_ENV):
+        logging.basicConfig(level=logging.INFO, format="modelrunner: %(name)s: %(message)s")
     try:
         return {"generate": _generate, "plugins": _plugins}[args.command](args)
     except KeyboardInterrupt:

@@ -207,7 +207,8 @@ def _as_conversations(messages: Any) -> list[list[dict[str, Any]]]:
     dicts with string roles and string (or text-part) contents."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages must be a non-empty list of {'role', 'content'} dicts (or a list of them)")
-    conversations = [list(messages)] if isinstance(messages[0], dict) else list(messages)
+    nested = isinstance(messages[0], (list, tuple))
+    conversations = list(messages) if nested else [list(messages)]
     for c, conversation in enumerate(conversations):
         if not isinstance(conversation, (list, tuple)) or not conversation:
             raise ValueError(f"conversation {c} must be a non-empty list of messages, got {conversation!r}")

@@ -76,6 +76,11 @@ class FakeRunner(Executor):
         self.kv = torch.full((num_blocks * block_size,), -1, dtype=torch.long)
         self.batches: list = []
         self.fail_on_token: int | None = None
+        """A forward whose batch holds this token raises (every time)."""
+        self.fail_next = 0
+        """The next this many forwards raise, whatever they hold (a transient fault)."""
+        self.nan_on_token: int | None = None
+        """A sequence whose context holds this token gets NaN logits (a broken model)."""
 
     # The executor interface, answered without a model.
     config = property(lambda self: self._config)
@@ -112,6 +117,9 @@ class FakeRunner(Executor):
     def execute_model(self, batch) -> ForwardOutput:
         if self.fail_on_token is not None and bool((batch.input_ids == self.fail_on_token).any()):
             raise RuntimeError(f"token {self.fail_on_token} is poison")
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise RuntimeError("transient fault")
         self.batches.append(batch)
         self.kv[batch.slot_mapping] = batch.input_ids
         qsl = batch.query_start_loc.tolist()
@@ -125,7 +133,10 @@ class FakeRunner(Executor):
             slots = [table[p // bs] * bs + p % bs for p in range(last + 1)]
             tokens = self.kv[slots].tolist()
             assert -1 not in tokens, f"sequence {batch.seq_ids[i]} read an unwritten KV slot"
-            rows.append(context_logits(tokens))
+            row = context_logits(tokens)
+            if self.nan_on_token is not None and self.nan_on_token in tokens:
+                row = torch.full_like(row, float("nan"))
+            rows.append(row)
         return ForwardOutput(logits=torch.stack(rows) if rows else torch.zeros(0, VOCAB))
 
 
