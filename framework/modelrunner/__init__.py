@@ -44,6 +44,7 @@ __all__ = [
     "RequestOutput",
     "CompletionOutput",
     "Logprob",
+    "BeamSearchParams",
 ]
 
 _LAZY = {
@@ -54,6 +55,7 @@ _LAZY = {
     "RequestOutput": ("modelrunner.engine.outputs", "RequestOutput"),
     "CompletionOutput": ("modelrunner.engine.outputs", "CompletionOutput"),
     "Logprob": ("modelrunner.engine.outputs", "Logprob"),
+    "BeamSearchParams": ("modelrunner.engine.beam_search", "BeamSearchParams"),
 }
 
 

@@ -80,6 +80,14 @@ class ModelConfig:
     cache_dir: str | None = attrs.field(default=None, validator=_optional_str)
     """Where converted checkpoints (GGUF → safetensors) are kept; default ``$MODELRUNNER_CACHE_DIR``
     or ``~/.cache/modelrunner``."""
+    tokenizer: str | None = attrs.field(default=None, validator=_optional_str)
+    """A tokenizer directory to use instead of the checkpoint's own (vLLM's ``tokenizer``)."""
+    quantization: str | None = attrs.field(default=None, validator=_optional_str)
+    """How weights are stored and multiplied, by quantization method name (``modelrunner plugins``
+    lists them); ``none`` runs dense floats; default: the method a ``.gguf`` file or the
+    checkpoint's ``quantization_config`` calls for, else none."""
+    quantization_options: dict = attrs.field(factory=dict, validator=_dict)
+    """Options of the quantization method (e.g. ``{"group_size": 64}``), passed through untouched."""
     adapter: str | None = attrs.field(default=None, validator=_optional_str)
     """The plugin whose load hook builds the model, when several installed adapters register the
     checkpoint's architecture (``modelrunner plugins`` shows such conflicts); default: the one that does."""
@@ -178,10 +186,13 @@ class RunnerConfig:
     def from_dict(cls, d: dict[str, Any]) -> RunnerConfig:
         """Build from the article's flat dict (``{'model': ..., 'dtype': 'float16', 'compile': True, ...}``).
 
-        Unknown keys are rejected with the closest known key suggested.
+        Unknown keys are rejected with the closest known key suggested. vLLM's engine-argument names
+        are accepted where they mean the same thing (:data:`VLLM_ALIASES`); a vLLM option modelrunner
+        does not have is refused saying so (:data:`VLLM_ONLY`).
         """
         if not isinstance(d, dict):
             raise TypeError(f"config must be a dict, got {type(d).__name__}")
+        d = _translate_vllm(d)
         sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
         device = d.get("device", "auto")
         for key, value in d.items():
@@ -224,3 +235,41 @@ for _section, _cls in _SECTIONS.items():
     for _f in attrs.fields(_cls):
         _flat = next((k for k, v in _RENAMED.items() if v == _f.name), _f.name) if _section == "compile" else _f.name
         FLAT_KEYS[_flat] = (_section, _f.name)
+
+
+VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
+"""vLLM engine-argument names that are another key's name here."""
+
+VLLM_ONLY = ("swap_space", "cpu_offload_gb", "max_seq_len_to_capture", "disable_log_stats", "kv_cache_dtype",
+             "distributed_executor_backend", "speculative_config", "tokenizer_mode", "revision",
+             "tokenizer_revision", "code_revision", "download_dir", "load_format", "disable_custom_all_reduce",
+             "max_logprobs", "enable_lora", "max_lora_rank", "max_loras", "limit_mm_per_prompt",
+             "mm_processor_kwargs", "hf_overrides", "compilation_config", "task", "rope_scaling", "rope_theta",
+             "enable_chunked_prefill", "num_scheduler_steps", "scheduling_policy", "worker_cls",
+             "override_generation_config", "enable_sleep_mode", "calculate_kv_scales", "disable_async_output_proc",
+             "skip_tokenizer_init", "data_parallel_size", "enable_expert_parallel", "max_cpu_loras",
+             "tokenizer_pool_size", "guided_decoding_backend", "reasoning_parser", "logits_processors",
+             "served_model_name", "allowed_local_media_path", "generation_config")
+"""vLLM engine arguments modelrunner has no equivalent for; refused by name, never silently ignored."""
+
+
+def _translate_vllm(d: dict[str, Any]) -> dict[str, Any]:
+    """``d`` with vLLM's names mapped to ours (``enforce_eager=True`` is ``compile=False``).
+
+    :raises ValueError: a vLLM option with no equivalent here, or ``enforce_eager=True`` with ``compile=True``.
+    """
+    out = {}
+    for key, value in d.items():
+        if key in VLLM_ONLY:
+            raise ValueError(f"{key!r} is a vLLM option that modelrunner does not have; remove it (the README's "
+                             "'Coming from vLLM' table lists what maps and what does not)")
+        if key == "enforce_eager":
+            if not isinstance(value, bool):
+                raise ValueError(f"enforce_eager must be True or False, got {value!r}")
+            if value and d.get("compile") is True:
+                raise ValueError("enforce_eager=True and compile=True contradict each other; keep one")
+            if value:
+                out["compile"] = False
+            continue
+        out[VLLM_ALIASES.get(key, key)] = value
+    return out

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from .config import RunnerConfig
+from .engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .errors import ModelRunnerError
@@ -42,8 +43,42 @@ class LLM:
         return self.engine.executor
 
     def get_tokenizer(self) -> Any:
-        """The checkpoint's tokenizer."""
+        """The checkpoint's tokenizer (or the ``tokenizer`` config field's)."""
         return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """Sampling parameters from the checkpoint's ``generation_config.json`` (``temperature``,
+        ``top_p``, ``top_k``, ``min_p``, ``repetition_penalty``, ``max_new_tokens`` as ``max_tokens``), as
+        vLLM does; the library defaults where it has none. Change any field afterwards."""
+        return SamplingParams(**generation_defaults(self.runner.runner.source))
+
+    def beam_search(self, prompts: str | list[int] | dict[str, Any] | Sequence[Any],
+                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Beam search over each prompt (text, token ids, or ``{"prompt"...}``/``{"prompt_token_ids"...}``
+        dicts); one :class:`BeamSearchOutput` per prompt, its ``beam_width`` sequences best first.
+
+        Beams share the prompt's KV blocks through the allocator's fork (copy-on-write).
+
+        :raises ValueError: a bad prompt or parameter, or a prompt too long for ``max_tokens`` more.
+        """
+        if not isinstance(params, BeamSearchParams):
+            raise ValueError(f"params must be a BeamSearchParams, got {type(params).__name__}")
+        token_prompts = []
+        for i, prompt in enumerate(_as_prompt_list(prompts)):
+            try:
+                ids = self.engine.input_processor.process(f"beam-{i}", prompt, SamplingParams(max_tokens=1)).token_ids
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from e
+            if len(ids) + params.max_tokens > self.engine.max_model_len:
+                raise ValueError(f"prompt {i} has {len(ids)} tokens: with max_tokens={params.max_tokens} it exceeds "
+                                 f"max_model_len={self.engine.max_model_len}")
+            token_prompts.append(ids)
+        return beam_search(self.engine, token_prompts, params)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt prefix (e.g. after editing weights). False, changing nothing,
+        while requests hold KV blocks."""
+        return self.engine.allocator.reset_prefix_cache()
 
     def memory_stats(self) -> dict[str, Any]:
         """KV-cache statistics (blocks used/free/cached, peak, prefix hits) and queue lengths."""
@@ -229,6 +264,24 @@ def _as_conversations(messages: Any) -> list[list[dict[str, Any]]]:
                 raise ValueError(f"{where}: content must be a string or a list of parts, got "
                                  f"{type(content).__name__}")
     return conversations
+
+
+GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+"""``generation_config.json`` key → the SamplingParams field it sets."""
+
+
+def generation_defaults(source: Any) -> dict[str, Any]:
+    """The SamplingParams fields a checkpoint's ``generation_config.json`` sets (empty without one)."""
+    from transformers import GenerationConfig
+
+    if source is None or not (source.path / "generation_config.json").is_file():
+        return {}
+    try:
+        config = GenerationConfig.from_pretrained(str(source.path)).to_diff_dict()
+    except Exception:  # noqa: BLE001 - a malformed file is ignored like a missing one (vLLM does the same)
+        return {}
+    return {field: config[key] for key, field in GENERATION_KEYS.items() if config.get(key) is not None}
 
 
 class GenerationError(ModelRunnerError):

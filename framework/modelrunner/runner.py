@@ -8,6 +8,7 @@ block allocator that hands out its KV blocks belongs to whoever schedules (the e
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -15,7 +16,7 @@ import torch
 from .article import ArticleAPI
 from .config import RunnerConfig
 from .distributed import STAGE_OUTPUTS, min_over_ranks
-from .errors import ModelRunnerError
+from .errors import ModelRunnerError, ModelSourceError
 from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
 from .kv_cache.spec import KVCacheSpec
@@ -24,7 +25,7 @@ from .models.loader import ModelLoader
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
 from .quantization.checkpoint import check_checkpoint_quantization
-from .source import ModelSource, resolve_source
+from .source import ModelSource, one_line, resolve_source
 
 MAX_DEFAULT_MODEL_LEN = 8192
 """Cap on the default ``max_model_len`` (a model's advertised context can be far larger than needed)."""
@@ -50,6 +51,23 @@ def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtyp
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
     return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float16
+
+
+def load_tokenizer_from(path: str) -> Any:
+    """The tokenizer in directory ``path`` (the ``tokenizer`` config field).
+
+    :raises ModelSourceError: ``path`` is not a directory holding a tokenizer.
+    """
+    from transformers import AutoTokenizer
+
+    folder = Path(path).expanduser()
+    if not folder.is_dir():
+        raise ModelSourceError(f"tokenizer {path!r}: no such directory; pass a folder with tokenizer.json (or "
+                               "tokenizer_config.json) — modelrunner never downloads from a hub")
+    try:
+        return AutoTokenizer.from_pretrained(str(folder))
+    except Exception as e:  # transformers raises many kinds for a folder without a tokenizer
+        raise ModelSourceError(f"tokenizer {path!r}: cannot load a tokenizer from it ({one_line(e)})") from e
 
 
 def resolve_max_model_len(hf_config: Any, asked: int | None) -> int:
@@ -130,6 +148,8 @@ class ModelRunner(ArticleAPI):
         torch.manual_seed(cfg.model.seed)
         loader = ModelLoader(self.plugins, cfg, self.device, self.dtype, self.parallel, backend, self.max_model_len)
         loaded = loader.parallelize(loader.load(self.source, adapter=cfg.model.adapter))
+        if cfg.model.tokenizer is not None:
+            loaded.tokenizer = load_tokenizer_from(cfg.model.tokenizer)
         loaded.runnable = loaded.model  # what the compile hook may wrap (the eager backend keeps it)
         loaded.runnable = self.plugins.compile_model(cfg.compile.backend_name, loaded, cfg.compile)
         self.loaded = loaded

@@ -551,6 +551,10 @@ class LLMEngine:
 
     # -- conveniences ----------------------------------------------------------------------------
 
+    def next_seq_id(self) -> int:
+        """A fresh sequence id (for callers that run sequences of their own on the allocator, e.g. beam search)."""
+        return next(self._seq_ids)
+
     def new_request_id(self) -> str:
         """A fresh id for callers that do not name their requests."""
         while True:

@@ -182,6 +182,11 @@ class BlockAllocator(abc.ABC):
         that a cached prefix longer than one chunk is reused whole."""
         return 0
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (e.g. after changing the weights in place). Returns False, changing
+        nothing, while a sequence holds blocks. The default (no prefix caching) has nothing to forget."""
+        return True
+
     def forget_uncomputed(self, seq_id: int, start: int) -> None:
         """The sequence's tokens from ``start`` on were never computed (their forward failed):
         make sure no prefix-cache lookup returns the blocks holding them.

@@ -337,6 +337,15 @@ class PagedBlockAllocator(BlockAllocator):
                 del self._cache[key]
                 self._block_key[block] = None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, when no sequence holds a block (else refuse and return False)."""
+        if self._seqs:
+            return False
+        self._cache.clear()
+        self._block_key = [None] * self.num_blocks
+        self._num_cached_free = 0
+        return True
+
     def free(self, seq_id: int) -> None:
         seq = self._seq(seq_id)
         # Tail first, so a prompt's leading blocks are the last of it to be evicted.
