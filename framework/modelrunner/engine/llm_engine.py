@@ -205,6 +205,14 @@ class LLMEngine:
         """Requests waiting or running."""
         return len(self._requests)
 
+    def unfinished_request_ids(self) -> list[str]:
+        """The ids of the requests that wait or run."""
+        return list(self._requests)
+
+    def has_undelivered_outputs(self) -> bool:
+        """True when outputs (e.g. of aborted requests) wait for the next step to deliver them."""
+        return bool(self._pending)
+
     def is_running(self, request_id: str) -> bool:
         """True while the request waits or runs."""
         return str(request_id) in self._requests
