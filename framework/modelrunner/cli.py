@@ -40,20 +40,25 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _parse_value(raw: str) -> Any:
+def parse_value(raw: str) -> Any:
+    """A ``--set`` value: JSON when it parses as JSON (numbers, booleans, lists, dicts), else the string."""
     try:
         return json.loads(raw)
     except json.JSONDecodeError:
         return raw
 
 
-def _config_overrides(pairs: list[str]) -> dict[str, Any]:
+def config_overrides(pairs: list[str]) -> dict[str, Any]:
+    """``["key=value", ...]`` (repeated ``--set`` options) as a flat config dict.
+
+    :raises ValueError: an entry without ``=``.
+    """
     out = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep or not key:
             raise ValueError(f"--set expects KEY=VALUE, got {pair!r}")
-        out[key] = _parse_value(value)
+        out[key] = parse_value(value)
     return out
 
 
@@ -86,7 +91,7 @@ def _generate(args: argparse.Namespace) -> int:
                             top_k=args.top_k, seed=args.seed)
     check_unicode("the prompt", args.prompt)
     images = _open_images(args.image)
-    llm = LLM(model=args.model, **_config_overrides(args.set))
+    llm = LLM(model=args.model, **config_overrides(args.set))
     request: Any = {"prompt": args.prompt}
     if args.chat:
         request = llm.chat_prompt([{"role": "user", "content": args.prompt}])
@@ -134,14 +139,41 @@ DEBUG_ENV = "MODELRUNNER_DEBUG"
 """Set to 1 to see the traceback behind a CLI error."""
 
 
+SUBCOMMANDS = {
+    "serve": "modelrunner.serve.cli",
+    "bench": "modelrunner.bench.cli",
+}
+"""Subcommands that live in their own module: each has ``add_parser(subparsers)`` and ``run(args) -> int``."""
+
+
+def _subcommands() -> dict[str, Any]:
+    import importlib
+
+    modules = {}
+    for name, module_name in SUBCOMMANDS.items():
+        try:
+            modules[name] = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name != module_name:
+                raise
+    return modules
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``modelrunner`` console script: every error is one line on stderr, exit 2
     (``MODELRUNNER_DEBUG=1`` adds the traceback)."""
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    modules = _subcommands()
+    commands = {"generate": _generate, "plugins": _plugins}
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for name, module in modules.items():
+        module.add_parser(subparsers)
+        commands[name] = module.run
+    args = parser.parse_args(argv)
     if os.environ.get(DEBUG_ENV):
         logging.basicConfig(level=logging.INFO, format="modelrunner: %(name)s: %(message)s")
     try:
-        return {"generate": _generate, "plugins": _plugins}[args.command](args)
+        return commands[args.command](args)
     except KeyboardInterrupt:
         return 130
     except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, never a raw traceback
