@@ -154,7 +154,7 @@ def _subcommands() -> dict[str, Any]:
         try:
             modules[name] = importlib.import_module(module_name)
         except ModuleNotFoundError as e:
-            if e.name != module_name:
+            if not module_name.startswith(str(e.name)):
                 raise
     return modules
 
