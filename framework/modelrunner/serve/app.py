@@ -1,0 +1,143 @@
+"""The FastAPI application: routes, authentication, body limit and error handling.
+
+``/v1/*``, ``/tokenize`` and ``/detokenize`` need the API key when the server has one;
+``/health``, ``/metrics`` and ``/version`` never do. Every error is OpenAI's error object.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from .auth import require_api_key
+from .body_limit import BodyLimit
+from .chat_completions import create_chat_completion
+from .completions import create_completion
+from .errors import APIError, CatchInternalErrors, from_validation_errors
+from .state import ServerState
+from .tokenization import detokenize, tokenize
+
+
+def _version() -> str:
+    try:
+        return version("modelrunner")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def _state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+open_routes = APIRouter()
+"""Routes that need no API key."""
+model_routes = APIRouter(dependencies=[Depends(require_api_key)])
+"""Routes that run the model (API key required when set)."""
+
+
+@open_routes.get("/health", summary="200 once the model is loaded and the engine runs; 503 otherwise")
+async def health(request: Request) -> JSONResponse:
+    """Liveness and readiness in one: 503 while loading, shutting down or after a fatal engine error."""
+    status, body = _state(request).health()
+    return JSONResponse(body, status_code=status)
+
+
+@open_routes.get("/version", summary="The server's version")
+async def server_version() -> dict[str, str]:
+    """``{"version": ...}`` of the modelrunner distribution."""
+    return {"version": _version()}
+
+
+@open_routes.get("/metrics", summary="Prometheus metrics")
+async def metrics(request: Request) -> Response:
+    """The Prometheus text exposition of the server's metrics."""
+    return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def _model_card(state: ServerState, name: str) -> dict[str, Any]:
+    model = state.require_model()
+    return {"id": name, "object": "model", "created": model.created, "owned_by": "modelrunner", "root": model.root,
+            "parent": None, "max_model_len": model.max_model_len}
+
+
+@model_routes.get("/v1/models", summary="The served model (one entry per served name)")
+async def list_models(request: Request) -> dict[str, Any]:
+    """OpenAI's model list."""
+    state = _state(request)
+    return {"object": "list", "data": [_model_card(state, name) for name in state.settings.model_names]}
+
+
+@model_routes.get("/v1/models/{model_id:path}", summary="One served model")
+async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
+    """OpenAI's model object; 404 for a name not served here."""
+    state = _state(request)
+    if model_id not in state.settings.model_names:
+        raise APIError(404, f"model {model_id!r} is not served here; accepted: "
+                            f"{', '.join(repr(n) for n in state.settings.model_names)}",
+                       param="model", code="model_not_found")
+    return _model_card(state, model_id)
+
+
+@model_routes.post("/v1/completions", summary="OpenAI completions (vLLM's extra sampling fields accepted)")
+async def completions(request: Request) -> Response:
+    """Generate from one or more prompts, streamed as server-sent events or not."""
+    return await create_completion(request, _state(request))
+
+
+@model_routes.post("/v1/chat/completions", summary="OpenAI chat completions through the model's chat template")
+async def chat_completions(request: Request) -> Response:
+    """Reply to a conversation, streamed as server-sent events or not."""
+    return await create_chat_completion(request, _state(request))
+
+
+@model_routes.post("/tokenize", summary="Text or messages to token ids (vLLM's shape)")
+async def tokenize_route(request: Request) -> dict[str, Any]:
+    """``{"count", "max_model_len", "tokens", "token_strs"}``."""
+    return await tokenize(request, _state(request))
+
+
+@model_routes.post("/detokenize", summary="Token ids to text (vLLM's shape)")
+async def detokenize_route(request: Request) -> dict[str, Any]:
+    """``{"prompt": text}``."""
+    return await detokenize(request, _state(request))
+
+
+async def _api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, APIError)
+    return exc.response()
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        return APIError(404, f"no route {request.method} {request.url.path} (see /docs)", code="not_found").response()
+    if exc.status_code == 405:
+        return APIError(405, f"method {request.method} is not allowed on {request.url.path}",
+                        code="method_not_allowed", headers=exc.headers).response()
+    return APIError(exc.status_code, str(exc.detail), headers=exc.headers).response()
+
+
+async def _validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return from_validation_errors(exc.errors()).response()
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The application serving ``state`` (its model may still be loading)."""
+    app = FastAPI(title="modelrunner", version=_version(), summary="An OpenAI-compatible server on modelrunner's "
+                  "engine", redoc_url=None)
+    app.state.server = state
+    app.include_router(open_routes)
+    app.include_router(model_routes)
+    app.add_exception_handler(APIError, _api_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_middleware(CatchInternalErrors)
+    app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
+    return app

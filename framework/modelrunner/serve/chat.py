@@ -1,0 +1,151 @@
+"""OpenAI chat messages → the prompt the model's chat template makes of them (plus their images).
+
+Content parts are flattened into the string content chat templates expect: text parts joined by
+newlines, each image part replaced by the model's image placeholder token (``<image>`` for
+LLaVA), in order, with its image decoded from a ``data:`` URL. Every error names the message and
+part at fault (``messages[1].content[0].image_url.url``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from .errors import bad_request
+from .images import decode_data_url
+
+ROLES = ("system", "developer", "user", "assistant", "tool")
+"""Accepted message roles (``developer`` is given to the template as ``system``)."""
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
+"""Accepted keys of a message (``name`` and ``tool_call_id`` are accepted and not used)."""
+PART_TYPES = ("text", "image_url")
+"""Accepted content part types."""
+
+
+@attrs.frozen
+class ChatOptions:
+    """How a conversation is rendered (the request's template fields)."""
+
+    chat_template: str | None = None
+    """A template instead of the tokenizer's."""
+    add_generation_prompt: bool = True
+    """End with the assistant's turn header."""
+    continue_final_message: bool = False
+    """Let the reply continue the last (assistant) message."""
+    chat_template_kwargs: dict[str, Any] | None = None
+    """Extra template variables."""
+    add_special_tokens: bool = False
+    """Let the tokenizer add its special tokens (e.g. BOS) to the rendered text."""
+
+    @classmethod
+    def from_request(cls, body: Any, settings: Any) -> ChatOptions:
+        """The options of a chat or tokenize request (``chat_template`` only if the server trusts
+        requests' templates; else the server's own).
+
+        :raises APIError: 400 for a request template the server does not accept.
+        """
+        if body.chat_template is not None and not settings.trust_request_chat_template:
+            raise bad_request("chat_template in requests is refused by this server (start it with "
+                              "--trust-request-chat-template to allow it)", param="chat_template",
+                              code="unsupported")
+        return cls(chat_template=body.chat_template or settings.chat_template,
+                   add_generation_prompt=True if body.add_generation_prompt is None else body.add_generation_prompt,
+                   continue_final_message=bool(body.continue_final_message),
+                   chat_template_kwargs=body.chat_template_kwargs, add_special_tokens=bool(body.add_special_tokens))
+
+
+@attrs.frozen
+class ParsedMessages:
+    """Messages checked and flattened for the template, and where their images are."""
+
+    conversation: list[dict[str, str]]
+    """``[{"role", "content"}]`` with string contents."""
+    image_urls: list[tuple[str, str]]
+    """``(data URL, request field)`` per image, in prompt order."""
+
+
+def parse_messages(messages: Any, image_token: str | None, param: str = "messages") -> ParsedMessages:
+    """Check ``messages`` and flatten their contents.
+
+    :param image_token: the model's image placeholder (None: image parts are refused).
+    :raises APIError: 400 naming the message, part and field at fault.
+    """
+    if not isinstance(messages, list) or not messages:
+        raise bad_request(f"{param} must be a non-empty list of {{'role', 'content'}} objects", param=param)
+    conversation: list[dict[str, str]] = []
+    image_urls: list[tuple[str, str]] = []
+    for i, message in enumerate(messages):
+        where = f"{param}[{i}]"
+        if not isinstance(message, dict):
+            raise bad_request(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}",
+                              param=where)
+        unknown = sorted(set(message) - MESSAGE_KEYS)
+        if unknown:
+            raise bad_request(f"{where} has unknown field {unknown[0]!r}; accepted: {', '.join(sorted(MESSAGE_KEYS))}",
+                              param=f"{where}.{unknown[0]}", code="unknown_field")
+        role = message.get("role")
+        if role not in ROLES:
+            raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", param=f"{where}.role")
+        if message.get("tool_calls"):
+            raise bad_request(f"{where}.tool_calls: tool calls are not supported by this server",
+                              param=f"{where}.tool_calls", code="unsupported")
+        content = message.get("content")
+        if content is None and role == "assistant":
+            content = ""
+        text = _flatten(content, f"{where}.content", image_token, image_urls)
+        conversation.append({"role": "system" if role == "developer" else role, "content": text})
+    return ParsedMessages(conversation, image_urls)
+
+
+def _flatten(content: Any, where: str, image_token: str | None, image_urls: list[tuple[str, str]]) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise bad_request(f"{where} must be a string or a list of content parts, got "
+                          f"{'null' if content is None else type(content).__name__}", param=where)
+    pieces = []
+    for j, part in enumerate(content):
+        at = f"{where}[{j}]"
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind == "text":
+            if not isinstance(part.get("text"), str):
+                raise bad_request(f"{at}.text must be a string", param=f"{at}.text")
+            pieces.append(part["text"])
+        elif kind == "image_url":
+            if image_token is None:
+                raise bad_request(f"{at}: this model takes no images (it has no image placeholder token); send "
+                                  "text parts only", param=at, code="unsupported")
+            image = part.get("image_url")
+            url = image.get("url") if isinstance(image, dict) else image
+            image_urls.append((url, f"{at}.image_url.url"))
+            pieces.append(image_token)
+        else:
+            got = repr(kind) if isinstance(part, dict) else type(part).__name__
+            raise bad_request(f"{at}.type must be one of {', '.join(PART_TYPES)}; got {got}", param=f"{at}.type")
+    return "\n".join(pieces)
+
+
+def render(llm: Any, tokenizer: Any, parsed: ParsedMessages, options: ChatOptions,
+           param: str = "messages") -> dict[str, Any]:
+    """The engine prompt for ``parsed``: ``{"prompt", "prompt_token_ids"}`` plus ``"images"`` when
+    there are any (decoded here; call it off the event loop).
+
+    :raises APIError: 400 for a bad image or a conversation the template cannot render.
+    """
+    images = [decode_data_url(url, where) for url, where in parsed.image_urls]
+    if options.add_generation_prompt and options.continue_final_message:
+        raise bad_request("add_generation_prompt and continue_final_message cannot both be true (continuing the "
+                          "last message adds no new turn)", param="continue_final_message")
+    try:
+        prompt = llm.chat_prompt(parsed.conversation, chat_template=options.chat_template,
+                                 add_generation_prompt=options.add_generation_prompt,
+                                 continue_final_message=options.continue_final_message,
+                                 chat_template_kwargs=options.chat_template_kwargs)
+    except ValueError as e:
+        raise bad_request(f"{param}: {e}", param=param) from None
+    if options.add_special_tokens:
+        prompt["prompt_token_ids"] = tokenizer.encode(prompt["prompt"], add_special_tokens=True)
+    if images:
+        prompt["images"] = images
+    return prompt

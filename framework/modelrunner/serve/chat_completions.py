@@ -1,0 +1,166 @@
+"""``POST /v1/chat/completions``: OpenAI's chat API through the model's chat template, streamed or
+not; images as ``data:`` URLs for models that take them."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import attrs
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from ..engine.outputs import CompletionOutput, RequestOutput
+from .async_engine import Generation
+from .chat import ChatOptions, parse_messages, render
+from .errors import APIError, bad_request
+from .protocol import ChatCompletionRequest, parse_body
+from .responses import chat_logprobs, new_id, now, prompt_logprobs_json, usage
+from .sampling import build_sampling_params
+from .state import ServerState
+from .streaming import DONE, EventStream, event, finals_unless_disconnected
+
+
+@attrs.frozen
+class ChatJob:
+    """What building the response needs to know about one chat request."""
+
+    id: str
+    created: int
+    model: str
+    n: int
+    top_logprobs: int | None
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+    prompt_logprobs: bool
+    tokenizer: Any
+
+
+async def create_chat_completion(request: Request, state: ServerState) -> Response:
+    """Handle one chat request.
+
+    :raises APIError: 400 for a bad request, 503 when loading/overloaded, 500 when the engine failed.
+    """
+    body = await parse_body(request, ChatCompletionRequest)
+    served = state.require_model()
+    state.check_model_name(body.model)
+    body.check_unsupported()
+    include_usage, continuous_usage = body.usage_options()
+    if body.top_logprobs is not None and not body.logprobs:
+        raise bad_request("top_logprobs needs logprobs: true", param="top_logprobs")
+    top_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    if body.max_completion_tokens is not None:
+        max_tokens = (body.max_completion_tokens, "max_completion_tokens")
+    elif body.max_tokens is not None:
+        max_tokens = (body.max_tokens, "max_tokens")
+    else:  # until max_model_len, unless the checkpoint's generation_config says otherwise
+        max_tokens = (served.defaults.get("max_tokens"), "max_completion_tokens")
+    params = build_sampling_params(body, defaults=served.defaults, max_tokens=max_tokens,
+                                   logprobs=(top_logprobs, "top_logprobs"))
+    parsed = parse_messages(body.messages, served.image_token)
+    options = ChatOptions.from_request(body, state.settings)
+    prompt = await run_in_threadpool(render, served.llm, served.tokenizer, parsed, options)
+    job = ChatJob(id=new_id("chatcmpl"), created=now(), model=state.settings.model_name, n=params.n,
+                  top_logprobs=top_logprobs, include_usage=include_usage, continuous_usage=continuous_usage,
+                  return_token_ids=bool(body.return_token_ids), prompt_logprobs=body.prompt_logprobs is not None,
+                  tokenizer=served.tokenizer)
+    generation = await state.generate(job.id, [prompt], params, "messages")
+    if body.streaming:
+        return EventStream(chat_events(generation, job), generation)
+    finals = await finals_unless_disconnected(generation, request)
+    if finals is None:
+        return Response(status_code=499)  # the client is gone; nobody reads this
+    return JSONResponse(chat_body(finals[0], job))
+
+
+def _logprobs(job: ChatJob, token_ids: list[int], positions: list | None) -> dict[str, Any] | None:
+    if job.top_logprobs is None:
+        return None
+    return chat_logprobs(token_ids, positions or [], job.top_logprobs, job.tokenizer)
+
+
+def chat_body(output: RequestOutput, job: ChatJob) -> dict[str, Any]:
+    """The non-streamed response.
+
+    :raises APIError: 500 when the generation failed.
+    """
+    if output.error:
+        raise APIError(500, f"generation failed: {output.error}", code="generation_failed")
+    choices = []
+    for completion in output.outputs:
+        choice: dict[str, Any] = {"index": completion.index,
+                                  "message": {"role": "assistant", "content": completion.text},
+                                  "logprobs": _logprobs(job, completion.token_ids, completion.logprobs),
+                                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+        if job.return_token_ids:
+            choice["token_ids"] = completion.token_ids
+        choices.append(choice)
+    body: dict[str, Any] = {"id": job.id, "object": "chat.completion", "created": job.created, "model": job.model,
+                            "choices": choices, "usage": _usage_of(output)}
+    if job.return_token_ids:
+        body["prompt_token_ids"] = output.prompt_token_ids
+    if job.prompt_logprobs:
+        body["prompt_logprobs"] = prompt_logprobs_json(output.prompt_logprobs)
+    return body
+
+
+def _usage_of(output: RequestOutput) -> dict[str, Any]:
+    return usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
+                 output.num_cached_tokens)
+
+
+async def chat_events(generation: Generation, job: ChatJob) -> AsyncIterator[bytes]:
+    """The streamed response: each choice's role chunk, then a chunk per engine step that adds text
+    (or tokens, when asked for), each choice's finishing chunk, the usage chunk if asked, ``[DONE]``."""
+    def chunk(choices: list[dict[str, Any]], output: RequestOutput | None) -> dict[str, Any]:
+        payload: dict[str, Any] = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                                   "model": job.model, "choices": choices}
+        if job.include_usage:
+            payload["usage"] = _usage_of(output) if job.continuous_usage and output is not None else None
+        return payload
+
+    for index in range(job.n):
+        yield event(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                            "finish_reason": None}], None))
+    finished: set[int] = set()
+    latest: RequestOutput | None = None
+    prompt_ids_sent = False
+    async for _, output in generation:
+        latest = output
+        if output.error:
+            yield event(APIError(500, f"generation failed: {output.error}", code="generation_failed").body())
+            break
+        for completion in output.outputs:
+            if completion.index in finished:
+                continue
+            choice = _delta_choice(completion, job)
+            if choice is None:
+                continue
+            payload = chunk([choice], output)
+            if job.return_token_ids and not prompt_ids_sent:  # vLLM: in the first chunk with tokens
+                payload["prompt_token_ids"] = output.prompt_token_ids
+                prompt_ids_sent = True
+            yield event(payload)
+            if completion.finished:
+                finished.add(completion.index)
+    else:
+        if job.include_usage and latest is not None:
+            yield event({"id": job.id, "object": "chat.completion.chunk", "created": job.created,
+                         "model": job.model, "choices": [], "usage": _usage_of(latest)})
+    yield DONE
+
+
+def _delta_choice(completion: CompletionOutput, job: ChatJob) -> dict[str, Any] | None:
+    """The chunk choice for what ``completion`` added in one step (None when it added nothing to send)."""
+    wants_tokens = (job.top_logprobs is not None or job.return_token_ids) and completion.delta_token_ids
+    if not (completion.delta_text or completion.finished or wants_tokens):
+        return None
+    delta = {"content": completion.delta_text} if completion.delta_text else {}
+    choice: dict[str, Any] = {"index": completion.index, "delta": delta,
+                              "logprobs": _logprobs(job, completion.delta_token_ids, completion.delta_logprobs),
+                              "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+    if job.return_token_ids:
+        choice["token_ids"] = completion.delta_token_ids
+    return choice

@@ -1,0 +1,78 @@
+"""``modelrunner serve``: the command line of the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import TYPE_CHECKING
+
+from .settings import DEFAULT_GRACE_PERIOD_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, LOG_LEVELS
+
+if TYPE_CHECKING:
+    from .settings import ServeSettings
+
+API_KEY_ENV = "MODELRUNNER_API_KEY"
+"""Environment variable read when ``--api-key`` is not given."""
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add the ``serve`` subcommand and its options."""
+    p = subparsers.add_parser(
+        "serve", help="serve a model over an OpenAI-compatible HTTP API",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                    "/v1/models, /tokenize, /detokenize, /health, /metrics) until SIGINT/SIGTERM.")
+    p.add_argument("--model", default="smollm2", help="HF directory, .gguf file or 'smollm2' (default)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
+    p.add_argument("--api-key", default=None,
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
+                        f"(default: ${API_KEY_ENV})")
+    p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="the name(s) clients use as 'model' (default: --model); the first is reported")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="any config key (e.g. --set max_model_len=4096 --set max_num_seqs=64)")
+    p.add_argument("--max-waiting-requests", type=int, default=DEFAULT_MAX_WAITING_REQUESTS, metavar="N",
+                   help="requests that may wait beyond the max_num_seqs running; more get 503 with Retry-After "
+                        f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD_S, metavar="SECONDS",
+                   help="after SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted "
+                        f"(default {DEFAULT_GRACE_PERIOD_S:g})")
+    p.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                   help="a Jinja chat template (or a file holding one) instead of the tokenizer's")
+    p.add_argument("--trust-request-chat-template", action="store_true",
+                   help="let requests bring their own chat_template (refused by default)")
+    p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                   help="server log verbosity (info adds the access log; default warning)")
+    return p
+
+
+def settings_from_args(args: argparse.Namespace) -> ServeSettings:
+    """The :class:`~.settings.ServeSettings` the command line asks for.
+
+    :raises ValueError: a bad option value or config key (one line, naming it).
+    """
+    from ..cli import config_overrides
+    from ..config import RunnerConfig
+    from .settings import ServeSettings
+
+    config = config_overrides(args.set)
+    RunnerConfig.from_dict({"model": args.model, **config})  # a bad --set fails now, before binding
+    template = args.chat_template
+    if template is not None and os.path.isfile(template):
+        with open(template, encoding="utf-8") as f:
+            template = f.read()
+    return ServeSettings(
+        model=args.model, config=config, host=args.host, port=args.port,
+        api_key=args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None),
+        served_model_names=tuple(args.served_model_name or ()), max_waiting_requests=args.max_waiting_requests,
+        max_body_bytes=args.max_body_bytes, grace_period_s=args.grace_period, chat_template=template,
+        trust_request_chat_template=args.trust_request_chat_template, log_level=args.log_level)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until SIGINT/SIGTERM: 0 after a clean shutdown, 2 when the model cannot be loaded."""
+    from .server import serve
+
+    return serve(settings_from_args(args))

@@ -1,0 +1,62 @@
+"""A request's sampling fields → :class:`~modelrunner.SamplingParams`, every value checked by
+SamplingParams itself, so the server accepts exactly what the offline API accepts and says so in
+the same words, naming the request's own field."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..sampling.params import SamplingParams
+from .errors import APIError, bad_request, leading_field
+from .protocol import SamplingRequest
+
+PASSED_THROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                  "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "seed", "stop",
+                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "min_tokens",
+                  "prompt_logprobs", "truncate_prompt_tokens", "logits_processors", "extra_args")
+"""SamplingParams fields a request sets under the same name."""
+GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+"""Fields whose default comes from the checkpoint's ``generation_config.json`` when the request
+omits them (as vLLM does)."""
+
+
+def build_sampling_params(request: SamplingRequest, *, defaults: dict[str, Any],
+                          max_tokens: tuple[int | None, str], logprobs: tuple[int | None, str]) -> SamplingParams:
+    """SamplingParams for ``request``.
+
+    :param defaults: the checkpoint's generation defaults (:data:`GENERATION_CONFIG_FIELDS`).
+    :param max_tokens: the value and the request field it came from (``max_completion_tokens`` …).
+    :param logprobs: the number of top log-probabilities (None: none) and the field it came from.
+    :raises APIError: 400 naming the request's field and what it accepts.
+    """
+    names = {"max_tokens": max_tokens[1], "logprobs": logprobs[1]}
+    values: dict[str, Any] = {}
+    for field in PASSED_THROUGH:
+        value = getattr(request, field)
+        if value is None and field in GENERATION_CONFIG_FIELDS:
+            value = defaults.get(field)
+        if value is not None:
+            values[field] = value
+    values["max_tokens"] = max_tokens[0]
+    if logprobs[0] is not None:
+        values["logprobs"] = logprobs[0]
+    params = SamplingParams()
+    for field, value in values.items():
+        try:
+            setattr(params, field, value)  # SamplingParams checks each field as it is set
+        except (ValueError, TypeError) as e:
+            raise _named(e, field, names) from None
+    try:
+        params.validate()  # the rules between fields
+    except ValueError as e:
+        raise _named(e, leading_field(str(e)) or "", names) from None
+    return params
+
+
+def _named(error: Exception, field: str, names: dict[str, str]) -> APIError:
+    """``error`` as a 400 whose message and ``param`` use the request's name for ``field``."""
+    param = names.get(field, field) or None
+    message = str(error)
+    if param and param != field and message.startswith(field):
+        message = param + message[len(field):]
+    return bad_request(message, param=param)

@@ -1,0 +1,94 @@
+"""What ``modelrunner serve`` was asked to do: one frozen, validated settings object."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+DEFAULT_MAX_WAITING_REQUESTS = 1024
+"""Requests that may wait beyond the ``max_num_seqs`` the engine runs at once."""
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+"""Largest request body accepted (images travel inside it as data: URLs)."""
+DEFAULT_GRACE_PERIOD_S = 20.0
+"""How long in-flight requests may run on after SIGTERM/SIGINT (below Kubernetes' 30 s default)."""
+LOG_LEVELS = ("debug", "info", "warning", "error")
+"""Accepted ``log_level`` values (``info`` and ``debug`` include uvicorn's access log)."""
+
+
+def _non_negative_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{attribute.name.replace('_', '-')} must be an integer >= 0, got {value!r}")
+
+
+def _positive_int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{attribute.name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+
+
+def _port(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 65535:
+        raise ValueError(f"port must be an integer in [0, 65535] (0 picks a free port), got {value!r}")
+
+
+def _grace(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise ValueError(f"grace-period must be a number of seconds >= 0, got {value!r}")
+
+
+def _names(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not all(isinstance(n, str) and n.strip() for n in value):
+        raise ValueError(f"served-model-name must be non-empty strings, got {list(value)!r}")
+
+
+def _api_key(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value.strip()):
+        raise ValueError("api-key must be a non-empty string (or unset for no authentication)")
+
+
+def _log_level(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value not in LOG_LEVELS:
+        raise ValueError(f"log-level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class ServeSettings:
+    """Everything ``modelrunner serve`` needs; each value is checked on construction.
+
+    :raises ValueError: naming the option and what it accepts.
+    """
+
+    model: str = "smollm2"
+    """What ``LLM(model)`` loads: a local HF directory, a .gguf file or ``"smollm2"``."""
+    config: dict[str, Any] = attrs.field(factory=dict)
+    """Flat config keys for ``LLM(model, **config)`` (``--set key=value``)."""
+    host: str = "127.0.0.1"
+    """Address to listen on (loopback unless told otherwise)."""
+    port: int = attrs.field(default=8000, validator=_port)
+    """Port to listen on; 0 picks a free one."""
+    api_key: str | None = attrs.field(default=None, validator=_api_key, repr=False)
+    """Bearer token required on ``/v1/*``, ``/tokenize`` and ``/detokenize`` (None: no authentication)."""
+    served_model_names: tuple[str, ...] = attrs.field(default=(), converter=tuple, validator=_names)
+    """Names clients may put in ``model``; the first is the one reported (empty: ``model`` itself)."""
+    max_waiting_requests: int = attrs.field(default=DEFAULT_MAX_WAITING_REQUESTS, validator=_non_negative_int)
+    """Requests that may wait beyond what the engine runs at once; more get 503 with Retry-After."""
+    max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive_int)
+    """Largest request body; a larger one gets 413."""
+    grace_period_s: float = attrs.field(default=DEFAULT_GRACE_PERIOD_S, validator=_grace)
+    """Seconds in-flight requests may run on after a shutdown signal before they are aborted."""
+    chat_template: str | None = None
+    """A Jinja chat template used instead of the tokenizer's."""
+    trust_request_chat_template: bool = False
+    """Let requests bring their own ``chat_template`` (off: such requests get 400, as in vLLM)."""
+    log_level: str = attrs.field(default="warning", validator=_log_level)
+    """Server log verbosity."""
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """The names a request's ``model`` may take (the first is reported)."""
+        return self.served_model_names or (self.model,)
+
+    @property
+    def model_name(self) -> str:
+        """The name responses report."""
+        return self.model_names[0]

@@ -1,0 +1,174 @@
+"""What every handler sees: the settings, the server's phase, the served model and its engine.
+
+The phase moves ``loading`` → ``ready`` → ``stopping`` (or ``loading`` → ``failed``); a fatal
+engine error keeps the phase but makes the engine report itself dead. Handlers only read this
+state; the model owner thread and the shutdown sequence change it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from ..engine.loop import LoopSnapshot
+from ..sampling.params import SamplingParams
+from .async_engine import RETRY_AFTER_S, AsyncEngine, EngineStopped, Generation, Overloaded, PromptRejected
+from .errors import APIError, bad_request, leading_field
+from .metrics import ServerMetrics
+from .responses import now
+from .sampling import PASSED_THROUGH
+from .settings import ServeSettings
+
+LOADING_RETRY_AFTER_S = 5
+"""What ``Retry-After`` tells clients while the model loads."""
+
+
+@attrs.frozen
+class ServedModel:
+    """The loaded model as the handlers use it."""
+
+    llm: Any
+    """The :class:`~modelrunner.LLM` (its engine belongs to the engine loop)."""
+    tokenizer: Any
+    """The checkpoint's tokenizer."""
+    max_model_len: int
+    """Longest sequence (prompt + output)."""
+    root: str
+    """Where the checkpoint lives (``/v1/models``' ``root``)."""
+    defaults: dict[str, Any]
+    """Sampling defaults from the checkpoint's ``generation_config.json``."""
+    image_token: str | None
+    """The text of the image placeholder token (None: the model takes no images)."""
+    created: int
+    """When it finished loading (seconds since the epoch)."""
+
+    @classmethod
+    def from_llm(cls, llm: Any) -> ServedModel:
+        """Describe a freshly loaded ``llm``."""
+        from ..llm import generation_defaults
+
+        runner = getattr(llm.runner, "runner", None)
+        source = getattr(runner, "source", None)
+        tokenizer = llm.get_tokenizer()
+        hf_config = getattr(llm.runner.loaded, "hf_config", None)
+        image_id = getattr(hf_config, "image_token_index", None)
+        if image_id is None:
+            image_id = getattr(hf_config, "image_token_id", None)
+        image_token = tokenizer.convert_ids_to_tokens(int(image_id)) if image_id is not None and tokenizer else None
+        return cls(llm=llm, tokenizer=tokenizer, max_model_len=llm.engine.max_model_len,
+                   root=str(source.path) if source is not None else str(llm.engine.config.model.model),
+                   defaults=generation_defaults(source), image_token=image_token, created=now())
+
+
+class ServerState:
+    """The server's state, shared by the handlers (read) and the lifecycle code (written).
+
+    :param settings: what the server was asked to do.
+    """
+
+    def __init__(self, settings: ServeSettings) -> None:
+        self.settings = settings
+        self.phase = "loading"
+        """``loading``, ``ready``, ``failed`` or ``stopping``."""
+        self.detail: str | None = None
+        """Why the model failed to load."""
+        self.model: ServedModel | None = None
+        self.engine: AsyncEngine | None = None
+        self.metrics = ServerMetrics(settings.model_name, self._snapshot)
+        """The Prometheus metrics."""
+
+    def _snapshot(self) -> LoopSnapshot | None:
+        return self.engine.loop.snapshot if self.engine is not None else None
+
+    # -- lifecycle (written from the owner thread or the shutdown sequence) -----------------------
+
+    def set_ready(self, model: ServedModel, engine: AsyncEngine) -> None:
+        """The model is loaded and its engine loop runs."""
+        self.model, self.engine = model, engine
+        if self.phase == "loading":
+            self.phase = "ready"
+
+    def set_failed(self, message: str) -> None:
+        """The model could not be loaded."""
+        self.detail = message
+        self.phase = "failed"
+
+    def set_stopping(self) -> None:
+        """Shutdown began: new requests get 503."""
+        if self.phase in ("loading", "ready"):
+            self.phase = "stopping"
+
+    # -- what handlers call -----------------------------------------------------------------------
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """``GET /health``: 200 when requests can be served, 503 with the reason otherwise."""
+        if self.phase == "ready" and self.engine is not None:
+            if self.engine.loop.error is not None:
+                error = self.engine.loop.error
+                return 503, {"status": "error", "detail": f"the engine stopped after a fatal error: "
+                                                          f"{type(error).__name__}: {error}"}
+            return 200, {"status": "ok"}
+        detail = {"loading": "the model is loading", "stopping": "the server is shutting down",
+                  "failed": f"the model failed to load: {self.detail}"}[self.phase]
+        return 503, {"status": self.phase, "detail": detail}
+
+    def require_model(self) -> ServedModel:
+        """The served model, when requests can be served.
+
+        :raises APIError: 503 while loading or shutting down, 500 after a fatal engine error.
+        """
+        if self.phase == "loading":
+            raise APIError(503, "the model is still loading; retry shortly (GET /health answers 200 once ready)",
+                           code="model_loading", headers={"Retry-After": str(LOADING_RETRY_AFTER_S)})
+        if self.phase == "stopping":
+            raise APIError(503, "the server is shutting down", code="shutting_down")
+        if self.phase == "failed" or self.model is None or self.engine is None:
+            raise APIError(500, f"the model failed to load: {self.detail}", code="model_failed")
+        try:
+            self.engine.check_alive()
+        except EngineStopped as e:
+            raise APIError(500, str(e), code="engine_dead") from None
+        return self.model
+
+    def check_model_name(self, name: str | None) -> None:
+        """:raises APIError: 400 when ``name`` (a request's ``model``) is not served here."""
+        if name is not None and name not in self.settings.model_names:
+            served = ", ".join(repr(n) for n in self.settings.model_names)
+            raise bad_request(f"model {name!r} is not served here; accepted: {served} (or leave model out)",
+                              param="model", code="model_not_found")
+
+    async def generate(self, request_id: str, prompts: list[Any], params: SamplingParams,
+                       prompt_param: str) -> Generation:
+        """Submit ``prompts`` to the engine (see :meth:`AsyncEngine.generate`).
+
+        :param prompt_param: the request field the prompts came from (named by a prompt's error).
+        :raises APIError: 400 for a prompt the engine refuses, 503 (with Retry-After) when
+            overloaded, 500 when the engine is dead.
+        """
+        engine = self.engine
+        assert engine is not None  # require_model() came first
+        try:
+            return await engine.generate(request_id, prompts, params)
+        except Overloaded as e:
+            raise APIError(503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except EngineStopped as e:
+            raise APIError(500, str(e), code="engine_dead") from None
+        except PromptRejected as e:
+            raise engine_refusal(e, prompt_param, len(prompts)) from None
+
+
+def engine_refusal(error: PromptRejected, prompt_param: str, count: int) -> APIError:
+    """The 400 for a request the engine refused: the sampling field its message names, else the prompt."""
+    message = str(error)
+    if message.startswith("request '"):  # the engine names its own request id, which the client never saw
+        message = message.split("': ", 1)[-1]
+    field = leading_field(message)
+    if field in PASSED_THROUGH:
+        return bad_request(message, param=field)
+    param = f"{prompt_param}[{error.index}]" if count > 1 else prompt_param
+    code = "context_length_exceeded" if "max_model_len" in message else "invalid_value"
+    if not message.startswith(f"{param} "):
+        message = f"{param}: {message}"
+    return bad_request(message, param=param, code=code)
+
