@@ -1,0 +1,113 @@
+"""What a benchmark ran on: CPU, cores, threads, load, and the versions of everything involved."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import platform
+import shutil
+import subprocess
+import sys
+from typing import Any
+
+SPREAD_LIMIT = 0.10
+"""Repetitions spanning more than this fraction of their median make a run noisy."""
+
+
+def cpu_model() -> str:
+    """The CPU's model name, from ``/proc/cpuinfo``, else ``lscpu``, else :func:`platform.processor`."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
+    except OSError:
+        pass
+    if shutil.which("lscpu"):
+        try:
+            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name" and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity), else every logical core."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def load_average() -> list[float] | None:
+    """The 1, 5 and 15 minute load averages (None where the OS has none)."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except (AttributeError, OSError):
+        return None
+
+
+def torch_threads() -> int:
+    """Threads torch's CPU kernels use in this process."""
+    import torch
+
+    return torch.get_num_threads()
+
+
+def _version(distribution: str) -> str | None:
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict[str, str | None]:
+    """Versions of the modelrunner kernel, its main dependencies, Python and the OS kernel."""
+    return {
+        "modelrunner": _version("modelrunner"),
+        "torch": _version("torch"),
+        "transformers": _version("transformers"),
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+    }
+
+
+def plugins() -> list[dict[str, Any]]:
+    """Every plugin this process loads: name, distribution, version, and its error if it is broken."""
+    from ..plugins import get_plugins
+
+    return [{"name": i.name, "distribution": i.distribution, "version": i.version, "error": i.error}
+            for i in get_plugins().list()]
+
+
+def machine(threads: int | None) -> dict[str, Any]:
+    """The machine: CPU model, logical and usable cores, the threads the measurement used (None when
+    nothing was measured), platform."""
+    return {
+        "cpu_model": cpu_model(),
+        "logical_cores": os.cpu_count() or 1,
+        "usable_cores": usable_cores(),
+        "threads": threads,
+        "platform": platform.platform(),
+        "python_executable": sys.executable,
+    }
+
+
+def noise_reasons(load_before: list[float] | None, load_after: list[float] | None, threads: int,
+                  spreads: dict[str, float]) -> list[str]:
+    """Why a run's numbers are not to be trusted: a 1-minute load average above the threads in use
+    (other processes competed for the CPU), or a metric whose repetitions spread over
+    :data:`SPREAD_LIMIT` of their median. Empty when neither happened."""
+    reasons = []
+    for when, load in (("before", load_before), ("after", load_after)):
+        if load is not None and load[0] > threads:
+            reasons.append(f"load average {load[0]:.2f} {when} the run exceeds the {threads} thread(s) in use")
+    for name, value in spreads.items():
+        if value > SPREAD_LIMIT:
+            reasons.append(f"{name} spread {value:.1%} over the repetitions (limit {SPREAD_LIMIT:.0%})")
+    return reasons
