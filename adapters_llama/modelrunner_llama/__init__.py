@@ -36,7 +36,8 @@ ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the architectures this adapter loads."""
-    registry.architectures(*ARCHITECTURES)
+    registry.architectures(*ARCHITECTURES, tensor_parallel=True, pipeline_parallel=True, quantization=("*",),
+                           devices=("cpu", "cuda"), attention_backends=True)
 
 
 @hookimpl

@@ -38,7 +38,8 @@ INPUT_PROCESSOR = "input_processor"
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the architectures this adapter loads."""
-    registry.architectures(*ARCHITECTURES)
+    registry.architectures(*ARCHITECTURES, tensor_parallel=True, pipeline_parallel=False, quantization=("none",),
+                           devices=("cpu", "cuda"), attention_backends=True)
 
 
 @hookimpl

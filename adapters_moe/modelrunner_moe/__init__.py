@@ -50,7 +50,8 @@ RETURN_ROUTER_LOGITS = "return_router_logits"
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the architectures this adapter loads."""
-    registry.architectures(*ARCHITECTURES)
+    registry.architectures(*ARCHITECTURES, tensor_parallel=True, pipeline_parallel=True, quantization=("*",),
+                           devices=("cpu", "cuda"), attention_backends=True)
 
 
 @hookimpl

@@ -11,9 +11,10 @@ from typing import Any
 # A library logs; the application decides what is shown (the CLI shows it with MODELRUNNER_DEBUG=1).
 logging.getLogger("modelrunner").addHandler(logging.NullHandler())
 
-PLUGIN_API_VERSION = "1.0"
+PLUGIN_API_VERSION = "1.1"
 """The version of what plugins implement (hooks, base classes, the model contract); ``CHANGELOG.md``
-records every change to it."""
+records every change to it. A plugin states the range it was built for as a module attribute
+``PLUGIN_API = ">=1.0,<2"`` (a PEP 440 specifier); outside it, the plugin is listed as broken."""
 
 from .config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 from .errors import ModelRunnerError, ModelSourceError, PluginConflictError, PluginError, UnknownNameError

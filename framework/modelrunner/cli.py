@@ -37,6 +37,9 @@ def _parser() -> argparse.ArgumentParser:
     plugins.add_argument("--json", action="store_true", help="machine-readable output")
     plugins.add_argument("--check", action="store_true",
                          help="exit with status 1 when a plugin is broken or two plugins claim one name (for CI)")
+    plugins.add_argument("--matrix", action="store_true",
+                         help="what every name supports (devices, dtypes, sliding windows, prefix caching, parallelism, "
+                              "quantization), one table per kind")
     return parser
 
 
@@ -102,12 +105,31 @@ def _generate(args: argparse.Namespace) -> int:
         sys.stdout.flush()
     sys.stdout.write("\n")
     if args.stats:
-        stats = llm.memory_stats()
-        width = max(len(k) for k in stats)
-        for key, value in stats.items():
-            shown = f"{value:.4f}" if isinstance(value, float) else value
-            print(f"{key:<{width}}  {shown}", file=sys.stderr)
+        _print_stats(llm)
     return 0
+
+
+def _print_stats(llm: Any) -> None:
+    """KV-cache statistics, then the runner's (weights, quantization kernels, compile), to stderr."""
+    stats = dict(llm.memory_stats())
+    for section, values in llm.runner.stats().items():
+        if isinstance(values, dict):
+            stats.update(_flatten(values, section))
+    width = max(len(k) for k in stats)
+    for key, value in stats.items():
+        shown = f"{value:.4f}" if isinstance(value, float) else value
+        print(f"{key:<{width}}  {shown}", file=sys.stderr)
+
+
+def _flatten(values: dict, prefix: str) -> dict:
+    out: dict = {}
+    for key, value in values.items():
+        name = f"{prefix}.{key}"
+        if isinstance(value, dict) and value:
+            out.update(_flatten(value, name))
+        else:
+            out[name] = value
+    return out
 
 
 def _plugins(args: argparse.Namespace) -> int:
@@ -116,7 +138,12 @@ def _plugins(args: argparse.Namespace) -> int:
     plugins = get_plugins()
     infos = plugins.list()
     problems = plugins.problems()
-    if args.json:
+    if args.matrix:
+        from .capabilities import capability_matrix, format_matrix
+
+        matrix = capability_matrix(plugins)
+        print(json.dumps(matrix, indent=2) if args.json else format_matrix(matrix), end="" if not args.json else "\n")
+    elif args.json:
         print(json.dumps([i.as_dict() for i in infos], indent=2))
     else:
         for info in infos:
@@ -142,6 +169,8 @@ DEBUG_ENV = "MODELRUNNER_DEBUG"
 SUBCOMMANDS = {
     "serve": "modelrunner.serve.cli",
     "bench": "modelrunner.bench.cli",
+    "check": "modelrunner.conformance.cli",
+    "new-plugin": "modelrunner.scaffold.cli",
 }
 """Subcommands that live in their own module: each has ``add_parser(subparsers)`` and ``run(args) -> int``."""
 

@@ -208,8 +208,13 @@ def create_executor(config: RunnerConfig | dict[str, Any], plugins: Plugins | No
         return _join_torchrun(config, launch)
     # Resolve (and convert) the checkpoint and check the names before starting anything, so a bad
     # name costs no processes.
-    ModelRunner(config, plugins=plugins).check_config()
-    resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
+    runner = ModelRunner(config, plugins=plugins)
+    runner.check_config()
+    source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
+    try:
+        runner.check_supported(source, runner.choose_quantization(source))
+    finally:
+        source.release_weights()
     port = free_port()
     workers = WorkerProcesses.spawn(config, "127.0.0.1", port)
     try:

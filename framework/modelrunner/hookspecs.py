@@ -142,7 +142,7 @@ def parallelize(loaded: LoadedModel, parallel: ParallelState, loader: ModelLoade
 
 
 @hookspec(firstresult=True)
-def compile(name: str, loaded: LoadedModel, config: CompileConfig) -> Callable[..., Any] | None:
+def compile(name: str, loaded: LoadedModel, config: CompileConfig, model: Any = None) -> Callable[..., Any] | None:
     """Produce the callable the forward hook will run in place of ``loaded.model``.
 
     Called only on the plugin that registered the backend ``name``. To build on the kernel's eager
@@ -153,6 +153,8 @@ def compile(name: str, loaded: LoadedModel, config: CompileConfig) -> Callable[.
     :param name: the backend asked for (``compile_backend`` in the config, ``"eager"`` when off).
     :param loaded: the loaded (and parallelized) model.
     :param config: compile mode, cache directory and backend options.
+    :param model: deprecated (plugin API 1.1; goes in 2.0): ``loaded.runnable``, for implementations
+        of the older ``compile(model, config)`` form; they keep working with a ``DeprecationWarning``.
     :returns: a callable with the same signature as ``loaded.model``: ``(batch, kv_caches, **inputs)``.
 
     Stops at first non-None result.

@@ -32,6 +32,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-eager": "modelrunner.defaults.eager",
     "default-sdpa": "modelrunner.defaults.attention",
     "default-sampling": "modelrunner.defaults.sampling",
+    "default-quantization": "modelrunner.defaults.quantization",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 
@@ -57,10 +58,70 @@ class PluginInfo:
     """Names it registered, by kind (architectures, allocators, compile_backends, ...)."""
     error: str | None = None
     """Why it failed to load, when it did."""
+    api: str | None = None
+    """The plugin API range it declares (``PLUGIN_API``), if any."""
 
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return attrs.asdict(self)
+
+
+class PluginAPIError(PluginError):
+    """A plugin was built for a plugin API range this kernel is outside of."""
+
+
+def api_range(plugin: Any) -> str | None:
+    """The plugin API range a plugin module declares (``PLUGIN_API = ">=1.0,<2"``), or None."""
+    value = getattr(plugin, "PLUGIN_API", None)
+    if value is not None and not isinstance(value, str):
+        raise PluginAPIError(f"PLUGIN_API must be a version specifier string like '>=1.0,<2', got {value!r}")
+    return value
+
+
+def check_api(spec: str | None) -> None:
+    """Refuse a declared range that excludes this kernel's :data:`modelrunner.PLUGIN_API_VERSION`.
+
+    :raises PluginAPIError: naming both versions (or the malformed range).
+    """
+    if spec is None:
+        return
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    from . import PLUGIN_API_VERSION
+
+    try:
+        accepted = SpecifierSet(spec)
+    except InvalidSpecifier as e:
+        raise PluginAPIError(f"PLUGIN_API {spec!r} is not a version specifier (e.g. '>=1.0,<2'): {e}") from e
+    if PLUGIN_API_VERSION not in accepted:
+        raise PluginAPIError(f"built for plugin API {spec}, but this modelrunner provides plugin API "
+                             f"{PLUGIN_API_VERSION}")
+
+
+DEPRECATED_HOOK_ARGS: dict[str, dict[str, str]] = {
+    "compile": {"model": "take `loaded` and wrap `loaded.runnable` (the eager callable) instead of `model`; "
+                         "`model` goes in plugin API 2.0"},
+}
+"""hook → argument → migration, for hook arguments kept for one more minor version (the kernel
+still passes them; implementations taking them warn once)."""
+_warned: set[tuple[str, str, str]] = set()
+
+
+def warn_deprecated_hooks(pm: pluggy.PluginManager, plugin: Any, name: str) -> None:
+    """Warn once per (plugin, hook, argument) for implementations that take a deprecated argument."""
+    import warnings
+
+    for caller in pm.get_hookcallers(plugin) or []:
+        for impl in caller.get_hookimpls():
+            if impl.plugin is not plugin:
+                continue
+            for arg in impl.argnames:
+                migration = DEPRECATED_HOOK_ARGS.get(caller.name, {}).get(arg)
+                if migration is None or (name, caller.name, arg) in _warned:
+                    continue
+                _warned.add((name, caller.name, arg))
+                warnings.warn(f"plugin {name!r}: the {caller.name} hook's argument {arg!r} is deprecated: {migration}",
+                              DeprecationWarning, stacklevel=2)
 
 
 class _Manager(pluggy.PluginManager):
@@ -132,14 +193,18 @@ class Plugins:
                 continue  # the same entry point seen twice (e.g. duplicate metadata dirs)
             dist = ep.dist.name if ep.dist else "?"
             version = ep.dist.version if ep.dist else "?"
+            api = None
             try:
                 plugin = ep.load()
+                api = api_range(plugin)
+                check_api(api)
                 self.pm.register(plugin, name=ep.name)
+                warn_deprecated_hooks(self.pm, plugin, ep.name)
             except Exception as e:  # a broken plugin must not take the others down
                 self.broken[ep.name] = f"{type(e).__name__}: {e}"
-                self.infos[ep.name] = PluginInfo(ep.name, dist, version, error=self.broken[ep.name])
+                self.infos[ep.name] = PluginInfo(ep.name, dist, version, error=self.broken[ep.name], api=api)
                 continue
-            self.infos[ep.name] = PluginInfo(ep.name, dist, version)
+            self.infos[ep.name] = PluginInfo(ep.name, dist, version, api=api)
 
     def _collect_names(self) -> None:
         impls = self.pm.hook.register.get_hookimpls()
@@ -214,7 +279,8 @@ class Plugins:
         """The callable the compile backend ``name`` makes of ``loaded``."""
         owner = self.require("compile_backends", name)
         bare = split_choice(name)[1]
-        fn = self.call("compile", owner, name=bare, loaded=loaded, config=config)
+        fn = self.call("compile", owner, name=bare, loaded=loaded, config=config,
+                       model=getattr(loaded, "runnable", None))
         if fn is None:
             raise PluginError(f"plugin {owner!r} registered compile backend {bare!r} but its compile hook "
                               "returned None")

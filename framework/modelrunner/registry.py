@@ -22,6 +22,30 @@ CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods"
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""
 
+CAPABILITIES: dict[str, dict[str, Any]] = {
+    "architectures": {"tensor_parallel": None, "pipeline_parallel": None, "quantization": None, "devices": None,
+                      "attention_backends": None},
+    "compile_backends": {"devices": None, "tensor_parallel": None, "pipeline_parallel": None},
+    "allocators": {"prefix_caching": None},
+}
+"""What a name-kind plugin may declare about each name (``registry.architectures("X", tensor_parallel=True)``):
+capability → its value when undeclared (None: not declared, so nothing is refused for it).
+
+- ``tensor_parallel`` / ``pipeline_parallel``: runs with ``tensor_parallel_size`` / ``pipeline_parallel_size`` > 1.
+- ``quantization``: the quantization methods the adapter runs (``("*",)``: every method, because the
+  model is built from the kernel's layers; ``("none",)``: dense weights only).
+- ``devices``: device types (``"cpu"``, ``"cuda"``) it runs on.
+- ``attention_backends``: whether the adapter's layers run the configured attention backend
+  (``attention_backend`` applies; ``False`` for a model with its own attention, like transformers').
+- ``prefix_caching``: the allocator reuses cached prompt prefixes.
+"""
+CLASS_CAPABILITIES = {
+    "attention_backends": ("max_block_size", "supports_sliding_window", "dtypes"),
+    "quantization_methods": ("devices", "tensor_parallel"),
+    "logits_processors": ("builtin", "order"),
+}
+"""Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
+
 FALLBACK_ARCHITECTURE = "AutoModelForCausalLM"
 """The architecture name a generic adapter registers: its load hook is asked for any checkpoint whose
 architecture no plugin registered."""
@@ -60,6 +84,8 @@ class Registry:
     """kind → name → the plugins that declared it, in registration order."""
     classes: dict[tuple[str, str, str], type] = attrs.field(factory=dict)
     """``(kind, name, plugin)`` → the class a plugin declared for a class kind."""
+    declared: dict[tuple[str, str, str], dict[str, Any]] = attrs.field(factory=dict)
+    """``(kind, name, plugin)`` → the capabilities a plugin declared for a name kind."""
     current_plugin: str = "?"
     """The plugin whose ``register`` hook is running (set by the plugin manager)."""
 
@@ -82,20 +108,33 @@ class Registry:
             self._add(kind, getattr(cls, "name", None))
             self.classes[(kind, cls.name, self.current_plugin)] = cls
 
-    def architectures(self, *names: str) -> None:
-        """Declare model architectures (HF ``architectures`` entries) the plugin's load hook accepts."""
+    def _declare(self, kind: str, names: tuple[str, ...], capabilities: dict[str, Any]) -> None:
+        known = CAPABILITIES[kind]
+        unknown = sorted(set(capabilities) - set(known))
+        if unknown:
+            raise ValueError(f"plugin {self.current_plugin!r} declared unknown {kind} capability {unknown[0]!r}"
+                             f"{did_you_mean(unknown[0], known)} (known: {', '.join(known)})")
+        for key in ("quantization", "devices"):
+            if isinstance(capabilities.get(key), str):
+                capabilities[key] = (capabilities[key],)
         for name in names:
-            self._add("architectures", name)
+            self._add(kind, name)
+            self.declared[(kind, name, self.current_plugin)] = {**known, **capabilities}
 
-    def allocators(self, *names: str) -> None:
-        """Declare KV-cache allocator names the plugin's allocate hook answers."""
-        for name in names:
-            self._add("allocators", name)
+    def architectures(self, *names: str, **capabilities: Any) -> None:
+        """Declare model architectures (HF ``architectures`` entries) the plugin's load hook accepts,
+        with what the adapter supports (see :data:`CAPABILITIES`: ``tensor_parallel``,
+        ``pipeline_parallel``, ``quantization``, ``devices``, ``attention_backends``)."""
+        self._declare("architectures", names, capabilities)
 
-    def compile_backends(self, *names: str) -> None:
-        """Declare compile backend names the plugin's compile hook answers."""
-        for name in names:
-            self._add("compile_backends", name)
+    def allocators(self, *names: str, **capabilities: Any) -> None:
+        """Declare KV-cache allocator names the plugin's allocate hook answers (``prefix_caching=``)."""
+        self._declare("allocators", names, capabilities)
+
+    def compile_backends(self, *names: str, **capabilities: Any) -> None:
+        """Declare compile backend names the plugin's compile hook answers (``devices=``,
+        ``tensor_parallel=``, ``pipeline_parallel=``)."""
+        self._declare("compile_backends", names, capabilities)
 
     def attention_backends(self, *backends: type) -> None:
         """Declare paged-attention implementations (:class:`modelrunner.layers.AttentionBackend`
@@ -162,6 +201,13 @@ class Registry:
                 f"{what} {name!r} is provided by several installed plugins ({', '.join(map(repr, plugins))}); "
                 f"choose one{' with ' + how_to_choose if how_to_choose else ''} (install order never decides)")
         return plugins[0]
+
+    def capabilities(self, kind: str, name: str, plugin: str) -> dict[str, Any]:
+        """What ``plugin`` declared ``name`` of ``kind`` supports (None values: not declared)."""
+        if kind in CLASS_CAPABILITIES:
+            cls = self.classes[(kind, name, plugin)]
+            return {key: getattr(cls, key, None) for key in CLASS_CAPABILITIES[kind]}
+        return dict(self.declared.get((kind, name, plugin), CAPABILITIES[kind]))
 
     def get_class(self, kind: str, name: str, plugin: str) -> type:
         """The class ``plugin`` declared as ``name`` of a class kind."""

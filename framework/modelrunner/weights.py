@@ -18,6 +18,7 @@ from torch import nn
 
 from .errors import ModelRunnerError
 from .layers.linear import default_weight_loader
+from .quantization.blocks import GGMLBlocks
 
 INDEX_FILE = "model.safetensors.index.json"
 """The index of a sharded checkpoint (``weight_map``: tensor name → file)."""
@@ -126,7 +127,9 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
     device = torch.device(device)
 
     def empty(t: torch.Tensor) -> torch.Tensor:
-        return torch.empty(t.shape, device=device, dtype=dtype if t.is_floating_point() else t.dtype)
+        # Quantized storage (``keep_dtype``) keeps its own types: its float16 scales are not weights.
+        cast = t.is_floating_point() and not getattr(t, "keep_dtype", False)
+        return torch.empty(t.shape, device=device, dtype=dtype if cast else t.dtype)
 
     new_params: dict[int, nn.Parameter] = {}
     for module in model.modules():
@@ -194,7 +197,11 @@ def load_weights(
             unexpected.append(tensor_name)
             continue
         param = params[target]
-        if param.is_floating_point() and (not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES):
+        if isinstance(tensor, GGMLBlocks) and getattr(param, "quant_loader", None) is None:
+            tensor = tensor.dequantize(param.dtype)  # blocks carry their scales: exact, not a bare cast
+        if isinstance(tensor, GGMLBlocks):
+            pass  # quantized storage takes the blocks as they are
+        elif param.is_floating_point() and (not tensor.is_floating_point() or tensor.dtype in FP8_DTYPES):
             source = file_of(tensor_name) or where
             raise CheckpointError(
                 f"{source}: tensor {tensor_name!r} is stored as {str(tensor.dtype).removeprefix('torch.')}, a "
@@ -214,6 +221,8 @@ def load_weights(
 
     missing = []
     for param_name in params:
+        if getattr(params[param_name], "loaded_with", None):  # filled with a sibling (quantization scales)
+            continue
         got = loaded.get(param_name, set())
         parts = param_name.split(".")
         packed_name = next((p for p in packed if p in parts), None)

@@ -72,8 +72,8 @@ def bad_files(tmp_path_factory, tiny_llama_dir):
     ("heads", "heads/config.json: The hidden size (64) is not a multiple of the number of attention heads (5)"),
     ("string", "string/config.json: Field 'hidden_size' expected int, got str"),
     ("quantized", "quantized with 'awq' (quantization_config in config.json)"),
-    ("truncated", "truncated.gguf: not a readable GGUF checkpoint"),
-    ("empty", "empty.gguf: not a readable GGUF checkpoint"),
+    ("truncated", "truncated.gguf: tensor 'token_embd.weight' (Q8_0) ends at byte"),
+    ("empty", "empty.gguf: the file is empty, not a GGUF checkpoint"),
 ])
 def test_bad_checkpoints(bad_files, case, expected):
     line = _one_error(_cli("generate", "--model", str(bad_files[case]), "--set",

@@ -1,14 +1,26 @@
-"""``dense`` and weight prepacking: the packed path gives the unpacked results, the eager backend
-packs what the layers declare, reports it, and can be turned off."""
+"""``dense`` and weight planning: every path gives the plain results, a weight whose packed path wins
+is kept only packed (and unpacks exactly), choices are timed once and cached, the eager backend
+plans what the layers declare, reports it, and can be turned off or pinned to one path."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
 from modelrunner import LLM
 from modelrunner.layers import ColumnParallelLinear, ParallelLMHead, VocabParallelEmbedding
-from modelrunner.layers.dense import dense, onednn_usable, packed_weight, prepack_weights, unpack_weights
+from modelrunner.layers.dense import (
+    PATHS,
+    dense,
+    dense_plan,
+    onednn_usable,
+    packed_weight,
+    plan_summary,
+    prepack_weights,
+    unpack_weights,
+)
 from modelrunner.layers.fused_moe import FusedMoE
 
 pytestmark = pytest.mark.skipif(not onednn_usable(), reason="this torch build has no oneDNN linear")
@@ -24,23 +36,61 @@ def test_dense_on_packed_weights_equals_plain_linear(rows):
     assert (dense(x, w, b, packed=packed) - expected).abs().max().item() < 1e-4
 
 
-def test_prepack_packs_declared_weights_once_and_tied_weights_once():
+def _tied_model():
     torch.manual_seed(0)
     linear = ColumnParallelLinear(32, 48)
     embedding, head = VocabParallelEmbedding(100, 32), ParallelLMHead(100, 32)
     for p in (linear.weight, embedding.weight):
         torch.nn.init.normal_(p)
     head.tie(embedding)
-    model = torch.nn.ModuleList([linear, embedding, head])
+    return linear, embedding, head, torch.nn.ModuleList([linear, embedding, head])
+
+
+def test_packed_path_keeps_one_copy_and_unpacks_exactly():
+    linear, embedding, head, model = _tied_model()
+    plain = linear.weight.detach().clone()
     x = torch.randn(5, 32)
     before = (linear(x), head(x))
-    assert prepack_weights(model) == (48 * 32 + 100 * 32) * 4  # the tied weight counts once
+    assert prepack_weights(model, path="onednn_packed") == (48 * 32 + 100 * 32) * 4  # the tied weight counts once
     assert packed_weight(linear.weight) is not None and packed_weight(embedding.weight) is not None
-    after = (linear(x), head(x))
-    for a, b in zip(before, after):
+    # The linear weight is kept only packed; the tied one keeps its plain rows for the embedding lookup.
+    assert linear.weight.is_meta and tuple(linear.weight.shape) == (48, 32)
+    assert not embedding.weight.is_meta and head.weight is embedding.weight
+    assert plan_summary(model)["released_plain_bytes"] == 48 * 32 * 4
+    for a, b in zip(before, (linear(x), head(x))):
         assert (a - b).abs().max().item() < 1e-4
     unpack_weights(model)
+    assert torch.equal(linear.weight, plain) and linear.weight.weight_loader is not None
     assert packed_weight(linear.weight) is None and packed_weight(head.weight) is None
+
+
+@pytest.mark.parametrize("path", ["mkl", "onednn"])
+def test_unpacked_paths_keep_no_packed_copy(path):
+    linear, _, head, model = _tied_model()
+    x = torch.randn(20, 32)
+    before = linear(x)
+    assert prepack_weights(model, path=path) == 0
+    assert dense_plan(linear.weight).decode == path and not linear.weight.is_meta
+    assert (linear(x) - before).abs().max().item() < 1e-4
+
+
+def test_timed_plans_are_cached_and_never_hold_two_copies_of_an_unshared_weight(tmp_path):
+    linear, _, _, model = _tied_model()
+    x = torch.randn(3, 32)
+    before = linear(x)
+    total = prepack_weights(model, cache_dir=tmp_path)
+    cached = json.loads((tmp_path / "kernels.json").read_text())
+    (choices,) = cached.values()
+    assert {"dense:fp32:48x32:decode", "dense:fp32:48x32:batch"} <= set(choices)
+    plan = dense_plan(linear.weight)
+    assert plan.decode in PATHS and plan.batch in PATHS
+    uses_packed = "onednn_packed" in (plan.decode, plan.batch)
+    assert (plan.packed is not None) == uses_packed and (total > 0) == uses_packed
+    if plan.plain_released:  # one copy: then every input size takes the packed path
+        assert plan.decode == plan.batch == "onednn_packed" and linear.weight.is_meta
+    assert (linear(x) - before).abs().max().item() < 1e-4
+    with pytest.raises(ValueError, match="dense path must be 'auto' or one of mkl, onednn, onednn_packed, got 'blas'"):
+        prepack_weights(model, path="blas")
 
 
 def test_prepacked_experts_give_the_same_mixture():
@@ -50,25 +100,36 @@ def test_prepacked_experts_give_the_same_mixture():
     moe.w2_weight.weight_loader(moe.w2_weight, torch.randn(4, 32, 24) * 0.2)
     hidden, logits = torch.randn(9, 32), torch.randn(9, 4)
     expected = moe(hidden, logits)
-    assert prepack_weights(moe) == (4 * 48 * 32 + 4 * 32 * 24) * 4
-    assert len(packed_weight(moe.w13_weight)) == 4
+    assert prepack_weights(moe, path="onednn_packed") == (4 * 48 * 32 + 4 * 32 * 24) * 4
+    assert len(packed_weight(moe.w13_weight)) == 4 and moe.w13_weight.is_meta
+    assert (moe(hidden, logits) - expected).abs().max().item() < 1e-5
+    unpack_weights(moe)
     assert (moe(hidden, logits) - expected).abs().max().item() < 1e-5
 
 
-def test_eager_backend_prepacks_by_default_and_reports_it(tiny_llama_dir):
+def test_eager_backend_plans_by_default_and_reports_it(tiny_llama_dir):
     kw = dict(dtype="float32", device="cpu", kv_cache_memory=2**20, block_size=4)
-    on = LLM(str(tiny_llama_dir), **kw)
+    on = LLM(str(tiny_llama_dir), compile_options={"dense_path": "onednn_packed"}, **kw)
     off = LLM(str(tiny_llama_dir), compile_options={"prepack_weights": False}, **kw)
     packed = on.runner.stats()["compile"]
     assert packed["backend"] == "eager" and packed["prepacked_weight_bytes"] > 0
+    assert packed["dense"]["released_plain_bytes"] > 0
+    assert set(packed["dense"]["paths"].values()) == {"onednn_packed / onednn_packed"}
     assert off.runner.stats()["compile"]["prepacked_weight_bytes"] == 0
     ids = [5, 9, 14, 2, 7]
     assert (on.runner.forward(ids) - off.runner.forward(ids)).abs().max().item() < 1e-4
+    auto = LLM(str(tiny_llama_dir), **kw)
+    assert (auto.runner.forward(ids) - off.runner.forward(ids)).abs().max().item() < 1e-4
 
 
-def test_prepack_option_must_be_a_bool(tiny_llama_dir):
-    with pytest.raises(ValueError, match=r"'prepack_weights' must be true or false, got 'yes'"):
-        LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=2**20, compile_options={"prepack_weights": "yes"})
+@pytest.mark.parametrize("options, message", [
+    ({"prepack_weights": "yes"}, r"'prepack_weights' must be true or false, got 'yes'"),
+    ({"dense_path": "blas"}, r"'dense_path' must be 'auto' or one of mkl, onednn, onednn_packed, got 'blas'"),
+    ({"prepack": True}, r"the eager backend has no option 'prepack' \(options: prepack_weights, dense_path\)"),
+])
+def test_eager_options_are_checked(tiny_llama_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=2**20, compile_options=options)
 
 
 @pytest.mark.parametrize("onednn", [True, False])

@@ -1,10 +1,10 @@
 """The ``eager`` compile backend: run the model as it is, with its linear weights prepacked.
 
-Nothing is traced or compiled. On CPU with float32 weights the backend attaches a oneDNN-packed
-copy to every weight the model's layers declare in ``DENSE_WEIGHTS`` (see
-:func:`modelrunner.layers.dense.prepack_weights`): faster matmuls at decode batch sizes,
-for one extra copy of those weights' memory. Turn it off with the backend option
-``compile_options={"prepack_weights": False}``.
+Nothing is traced or compiled. On CPU with float32 weights the backend times the matmul paths
+(MKL, oneDNN, oneDNN on a prepacked weight) for each weight shape the model's layers declare in
+``DENSE_WEIGHTS`` and keeps the fastest (see :func:`modelrunner.layers.dense.prepack_weights`); a
+weight whose packed path wins is kept only packed. Options: ``prepack_weights`` (default true;
+false leaves every weight as loaded), ``dense_path`` (``auto``, or one path for every weight).
 """
 
 from __future__ import annotations
@@ -12,10 +12,13 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from ..hookspecs import hookimpl
-from ..layers.dense import prepack_weights
+from ..layers.dense import PATHS, plan_summary, prepack_weights
 
 PREPACK_OPTION = "prepack_weights"
-"""The ``compile_options`` key that turns weight prepacking on (default) or off."""
+"""The ``compile_options`` key that turns weight planning and prepacking on (default) or off."""
+PATH_OPTION = "dense_path"
+"""The ``compile_options`` key that picks the float32 matmul path: ``auto`` (timed per shape,
+default), ``mkl``, ``onednn`` or ``onednn_packed`` (every weight)."""
 
 
 class EagerModel:
@@ -35,14 +38,18 @@ class EagerModel:
         return self.model(*args, **kwargs)
 
     def stats(self) -> dict[str, Any]:
-        """``{"backend": "eager", "prepacked_weight_bytes": ...}`` for ``ModelRunner.stats()["compile"]``."""
-        return {"backend": "eager", "prepacked_weight_bytes": self.prepacked_bytes}
+        """``{"backend": "eager", "prepacked_weight_bytes": ..., "dense": {"paths": {shape: "decode / batch"},
+        "released_plain_bytes": ...}}`` for ``ModelRunner.stats()["compile"]``."""
+        out: dict[str, Any] = {"backend": "eager", "prepacked_weight_bytes": self.prepacked_bytes}
+        if hasattr(self.model, "modules"):
+            out["dense"] = plan_summary(self.model)
+        return out
 
 
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the ``eager`` backend."""
-    registry.compile_backends("eager")
+    registry.compile_backends("eager", devices=("cpu", "cuda"), tensor_parallel=True, pipeline_parallel=True)
 
 
 def eager_model(loaded: Any, options: dict[str, Any] | None = None) -> EagerModel:
@@ -50,14 +57,21 @@ def eager_model(loaded: Any, options: dict[str, Any] | None = None) -> EagerMode
     unless ``options["prepack_weights"]`` is False. A compile backend that only wraps the model (to
     count, trace or time calls) builds on this to keep the prepacked weights.
 
-    :raises ValueError: ``prepack_weights`` is not a bool.
+    :raises ValueError: ``prepack_weights`` is not a bool, or ``dense_path`` not a path.
     """
     options = options or {}
+    unknown = sorted(set(options) - {PREPACK_OPTION, PATH_OPTION})
+    if unknown:
+        raise ValueError(f"the eager backend has no option {unknown[0]!r} (options: {PREPACK_OPTION}, {PATH_OPTION})")
     prepack = options.get(PREPACK_OPTION, True)
     if not isinstance(prepack, bool):
         raise ValueError(f"compile option {PREPACK_OPTION!r} must be true or false, got {prepack!r}")
+    path = options.get(PATH_OPTION, "auto")
+    if path != "auto" and path not in PATHS:
+        raise ValueError(f"compile option {PATH_OPTION!r} must be 'auto' or one of {', '.join(PATHS)}, got {path!r}")
     model = loaded.model
-    return EagerModel(model, prepack_weights(model) if prepack and hasattr(model, "modules") else 0)
+    packed = prepack_weights(model, path=path) if prepack and hasattr(model, "modules") else 0
+    return EagerModel(model, packed)
 
 
 @hookimpl

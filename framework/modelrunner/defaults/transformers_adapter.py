@@ -19,7 +19,8 @@ from ..registry import FALLBACK_ARCHITECTURE
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the fallback architecture: the kernel asks this adapter for any architecture no plugin registered."""
-    registry.architectures(FALLBACK_ARCHITECTURE)
+    registry.architectures(FALLBACK_ARCHITECTURE, tensor_parallel=False, pipeline_parallel=False,
+                           quantization=("none",), devices=("cpu", "cuda"), attention_backends=False)
 
 
 @hookimpl
@@ -33,7 +34,7 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> 
     if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not config.model.trust_remote_code:
         return None
     model = AutoModelForCausalLM.from_pretrained(
-        str(source.path), dtype=dtype, trust_remote_code=config.model.trust_remote_code
+        str(source.directory), dtype=dtype, trust_remote_code=config.model.trust_remote_code
     ).to(device)
     model.eval()
     return LoadedModel(

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 @hookimpl
 def register(registry: Registry) -> None:
     """Declare the ``paged`` allocator."""
-    registry.allocators(PagedBlockAllocator.name)
+    registry.allocators(PagedBlockAllocator.name, prefix_caching=True)
 
 
 @hookimpl

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 from collections.abc import Sequence
 
 import torch
@@ -81,9 +83,18 @@ def allocate_kv_caches(spec: KVCacheSpec, num_blocks: int, device: torch.device 
     """The whole KV cache as one zeroed tensor, returned as one view per layer.
 
     Each view is ``[2, num_blocks, block_size, kv_heads, head_dim]`` (``spec.layer_shape``); the
-    tensor is allocated once here and never grown.
+    tensor is allocated once here and never grown. On the CPU it is an anonymous memory map: its
+    pages are zero and become resident only as blocks are written, so a large budget costs address
+    space, not memory, until the run uses it.
     """
-    cache = torch.zeros((spec.num_layers, *spec.layer_shape(num_blocks)), dtype=spec.dtype, device=device)
+    shape = (spec.num_layers, *spec.layer_shape(num_blocks))
+    device = torch.device(device)
+    nbytes = math.prod(shape) * spec.dtype.itemsize
+    if device.type == "cpu" and nbytes > 0:
+        pages = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        cache = torch.frombuffer(pages, dtype=spec.dtype).view(shape)
+    else:
+        cache = torch.zeros(shape, dtype=spec.dtype, device=device)
     return list(cache.unbind(0))
 
 

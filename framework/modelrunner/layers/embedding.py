@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .dense import dense
-from .linear import all_gather_last_dim
+from .linear import Placement, all_gather_last_dim, place
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -42,28 +42,38 @@ class VocabParallelEmbedding(nn.Module):
         """One past the last real vocabulary row held by this rank."""
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.quant_scheme: Any = None
+        """How a quantization method stores this table (and multiplies it, as an LM head); None: floats."""
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """Copy this rank's vocabulary rows of the full checkpoint table; padding rows become zero."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not packed; got shard {shard_id!r}")
-        full = (self.num_embeddings, self.embedding_dim)
-        if tuple(loaded_weight.shape) != full:
-            raise ValueError(f"expected shape {list(full)}, got {list(loaded_weight.shape)}")
         rows = self.vocab_end - self.vocab_start
+        place(param, loaded_weight, Placement((self.num_embeddings, self.embedding_dim),
+                                              src=(0, self.vocab_start, rows), dst=(0, rows)))
+        padding = [param] + [getattr(self, name, None) for name in ("weight_scales", "weight_mins")
+                             if getattr(param, "quant_loader", None) is not None]
         with torch.no_grad():
-            param.data.narrow(0, 0, rows).copy_(loaded_weight.narrow(0, self.vocab_start, rows))
-            param.data.narrow(0, rows, param.shape[0] - rows).zero_()
+            for tensor in padding:
+                if tensor is not None:
+                    tensor.data.narrow(0, rows, tensor.shape[0] - rows).zero_()
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of this rank's table (dequantized when the table is quantized)."""
+        if self.quant_scheme is not None:
+            return self.quant_scheme.embed(self, ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Embeddings ``[..., embedding_dim]`` of ``input_ids`` (summed across ranks when split)."""
         if self.tp_size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         import torch.distributed as dist
 
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local = (input_ids - self.vocab_start).masked_fill(outside, 0)
-        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        out = self.lookup(local).masked_fill(outside.unsqueeze(-1), 0.0)
         dist.all_reduce(out, group=self.tp_group)
         return out
 
@@ -105,7 +115,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """Logits ``[tokens, num_embeddings]`` (every rank returns all of them when split)."""
-        logits = dense(hidden_states, self.weight, self.bias)
+        scheme = self.quant_scheme
+        logits = dense(hidden_states, self.weight, self.bias) if scheme is None else \
+            scheme.apply(self, hidden_states, self.bias)
         if self.tp_size > 1:
             logits = all_gather_last_dim(logits, self.tp_size, self.tp_group)
         if logits.shape[-1] != self.num_embeddings:

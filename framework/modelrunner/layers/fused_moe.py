@@ -29,8 +29,8 @@ import torch
 from torch import nn
 
 from .activation import SiluAndMul
-from .dense import dense, packed_weight
-from .linear import copy_checked
+from .dense import dense, dense_plan
+from .linear import copy_checked, logical_shape
 from .moe_router import check_top_k, select_experts
 
 EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
@@ -54,6 +54,7 @@ def fused_experts(
     expert_start: int = 0,
     expert_counts: list[int] | None = None,
     packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
+    quantized: Any = None,
 ) -> torch.Tensor:
     """``Σ_k weight_k · expert_{id_k}(x)`` for every token, over the experts held in ``w13``/``w2``.
 
@@ -68,10 +69,13 @@ def fused_experts(
         when the caller already counted them.
     :param packed: each local expert's ``w13`` and ``w2`` matrices prepacked for oneDNN (see
         :func:`~modelrunner.layers.dense.prepack_weights`), to use in place of ``w13``/``w2``.
+    :param quantized: the layer's :class:`~modelrunner.quantization.experts.QuantizedExperts` when its
+        stacks are quantized (``w13``/``w2`` are then its storage, multiplied through it).
     :returns: ``[num_tokens, hidden]`` in ``hidden``'s dtype.
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
+    plan13, plan2 = dense_plan(w13), dense_plan(w2)
     flat_ids = topk_ids.reshape(-1)
     # Stable, so each expert's slice keeps token order (deterministic results).
     order = torch.argsort(flat_ids, stable=True)
@@ -85,14 +89,21 @@ def fused_experts(
     x = hidden.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
     out = torch.empty_like(x)
     act = SiluAndMul()
-    packed13, packed2 = packed if packed is not None else ([None] * num_local, [None] * num_local)
+    packed13, packed2 = packed if packed is not None else (
+        plan13.packed if plan13 is not None else None, plan2.packed if plan2 is not None else None)
+    packed13 = packed13 if packed13 is not None else [None] * num_local
+    packed2 = packed2 if packed2 is not None else [None] * num_local
     start = 0
     for expert, count in enumerate(local_counts):
         if count == 0:
             continue
         end = start + count
-        up = dense(x[start:end], w13[expert], packed=packed13[expert])
-        out[start:end] = dense(act(up), w2[expert], packed=packed2[expert])
+        if quantized is not None:
+            up = quantized.matmul("w13_weight", expert, x[start:end])
+            out[start:end] = quantized.matmul("w2_weight", expert, act(up))
+        else:
+            up = dense(x[start:end], w13[expert], packed=packed13[expert], plan=plan13)
+            out[start:end] = dense(act(up), w2[expert], packed=packed2[expert], plan=plan2)
         start = end
     # Back to (token, slot) order — a gather, with another rank's slots reading a zero row — then
     # the weighted sum over each token's slots, as transformers sums them.
@@ -162,6 +173,9 @@ class FusedMoE(nn.Module):
         self.register_buffer("expert_token_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
         self.last_expert_token_counts: list[int] = [0] * num_experts
         """Token assignments per expert (all experts, every rank) in the last forward."""
+        self.quant_scheme: Any = None
+        """How a quantization method stores and multiplies the experts (None: float stacks; see
+        :class:`~modelrunner.quantization.experts.QuantizedExperts`)."""
 
     @staticmethod
     def packed_modules_mapping(num_experts: int) -> dict[str, list[str]]:
@@ -179,11 +193,11 @@ class FusedMoE(nn.Module):
     def _load(self, which: str, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         inter, hidden = self.intermediate_size, self.hidden_size
         if shard_id is None:  # the fused 3-D tensor of every expert
-            full = (self.num_experts, *param.shape[1:])
+            full = (self.num_experts, *logical_shape(param)[1:])
             if tuple(loaded_weight.shape) != full:
                 raise ValueError(f"expected shape {list(full)}, got {list(loaded_weight.shape)}")
-            with torch.no_grad():
-                param.data.copy_(loaded_weight.narrow(0, self.expert_start, self.num_local_experts))
+            for local in range(self.num_local_experts):
+                self._put(param, loaded_weight[self.expert_start + local], lambda t, e=local: t[e])
             return
         per_expert = 2 if which == "w13" else 1
         if isinstance(shard_id, bool) or not isinstance(shard_id, int) \
@@ -196,9 +210,21 @@ class FusedMoE(nn.Module):
         local = expert - self.expert_start
         if not 0 <= local < self.num_local_experts:
             return  # another rank's expert
-        dst = param.data[local] if which == "w2" else param.data[local].narrow(0, part * inter, inter)
+        if which == "w2":
+            self._put(param, loaded_weight, lambda t: t[local])
+        else:
+            self._put(param, loaded_weight, lambda t: t[local].narrow(0, part * inter, inter))
+
+    @staticmethod
+    def _put(param: nn.Parameter, src: torch.Tensor, select: Any) -> None:
+        """Copy one expert matrix into the part of ``param`` that ``select`` picks (or quantize it there,
+        through the storage's ``quant_loader``)."""
+        quant_loader = getattr(param, "quant_loader", None)
+        if quant_loader is not None:
+            quant_loader(param, src, select)
+            return
         with torch.no_grad():
-            copy_checked(dst, loaded_weight)
+            copy_checked(select(param.data), src)
 
     def forward(self, hidden: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
         """``[tokens, hidden]`` and the router's ``[tokens, num_experts]`` logits → ``[tokens, hidden]``."""
@@ -208,9 +234,8 @@ class FusedMoE(nn.Module):
         counts = torch.bincount(topk_ids.reshape(-1), minlength=self.num_experts)
         self.expert_token_counts += counts
         self.last_expert_token_counts = counts.tolist()
-        p13, p2 = packed_weight(self.w13_weight), packed_weight(self.w2_weight)
         out = fused_experts(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids, self.expert_start,
-                            self.last_expert_token_counts, None if p13 is None or p2 is None else (p13, p2))
+                            self.last_expert_token_counts, quantized=self.quant_scheme)
         if self.tp_size > 1 and self.reduce_results:
             import torch.distributed as dist
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import attrs
 import torch
 from torch import nn
 
@@ -38,12 +39,54 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, expected_shape: Sequence[
     dst.copy_(src)
 
 
+@attrs.frozen
+class Placement:
+    """Where this rank's part of a full checkpoint tensor goes in a parameter.
+
+    Layers describe their sharding this way once, so the same rule loads float weights and, through a
+    quantization method's ``quant_loader``, quantized blocks (which narrow along rows and whole blocks).
+    """
+
+    full_shape: tuple[int, ...]
+    """The shape the whole checkpoint tensor must have."""
+    src: tuple[int, int, int] | None = None
+    """``(dim, start, length)`` of the checkpoint tensor this rank takes; None: all of it."""
+    dst: tuple[int, int] | None = None
+    """``(start, length)`` rows of the parameter it fills; None: all of it."""
+
+
+def place(param: torch.Tensor, loaded_weight: Any, placement: Placement) -> None:
+    """Copy ``placement``'s part of ``loaded_weight`` into ``param`` (or hand the whole tensor, with
+    the part to take, to the parameter's ``quant_loader(param, tensor, dst, src)``, which a
+    quantization method installs on quantized storage).
+
+    :raises ValueError: the checkpoint tensor does not have ``placement.full_shape``.
+    """
+    if tuple(loaded_weight.shape) != tuple(placement.full_shape):
+        raise ValueError(f"expected shape {list(placement.full_shape)}, got {list(loaded_weight.shape)}")
+    quant_loader = getattr(param, "quant_loader", None)
+    if quant_loader is not None:
+        # The whole tensor goes: quantization groups are formed over it, then narrowed (so a split
+        # layer quantizes exactly as the unsplit one).
+        quant_loader(param, loaded_weight, placement.dst, placement.src)
+        return
+    src = loaded_weight if placement.src is None else loaded_weight.narrow(*placement.src)
+    dst = param.data if placement.dst is None else param.data.narrow(0, *placement.dst)
+    with torch.no_grad():
+        dst.copy_(src)
+
+
 def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
     """Load a replicated parameter: the checkpoint tensor must match it exactly."""
     if shard_id is not None:
         raise ValueError(f"parameter is not packed; got shard {shard_id!r}")
-    with torch.no_grad():
-        copy_checked(param.data, loaded_weight)
+    place(param, loaded_weight, Placement(logical_shape(param)))
+
+
+def logical_shape(param: torch.Tensor) -> tuple[int, ...]:
+    """The shape a parameter stands for: its own, or the float shape a quantized storage replaces
+    (``param.logical_shape``, set by the quantization method)."""
+    return tuple(getattr(param, "logical_shape", param.shape))
 
 
 def _new_param(shape: Sequence[int], loader: Any) -> nn.Parameter:
@@ -80,9 +123,18 @@ class LinearBase(nn.Module):
         """Size of the tensor-parallel group."""
         self.tp_group = tp_group
         """The torch.distributed group collectives run on (None: the default group)."""
+        self.quant_scheme: Any = None
+        """How a quantization method stores and multiplies this layer's weight (None: dense floats)."""
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x Wᵀ + bias`` with this rank's weight: the quantization scheme's kernel, else :func:`dense`."""
+        if self.quant_scheme is not None:
+            return self.quant_scheme.apply(self, x, bias)
+        return dense(x, self.weight, bias)
 
     def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}"
+        quant = f", quant={self.quant_scheme}" if self.quant_scheme is not None else ""
+        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}{quant}"
 
 
 class ReplicatedLinear(LinearBase):
@@ -95,7 +147,7 @@ class ReplicatedLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ + b``."""
-        return dense(x, self.weight, self.bias)
+        return self.matmul(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -116,18 +168,18 @@ class ColumnParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """Copy this rank's rows of the full checkpoint weight (or bias)."""
+        place(param, loaded_weight, self.placement(param, shard_id))
+
+    def placement(self, param: nn.Parameter, shard_id: Any = None) -> Placement:
+        """This rank's rows of the full checkpoint weight (or bias)."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not packed; got shard {shard_id!r}")
-        full = (self.output_size, *param.shape[1:])
         size = self.output_size_per_partition
-        if tuple(loaded_weight.shape) != full:
-            raise ValueError(f"expected shape {list(full)}, got {list(loaded_weight.shape)}")
-        with torch.no_grad():
-            param.data.copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        return Placement((self.output_size, *logical_shape(param)[1:]), src=(0, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's output features (all of them with ``gather_output``)."""
-        y = dense(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         if self.gather_output and self.tp_size > 1:
             y = all_gather_last_dim(y, self.tp_size, self.tp_group)
         return y
@@ -148,17 +200,14 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         for i, size in enumerate(self.output_sizes):
             _divide(size, self.tp_size, f"{type(self).__name__} output {i}")
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        """Copy this rank's rows of packed projection ``shard_id`` into its place in the fused parameter."""
+    def placement(self, param: nn.Parameter, shard_id: Any = None) -> Placement:
+        """This rank's rows of packed projection ``shard_id``, at their place in the fused parameter."""
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index below {len(self.output_sizes)}, got {shard_id!r}")
         full = self.output_sizes[shard_id]
-        if tuple(loaded_weight.shape) != (full, *param.shape[1:]):
-            raise ValueError(f"expected shape {[full, *param.shape[1:]]}, got {list(loaded_weight.shape)}")
         size = full // self.tp_size
         offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        with torch.no_grad():
-            param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, self.tp_rank * size, size))
+        return Placement((full, *logical_shape(param)[1:]), src=(0, self.tp_rank * size, size), dst=(offset, size))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -197,8 +246,8 @@ class QKVParallelLinear(ColumnParallelLinear):
         output_size = (total_num_heads + 2 * max(total_num_kv_heads, tp_size)) * head_dim
         super().__init__(hidden_size, output_size, bias, **tp)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
-        """Copy this rank's heads of the ``q``, ``k`` or ``v`` checkpoint projection into the fused parameter."""
+    def placement(self, param: nn.Parameter, shard_id: Any = None) -> Placement:
+        """This rank's heads of the ``q``, ``k`` or ``v`` checkpoint projection, at their place in the fused parameter."""
         if isinstance(shard_id, int) and 0 <= shard_id < 3:
             shard_id = self.SHARDS[shard_id]
         if shard_id == "q":
@@ -210,11 +259,8 @@ class QKVParallelLinear(ColumnParallelLinear):
             rank = self.tp_rank // replicas
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        full = (full_heads * self.head_dim, *param.shape[1:])
-        if tuple(loaded_weight.shape) != full:
-            raise ValueError(f"expected shape {list(full)}, got {list(loaded_weight.shape)}")
-        with torch.no_grad():
-            param.data.narrow(0, offset, size).copy_(loaded_weight.narrow(0, rank * size, size))
+        full = (full_heads * self.head_dim, *logical_shape(param)[1:])
+        return Placement(full, src=(0, rank * size, size), dst=(offset, size))
 
 
 class RowParallelLinear(LinearBase):
@@ -238,20 +284,20 @@ class RowParallelLinear(LinearBase):
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """Copy this rank's columns of the full checkpoint weight."""
+        place(param, loaded_weight, self.placement(param, shard_id))
+
+    def placement(self, param: nn.Parameter, shard_id: Any = None) -> Placement:
+        """This rank's columns of the full checkpoint weight."""
         if shard_id is not None:
             raise ValueError(f"{type(self).__name__} is not packed; got shard {shard_id!r}")
-        full = (self.output_size, self.input_size)
-        if tuple(loaded_weight.shape) != full:
-            raise ValueError(f"expected shape {list(full)}, got {list(loaded_weight.shape)}")
         size = self.input_size_per_partition
-        with torch.no_grad():
-            param.data.copy_(loaded_weight.narrow(1, self.tp_rank * size, size))
+        return Placement((self.output_size, self.input_size), src=(1, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """The full output from this rank's input slice (partial products summed across ranks)."""
         if self.tp_size == 1:
-            return dense(x, self.weight, self.bias)
-        y = dense(x, self.weight)
+            return self.matmul(x, self.bias)
+        y = self.matmul(x, None)
         if self.reduce_results:
             import torch.distributed as dist
 

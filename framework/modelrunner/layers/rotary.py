@@ -7,6 +7,7 @@ token's position, so a flattened batch of sequences at different positions costs
 from __future__ import annotations
 
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -60,6 +61,10 @@ def _llama3_scaling(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Ten
     return torch.where(medium, smoothed, scaled)
 
 
+_TABLES: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+"""Shared cos/sin tables, alive while some module holds them."""
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates query and key heads by their token's position (the "neox" half-split layout of transformers).
 
@@ -87,12 +92,19 @@ class RotaryEmbedding(nn.Module):
         return cls(head_dim, max_position, rope_parameters(config))
 
     def reset_buffers(self) -> None:
-        """(Re)compute the cos/sin table in place: ``[max_position, head_dim]``, cos half then sin half."""
+        """(Re)compute the cos/sin table: ``[max_position, head_dim]``, cos half then sin half.
+
+        Every rotary embedding with the same settings on the same device shares one table (a model's
+        layers all have the same one: one copy, not one per layer)."""
         cache = self.cos_sin_cache
-        inv_freq = inverse_frequencies(self.head_dim, self.params).to(cache.device)
-        freqs = torch.arange(self.max_position, device=cache.device, dtype=torch.float32)[:, None] * inv_freq
-        with torch.no_grad():
-            cache.copy_(torch.cat((freqs.cos(), freqs.sin()), dim=-1))
+        key = (self.head_dim, self.max_position, repr(sorted(self.params.items())), str(cache.device), cache.dtype)
+        table = _TABLES.get(key)
+        if table is None:
+            inv_freq = inverse_frequencies(self.head_dim, self.params).to(cache.device)
+            freqs = torch.arange(self.max_position, device=cache.device, dtype=torch.float32)[:, None] * inv_freq
+            table = torch.cat((freqs.cos(), freqs.sin()), dim=-1).to(cache.dtype)
+            _TABLES[key] = table
+        self.cos_sin_cache = table
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[tokens, heads, head_dim]`` rotated by ``positions`` ``[tokens]`` (a new tensor)."""

@@ -42,26 +42,8 @@ class ModelLoader:
         """The longest sequence (prompt + output) the runner serves."""
 
     def adapter_for(self, source: Any, adapter: str | None = None) -> str:
-        """The plugin whose load hook builds ``source``: the one that registered its architecture
-        (``adapter`` picks one when several did), else a generic fallback adapter.
-
-        :raises UnknownNameError: nobody registered the architecture and no fallback is loaded.
-        :raises PluginConflictError: several installed plugins registered it and ``adapter`` is unset.
-        """
-        registry, broken = self.plugins.registry, self.plugins.broken
-        arch = source.architecture
-        owner = registry.owner("architectures", arch, adapter, how_to_choose="adapter=<plugin>") if arch else None
-        if owner is not None:
-            return owner
-        fallback = registry.owner("architectures", FALLBACK_ARCHITECTURE)
-        if fallback is None:
-            raise UnknownNameError(registry.unknown("architectures", arch or "(none in config.json)", broken))
-        if broken:
-            failures = "; ".join(f"{name}: {error}" for name, error in sorted(broken.items()))
-            warnings.warn(f"no loaded plugin registers architecture {arch!r}, so the slow generic adapter "
-                          f"{fallback!r} runs it; plugins that failed to load: {failures}", PluginWarning,
-                          stacklevel=3)
-        return fallback
+        """The plugin whose load hook builds ``source`` (see :func:`adapter_for`)."""
+        return adapter_for(self.plugins, source, adapter)
 
     def load(self, source: Any, adapter: str | None = None) -> LoadedModel:
         """Build and load ``source`` with this runner's settings; ``LoadedModel.adapter`` names the plugin.
@@ -105,3 +87,26 @@ class ModelLoader:
             return loaded
         result.adapter = loaded.adapter
         return result
+
+
+def adapter_for(plugins: Any, source: Any, adapter: str | None = None) -> str:
+    """The plugin whose load hook builds ``source``: the one that registered its architecture
+    (``adapter`` picks one when several did), else a generic fallback adapter.
+
+    :raises UnknownNameError: nobody registered the architecture and no fallback is loaded.
+    :raises PluginConflictError: several installed plugins registered it and ``adapter`` is unset.
+    """
+    registry, broken = plugins.registry, plugins.broken
+    arch = source.architecture
+    owner = registry.owner("architectures", arch, adapter, how_to_choose="adapter=<plugin>") if arch else None
+    if owner is not None:
+        return owner
+    fallback = registry.owner("architectures", FALLBACK_ARCHITECTURE)
+    if fallback is None:
+        raise UnknownNameError(registry.unknown("architectures", arch or "(none in config.json)", broken))
+    if broken:
+        failures = "; ".join(f"{name}: {error}" for name, error in sorted(broken.items()))
+        warnings.warn(f"no loaded plugin registers architecture {arch!r}, so the slow generic adapter "
+                      f"{fallback!r} runs it; plugins that failed to load: {failures}", PluginWarning,
+                      stacklevel=3)
+    return fallback

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,9 +13,6 @@ from ..layers.attention import Attention
 from ..loaded_model import LoadedModel
 from ..weights import load_weights, materialize
 from .stages import StageWeights
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-"""Any of these in the checkpoint directory means it ships a tokenizer."""
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 """``(name, tensor)`` pairs of a checkpoint."""
@@ -31,7 +27,9 @@ def build_and_load(factory: Callable[[], nn.Module], source: Any, device: torch.
     The factory runs under ``torch.device("meta")`` (no memory, no random init); the model is then
     materialised once on ``device`` in ``dtype``, and the checkpoint streamed into each parameter's
     ``weight_loader``. Under pipeline parallelism (a model whose ``parallel.pp_size`` > 1) other
-    stages' tensors are skipped.
+    stages' tensors are skipped. When ``source.quantization`` is set, that method gives the layers it
+    covers quantized storage before anything is allocated, and finishes them after loading — so an
+    adapter built on this function gets quantization without code of its own.
 
     :param source: the :class:`~modelrunner.source.ModelSource`; its ``iter_weights()`` (which honours
         ``weight_renames``) is read unless ``weights`` is given.
@@ -42,8 +40,12 @@ def build_and_load(factory: Callable[[], nn.Module], source: Any, device: torch.
     """
     with torch.device("meta"):
         model = factory()
+    method = getattr(source, "quantization", None)
+    if method is not None:
+        method.prepare(model, source)  # on meta: quantized storage replaces the float weights it covers
     materialize(model, device, dtype)
-    weights = source.iter_weights() if weights is None else weights
+    own_weights = weights is None
+    weights = source.iter_weights() if own_weights else weights
     parallel = getattr(model, "parallel", None)
     if parallel is not None and parallel.pp_size > 1:
         weights = StageWeights(weights, model)
@@ -52,6 +54,10 @@ def build_and_load(factory: Callable[[], nn.Module], source: Any, device: torch.
     load_weights(model, weights, packed_modules_mapping if packed_modules_mapping is not None
                  else getattr(model, "packed_modules_mapping", None),
                  ignore=ignore if ignore is not None else tuple(getattr(model, "ignored_weights", ())))
+    if own_weights and callable(getattr(source, "release_weights", None)):
+        source.release_weights()
+    if method is not None:
+        method.process_after_loading(model)
     return model.eval()
 
 
@@ -74,9 +80,7 @@ def kv_cache_spec_for(model: nn.Module, dtype: torch.dtype, block_size: int) -> 
 
 
 def load_tokenizer(source: Any) -> Any:
-    """The checkpoint's tokenizer, or None when its directory has no tokenizer files."""
-    if not any((Path(source.path) / name).is_file() for name in TOKENIZER_FILES):
-        return None
+    """The checkpoint's tokenizer, or None when it has none (:meth:`ModelSource.load_tokenizer`)."""
     return source.load_tokenizer()
 
 

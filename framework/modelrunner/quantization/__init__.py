@@ -1,5 +1,25 @@
-"""Quantized weights: what a checkpoint was quantized with, and the quantization-method plugin kind."""
+"""Quantized weights: the quantization-method plugin kind, the kernel's methods, GGUF blocks, and
+how a method is chosen for a checkpoint.
 
+A method covers a model's layers through :mod:`.base`; every quantized weight is kept in the planar
+layout of :mod:`.planar` and multiplied by the kernel :mod:`.kernels` timed fastest on this machine.
+"""
+
+from .base import QuantizationMethod, quantizable_layers, weight_bytes
+from .blocks import GGMLBlocks
 from .checkpoint import check_checkpoint_quantization, checkpoint_quant_method
+from .planar import PlanarScheme, dequantize_planar, quantize_planar
+from .select import select_quantization
 
-__all__ = ["check_checkpoint_quantization", "checkpoint_quant_method"]
+__all__ = [
+    "GGMLBlocks",
+    "PlanarScheme",
+    "QuantizationMethod",
+    "check_checkpoint_quantization",
+    "checkpoint_quant_method",
+    "dequantize_planar",
+    "quantizable_layers",
+    "quantize_planar",
+    "select_quantization",
+    "weight_bytes",
+]

@@ -18,7 +18,8 @@ from ..models.loader import ModelLoader
 from ..parallel_state import ParallelState
 from ..plugins import Plugins, get_plugins
 from ..runner import resolve_max_model_len
-from ..source import ModelSource, resolve_source
+from ..quantization import select_quantization
+from ..source import ModelSource, cache_root, resolve_source
 
 
 @attrs.define
@@ -62,7 +63,8 @@ def load_adapter(model: str | Path | ModelSource, config: RunnerConfig | dict[st
     that registered its architecture, parallelized, compiled by ``compile_backend`` — without sizing
     a KV cache (drive it with :class:`PagedDriver`).
 
-    :param config: the runner configuration (default: ``block_size=4`` for steps that cross blocks).
+    :param config: the runner configuration (default: ``block_size=4`` for steps that cross blocks);
+        its ``quantization`` (and ``quantization_options``) apply as in the runner.
     """
     plugins = plugins or get_plugins()
     if config is None:
@@ -70,6 +72,10 @@ def load_adapter(model: str | Path | ModelSource, config: RunnerConfig | dict[st
     elif isinstance(config, dict):
         config = RunnerConfig.from_dict(config)
     source = model if isinstance(model, ModelSource) else resolve_source(str(model))
+    if source.quantization is None:
+        method = select_quantization(config.model.quantization, config.model.quantization_options, source, plugins,
+                                     cache_root(config.model.cache_dir))
+        source = attrs.evolve(source, quantization=method)
     parallel = parallel or ParallelState()
     device = torch.device(device)
     backend = plugins.attention_backend(device, config.model.attention_backend)

@@ -39,7 +39,7 @@ OPTION_KEYS = ("inductor",)
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the ``aot`` compile backend."""
-    registry.compile_backends(BACKEND_NAME)
+    registry.compile_backends(BACKEND_NAME, devices=("cpu",))
 
 
 @hookimpl

@@ -27,7 +27,7 @@ BACKEND_NAME = "inductor"
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the ``inductor`` compile backend."""
-    registry.compile_backends(BACKEND_NAME)
+    registry.compile_backends(BACKEND_NAME, devices=("cpu", "cuda"), tensor_parallel=True, pipeline_parallel=True)
 
 
 @hookimpl

@@ -147,7 +147,7 @@ class ContiguousBlockAllocator(BlockAllocator):
 @hookimpl
 def register(registry: Registry) -> None:
     """Declare the ``contiguous`` allocator."""
-    registry.allocators(ContiguousBlockAllocator.name)
+    registry.allocators(ContiguousBlockAllocator.name, prefix_caching=False)
 
 
 @hookimpl

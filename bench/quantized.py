@@ -1,0 +1,263 @@
+"""Quantized weights on the default model: modelrunner against llama.cpp on the same GGUF file, and
+against modelrunner's own float32 path, every number measured in this run.
+
+- single stream: 128 new tokens after a short prompt, decode tokens/s, ours (``gguf``) ÷ llama.cpp;
+- prompt processing: one 256-token prompt to its first token, tokens/s, ours ÷ llama.cpp;
+- batch: 64 prompts × 64 new tokens, output tokens/s, ``gguf`` ÷ float32 and ``int8`` ÷ float32;
+- cold start: ``LLM(model="smollm2")`` to its first token in a fresh process with an empty
+  ``MODELRUNNER_CACHE_DIR`` (no converted files, no kernel timings; the quant-cpu C++ extension,
+  built once per install, is already built);
+- the weight-read bandwidth each single-stream decode reaches, against this machine's streaming rate.
+
+llama.cpp runs through ``llama-cpp-python`` (``make bench`` installs it; it builds from source), both
+with the same number of threads (2 unless ``--threads``). Repetitions alternate between the peers
+round by round so that drift on a shared machine hits both alike; medians are reported.
+
+    python bench/quantized.py            # the full benchmark (several minutes on 2 cores)
+    python bench/quantized.py --quick    # few tokens and rounds: to check that it runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+TARGETS = {"decode": 1.0, "prompt": 1.3, "batch gguf": 1.0, "batch int8": 1.3, "cold start s": 3.0}
+"""The issue's targets: ratios (≥) and the cold start (seconds, ≤)."""
+
+
+def stream_rate(threads: int, megabytes: int = 512, rounds: int = 7) -> float:
+    """This machine's streaming read rate in GB/s: a ``sum`` over a buffer far larger than the caches."""
+    x = torch.ones(megabytes * (1 << 20) // 4)
+    x.sum()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - start)
+    return x.numel() * 4 / statistics.median(times) / 1e9
+
+
+def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[int]]:
+    """``count`` seeded prompts of ``length`` token ids from the ordinary part of the vocabulary."""
+    rng = random.Random(seed)
+    return [[rng.randrange(200, vocab - 200) for _ in range(length)] for _ in range(count)]
+
+
+class Ours:
+    """modelrunner's ``LLM`` on the default model with one quantization method."""
+
+    def __init__(self, quantization: str | None) -> None:
+        from modelrunner import LLM, SamplingParams
+
+        self.label = quantization or "gguf (auto)"
+        settings = {} if quantization is None else {"quantization": quantization}
+        self.llm = LLM("smollm2", **settings)
+        self.params = SamplingParams
+        self.tokenizer = self.llm.get_tokenizer()
+        stats = self.llm.stats()
+        self.weight_bytes = int(stats["weights"]["resident_bytes"])
+        self.kernels = stats.get("quantization", {}).get("kernels") or stats.get("weights", {}).get("quantization")
+
+    def _run(self, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+        self.llm.reset_prefix_cache()
+        params = self.params(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        return self.llm.generate(prompts, params, use_tqdm=False)
+
+    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
+        """Decode tokens/s after the first token of one request."""
+        out = self._run([prompt], new_tokens)[0]
+        m = out.metrics
+        return (m.num_generated_tokens - 1) / (m.last_token_time - m.first_token_time)
+
+    def prompt_rate(self, prompt: list[int]) -> float:
+        """Prompt tokens/s from the call to the first token."""
+        start = time.perf_counter()
+        self._run([prompt], 1)
+        return len(prompt) / (time.perf_counter() - start)
+
+    def batch_rate(self, prompts: list[list[int]], new_tokens: int) -> float:
+        """Output tokens/s of all prompts together."""
+        start = time.perf_counter()
+        outs = self._run(prompts, new_tokens)
+        seconds = time.perf_counter() - start
+        return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
+
+
+class LlamaCpp:
+    """llama.cpp (``llama-cpp-python``) on the same GGUF file."""
+
+    label = "llama.cpp"
+
+    def __init__(self, path: str, threads: int) -> None:
+        from llama_cpp import Llama
+
+        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
+                         verbose=False)
+        self.weight_bytes = os.path.getsize(path)
+
+    def _tokens(self, prompt: list[int], count: int) -> list[float]:
+        """Times at which each of ``count`` greedy tokens arrived (the first after the prompt), from the start."""
+        self.llm.reset()
+        start = time.perf_counter()
+        times = []
+        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
+            times.append(time.perf_counter() - start)
+            if len(times) == count:
+                break
+        return times
+
+    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
+        times = self._tokens(prompt, new_tokens)
+        return (len(times) - 1) / (times[-1] - times[0])
+
+    def prompt_rate(self, prompt: list[int]) -> float:
+        return len(prompt) / self._tokens(prompt, 1)[0]
+
+
+def alternate(runs: dict[str, Any], rounds: int) -> dict[str, list[float]]:
+    """Run every ``label → callable`` once per round, in turn; the measured values per label."""
+    values: dict[str, list[float]] = {label: [] for label in runs}
+    for _ in range(rounds):
+        for label, run in runs.items():
+            values[label].append(run())
+    return values
+
+
+def summary(values: list[float]) -> str:
+    """Median and range of one peer's repetitions."""
+    return f"{statistics.median(values):8.1f}  ({min(values):.1f}–{max(values):.1f})"
+
+
+def ratio_line(name: str, ratio: float) -> str:
+    """A ratio with its target and whether it is met."""
+    target = TARGETS[name]
+    return f"   {name}: {ratio:.2f}×  (target ≥ {target:.1f}×: {'met' if ratio >= target else 'MISSED'})"
+
+
+COLD_START = textwrap.dedent("""
+    import time
+    start = time.perf_counter()
+    from modelrunner import LLM, SamplingParams
+    imported = time.perf_counter()
+    llm = LLM("smollm2")
+    loaded = time.perf_counter()
+    llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=1, temperature=0.0), use_tqdm=False)
+    done = time.perf_counter()
+    print(imported - start, loaded - imported, done - loaded)
+""")
+
+
+def cold_start(threads: int) -> tuple[float, float, float]:
+    """(import, ``LLM(...)``, first token) seconds of a fresh process with an empty cache directory."""
+    with tempfile.TemporaryDirectory(prefix="modelrunner-cold-") as cache:
+        env = {**os.environ, "MODELRUNNER_CACHE_DIR": cache, "OMP_NUM_THREADS": str(threads)}
+        result = subprocess.run([sys.executable, "-c", COLD_START], capture_output=True, text=True, env=env,
+                                timeout=600)
+    if result.returncode != 0:
+        raise RuntimeError(f"cold-start run failed: {result.stderr.strip().splitlines()[-1:]}")
+    imported, loaded, first = map(float, result.stdout.split()[-3:])
+    return imported, loaded, first
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="few tokens and rounds, to check that it runs")
+    parser.add_argument("--threads", type=int, default=2, help="threads for both peers (default 2)")
+    parser.add_argument("--rounds", type=int, default=None, help="repetitions per measurement")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    quick = args.quick
+    rounds = args.rounds or (2 if quick else 5)
+    new_single, prompt_len = (16, 64) if quick else (128, 256)
+    batch, new_batch = (8, 8) if quick else (64, 64)
+
+    load1 = os.getloadavg()[0]
+    print(f"torch {torch.__version__}, {args.threads} threads on {os.cpu_count()} cores; load average {load1:.2f}")
+    if load1 > 0.5:
+        print(f"WARNING: load average {load1:.2f} before the run: other processes compete for the CPU; "
+              "rerun on a quiet machine")
+    rate = stream_rate(args.threads)
+    print(f"streaming read rate: {rate:.1f} GB/s")
+
+    gguf = Ours(None)
+    from modelrunner.source import resolve_source
+
+    source = resolve_source("smollm2")
+    path = str(source.path)
+    source.release_weights()
+    print(f"file: {path} ({os.path.getsize(path) / 1e6:.1f} MB); ours resident weights "
+          f"{gguf.weight_bytes / 1e6:.1f} MB; kernels: {gguf.kernels}")
+    try:
+        peer = LlamaCpp(path, args.threads)
+    except ImportError:
+        print("llama-cpp-python is not installed (`make bench` installs it): skipping the llama.cpp ratios")
+        peer = None
+    vocab = len(gguf.tokenizer)
+    short = random_prompts(vocab, 1, 8, seed=1)[0]
+    results: dict[str, float] = {}
+
+    if peer is not None:
+        print(f"\n== single stream: {new_single} new tokens after {len(short)} prompt tokens, decode tokens/s")
+        values = alternate({"ours": lambda: gguf.decode_rate(short, new_single),
+                            "llama.cpp": lambda: peer.decode_rate(short, new_single)}, rounds)
+        for label, v in values.items():
+            print(f"   {label:<10} {summary(v)}")
+        results["decode"] = statistics.median(values["ours"]) / statistics.median(values["llama.cpp"])
+        print(ratio_line("decode", results["decode"]))
+        for label, source, v in (("ours", gguf, values["ours"]), ("llama.cpp", peer, values["llama.cpp"])):
+            reached = source.weight_bytes * statistics.median(v) / 1e9
+            print(f"   {label}: reads {source.weight_bytes / 1e6:.0f} MB of weights per token → {reached:.1f} GB/s "
+                  f"= {reached / rate:.0%} of the streaming rate")
+
+        print(f"\n== prompt processing: one {prompt_len}-token prompt to its first token, tokens/s")
+        prompts = iter(random_prompts(vocab, 4 * rounds, prompt_len, seed=2))
+        values = alternate({"ours": lambda: gguf.prompt_rate(next(prompts)),
+                            "llama.cpp": lambda: peer.prompt_rate(next(prompts))}, rounds)
+        for label, v in values.items():
+            print(f"   {label:<10} {summary(v)}")
+        results["prompt"] = statistics.median(values["ours"]) / statistics.median(values["llama.cpp"])
+        print(ratio_line("prompt", results["prompt"]))
+
+    print(f"\n== batch: {batch} prompts × {new_batch} new tokens, output tokens/s")
+    dense, int8 = Ours("none"), Ours("int8")
+    print(f"   int8 kernels: {int8.kernels}")
+    prompts = random_prompts(vocab, batch, 32, seed=3)
+    values = alternate({"float32": lambda: dense.batch_rate(prompts, new_batch),
+                        "gguf": lambda: gguf.batch_rate(prompts, new_batch),
+                        "int8": lambda: int8.batch_rate(prompts, new_batch)}, max(2, rounds - 2))
+    for label, v in values.items():
+        print(f"   {label:<10} {summary(v)}")
+    base = statistics.median(values["float32"])
+    results["batch gguf"] = statistics.median(values["gguf"]) / base
+    results["batch int8"] = statistics.median(values["int8"]) / base
+    print(ratio_line("batch gguf", results["batch gguf"]))
+    print(ratio_line("batch int8", results["batch int8"]))
+
+    print("\n== cold start: LLM(model='smollm2') to its first token, fresh process, empty cache directory")
+    imported, loaded, first = cold_start(args.threads)
+    total = loaded + first
+    print(f"   import {imported:.2f} s (not counted); LLM(...) {loaded:.2f} s; first token {first:.2f} s; "
+          f"total {total:.2f} s (target ≤ {TARGETS['cold start s']:.0f} s: "
+          f"{'met' if total <= TARGETS['cold start s'] else 'MISSED'})")
+    after = os.getloadavg()[0]
+    if after > args.threads + 0.5:
+        print(f"WARNING: load average {after:.2f} after the run: the machine was busy; numbers are noisy")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

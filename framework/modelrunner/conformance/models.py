@@ -1,0 +1,218 @@
+"""Tiny random-weight checkpoints for the conformance suites, and the references they are checked against.
+
+:func:`tiny_checkpoint` writes a transformers checkpoint of a few layers for an architecture name (or
+a given config), with random but non-trivial weights and a small self-contained word-level tokenizer
+(``t0`` … ``t255``), so ``LLM`` runs it from text or token ids with no network. :func:`make_llm`
+builds an ``LLM`` routed through a chosen :class:`~modelrunner.plugins.Plugins`;
+:func:`reference_model` and :func:`reference_greedy` give transformers' own answers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 256
+"""Tokens of every tiny checkpoint (``t0`` … ``t255``)."""
+MAX_POSITION = 256
+"""``max_position_embeddings`` of every tiny checkpoint."""
+BOS, EOS, UNK = 1, 2, 0
+"""Special token ids of the tiny tokenizer (``t1``, ``t2``, ``t0``)."""
+
+_DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2)
+_MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def _known_config(architecture: str) -> Any | None:
+    """The tiny config of an architecture the suites know by heart (None: any other)."""
+    import transformers as tf
+
+    common = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITION, bos_token_id=BOS, eos_token_id=EOS,
+                  pad_token_id=UNK)
+    factories = {
+        "LlamaForCausalLM": lambda: tf.LlamaConfig(**_DENSE, **common, tie_word_embeddings=False),
+        "MistralForCausalLM": lambda: tf.MistralConfig(**_DENSE, **common, sliding_window=8, tie_word_embeddings=False),
+        "Qwen2ForCausalLM": lambda: tf.Qwen2Config(**_DENSE, **common, tie_word_embeddings=False),
+        # Every layer sparse, top-2 of 4, renormalised.
+        "MixtralForCausalLM": lambda: tf.MixtralConfig(**_MOE, **common, intermediate_size=96, num_local_experts=4,
+                                                       num_experts_per_tok=2, tie_word_embeddings=False),
+        # Layer 0 dense, layer 1 sparse with the gated shared expert; not renormalised.
+        "Qwen2MoeForCausalLM": lambda: tf.Qwen2MoeConfig(
+            **_MOE, **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
+            num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False,
+            tie_word_embeddings=False),
+        # 3 layers, layer 1 dense; q/k norms; renormalised top-2 of 8; tied embeddings.
+        "Qwen3MoeForCausalLM": lambda: tf.Qwen3MoeConfig(
+            **{**_MOE, "num_hidden_layers": 3}, **common, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
+            num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
+            tie_word_embeddings=True),
+    }
+    factory = factories.get(architecture)
+    return None if factory is None else factory()
+
+
+_SCALED = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128,
+           "num_hidden_layers": 2, "n_layer": 2, "num_layers": 2, "num_attention_heads": 4, "n_head": 4,
+           "num_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": VOCAB_SIZE,
+           "max_position_embeddings": MAX_POSITION, "n_positions": MAX_POSITION, "n_ctx": MAX_POSITION,
+           "bos_token_id": BOS, "eos_token_id": EOS, "pad_token_id": UNK}
+"""Config fields a generic architecture is scaled down with, where its config has them."""
+
+
+def _generic_config(architecture: str) -> Any:
+    """``AutoConfig.for_model`` of the model type whose causal-LM class is ``architecture``, scaled down."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    model_type = next((t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == architecture), None)
+    if model_type is None:
+        raise ValueError(f"no tiny checkpoint for architecture {architecture!r}: transformers has no causal LM of "
+                         "that name; pass a config object instead")
+    config = AutoConfig.for_model(model_type)
+    for key, value in _SCALED.items():
+        if key in config.to_dict() or hasattr(config, key):
+            if key == "num_key_value_heads" and getattr(config, key, None) is None:
+                continue  # a model without grouped-query attention keeps it unset
+            setattr(config, key, value)
+    return config
+
+
+def tiny_config(architecture: str) -> Any:
+    """The tiny transformers config :func:`tiny_checkpoint` writes for ``architecture`` (``architectures`` set).
+
+    :raises ValueError: transformers knows no causal LM of that name.
+    """
+    config = _known_config(architecture) or _generic_config(architecture)
+    config.architectures = [architecture]
+    return config
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "-", text).strip("-") or "model"
+
+
+def tiny_checkpoint(architecture_or_config: Any, root: str | Path, seed: int = 0) -> Path:
+    """Write a tiny random-weight transformers checkpoint under ``root``; its directory.
+
+    :param architecture_or_config: an architecture name (``LlamaForCausalLM``, ``MistralForCausalLM``
+        with a sliding window of 8, ``Qwen2ForCausalLM``, ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM``,
+        ``Qwen3MoeForCausalLM``; any other causal LM transformers knows, scaled down) or a transformers
+        config (used as it is; its ``architectures`` should name the class).
+    :param root: the directory the checkpoint's own directory is made in (an existing complete
+        checkpoint of the same name and seed is reused).
+    :returns: the checkpoint directory (``config.json``, safetensors weights, tokenizer files).
+
+    Weights are random and non-trivial: norms near 1, every other tensor ``0.1 · randn``. The tokenizer
+    is a word-level vocabulary ``t0`` … ``t{vocab-1}`` split on whitespace (``t1`` BOS, ``t2`` EOS,
+    ``t0`` unknown and padding).
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(architecture_or_config, str):
+        config = tiny_config(architecture_or_config)
+        name = architecture_or_config
+    else:
+        config = architecture_or_config
+        name = (getattr(config, "architectures", None) or [config.model_type])[0]
+        name = f"{name}-{hashlib.sha1(config.to_json_string().encode()).hexdigest()[:8]}"
+    path = Path(root) / f"{_slug(name)}-seed{seed}"
+    if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            norm = "norm" in pname or re.search(r"(^|\.)ln_", pname) is not None
+            p.copy_(1 + 0.1 * torch.randn_like(p) if norm and p.dim() == 1 and pname.endswith("weight")
+                    else 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+    # save_pretrained names the transformers class; keep the architecture asked for (an adapter's
+    # own name for a transformers model_type, as a new-plugin adapter skeleton declares).
+    wanted = list(getattr(config, "architectures", None) or [])
+    saved = json.loads((path / "config.json").read_text())
+    if wanted and saved.get("architectures") != wanted:
+        saved["architectures"] = wanted
+        (path / "config.json").write_text(json.dumps(saved, indent=2, sort_keys=True) + "\n")
+    text = getattr(config, "get_text_config", lambda: config)()
+    tiny_tokenizer(int(text.vocab_size)).save_pretrained(str(path))
+    return path
+
+
+def tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
+    """A word-level ``PreTrainedTokenizerFast`` over ``t0`` … ``t{vocab_size-1}``, split on whitespace."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"t{i}": i for i in range(vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=f"t{UNK}"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    backend.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with spaces
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=f"t{BOS}", eos_token=f"t{EOS}",
+                                   unk_token=f"t{UNK}", pad_token=f"t{UNK}", model_max_length=MAX_POSITION)
+
+
+def reference_model(path: str | Path) -> Any:
+    """transformers' own model on the checkpoint at ``path``, float32, in eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+def reference_logits(model: Any, tokens: list[int]) -> Any:
+    """Every position's logits of transformers' ``model`` on one sequence (``[len(tokens), vocab]``)."""
+    import torch
+
+    with torch.no_grad():
+        return model(torch.tensor([tokens])).logits[0].float()
+
+
+def reference_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
+    """transformers' greedy ``generate`` of ``max_new_tokens`` tokens after ``prompt`` (EOS does not stop it)."""
+    import torch
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
+                              eos_token_id=None, pad_token_id=UNK, bos_token_id=None)
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             generation_config=config)
+    return out[0, len(prompt):].tolist()
+
+
+def make_llm(model: str | Path, plugins: Any = None, **config: Any) -> Any:
+    """``LLM(model, **config)`` whose runner routes through ``plugins`` (None: the process's plugins).
+
+    Worker processes of a parallel configuration load the process's default plugins whatever
+    ``plugins`` is.
+    """
+    from ..config import RunnerConfig
+    from ..engine.llm_engine import LLMEngine
+    from ..executor import create_executor
+    from ..llm import LLM
+
+    if plugins is None:
+        return LLM(str(model), **config)
+    llm = LLM.__new__(LLM)
+    executor = create_executor(RunnerConfig.from_dict({"model": str(model), **config}), plugins)
+    try:
+        llm.engine = LLMEngine(executor)
+    except BaseException:
+        executor.shutdown()
+        raise
+    return llm
+
+
+def checkpoint_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a checkpoint directory, as a dict."""
+    return json.loads((Path(path) / "config.json").read_text())
+
+
+__all__ = ["BOS", "EOS", "MAX_POSITION", "UNK", "VOCAB_SIZE", "checkpoint_config", "make_llm", "reference_greedy",
+           "reference_logits", "reference_model", "tiny_checkpoint", "tiny_config", "tiny_tokenizer"]

@@ -1,0 +1,218 @@
+"""A GGUF file read as a checkpoint, in place: config, tokenizer and tensors from the file itself.
+
+The header and metadata are parsed with transformers' GGUF reader (no tensor data is touched); the
+tensors are memory-mapped views. :meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face
+names, undoing llama.cpp's layout changes (its row permutation of Llama's query/key projections):
+float tensors as float tensors, quantized ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`,
+which a quantization method keeps as stored and any other layer dequantizes exactly.
+
+Architectures read natively: ``llama`` (Llama 2/3, SmolLM2; ``mistral`` files name themselves so too),
+``mistral`` and ``qwen2``. Others go through transformers' own GGUF conversion (``quantization="none"``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from .errors import ModelSourceError
+from .quantization.blocks import FLOAT_TYPES, GGML_BLOCK, GGMLBlocks, ggml_type_name
+
+logger = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+"""GGUF ``general.architecture`` → the transformers architecture it is read as."""
+
+_TOP = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
+        "output.weight": "lm_head.weight"}
+_BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm", "attn_q": "self_attn.q_proj",
+          "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+          "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The Hugging Face name of a llama-family GGUF tensor (None for one the model does not use)."""
+    if gguf_name in _TOP:
+        return _TOP[gguf_name]
+    match = _BLOCK_NAME.match(gguf_name)
+    if match is None or match[2] not in _BLOCK:
+        return None
+    return f"model.layers.{match[1]}.{_BLOCK[match[2]]}.{match[3]}"
+
+
+def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """The row order that undoes llama.cpp's permutation of a query/key projection with ``heads`` heads."""
+    half = rows // heads // 2
+    return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
+
+
+def _tensor_types(path: Path) -> list[tuple[str, int]]:
+    """``(name, ggml type)`` of a file's tensors by the ``gguf`` package's reader, which knows more
+    types than transformers' (to name the tensor its reader refused); empty if it cannot read them."""
+    try:
+        from gguf import GGUFReader
+
+        return [(t.name, int(t.tensor_type)) for t in GGUFReader(str(path)).tensors]
+    except Exception:  # noqa: BLE001 - a damaged file: the caller reports the first error
+        return []
+
+
+class GGUFCheckpoint:
+    """One ``.gguf`` file: its metadata, config, tokenizer and tensors.
+
+    :raises ModelSourceError: the file is not a readable GGUF file (truncated, empty, wrong magic),
+        a tensor runs past the end of the file, or a tensor has a type nobody can read — naming the
+        file and the tensor.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+
+        self.path = Path(path)
+        """The file."""
+        size = self.path.stat().st_size
+        if size == 0:
+            raise ModelSourceError(f"{self.path}: the file is empty, not a GGUF checkpoint")
+        try:
+            self.metadata, _ = read_gguf_metadata(str(self.path), string_arrays=())
+            self.header = GgufHeader.from_file(str(self.path))
+        except Exception as e:  # struct, numpy and ValueError from a damaged header
+            self._refuse_unsupported(_tensor_types(self.path))
+            raise ModelSourceError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
+        self._refuse_unsupported((info.name, info.ggml_type) for info in self.header.tensors)
+        for info in self.header.tensors:
+            end = self.header.data_start + info.offset + info.nbytes
+            if end > size:
+                raise ModelSourceError(f"{self.path}: tensor {info.name!r} ({ggml_type_name(info.ggml_type)}) ends at "
+                                       f"byte {end:,} but the file has {size:,} bytes: the file is truncated")
+        self.architecture = self.header.architecture
+        """The file's ``general.architecture`` (``llama``, ``qwen2`` …)."""
+        self._blob: np.ndarray | None = None
+
+    def _refuse_unsupported(self, tensors: Any) -> None:
+        for name, ggml_type in tensors:
+            if ggml_type not in FLOAT_TYPES and ggml_type not in GGML_BLOCK:
+                supported = ", ".join(sorted({ggml_type_name(t) for t in (*FLOAT_TYPES, *GGML_BLOCK)}))
+                raise ModelSourceError(f"{self.path}: tensor {name!r} has ggml type {ggml_type_name(ggml_type)} "
+                                       f"({ggml_type}), which no installed reader supports (supported: {supported})")
+
+    @property
+    def native(self) -> bool:
+        """Whether modelrunner reads this architecture's tensors itself (else transformers converts it)."""
+        return self.architecture in ARCHITECTURES
+
+    # -- config and tokenizer ----------------------------------------------------------------------
+
+    def hf_config(self) -> Any:
+        """The transformers config the metadata describes (transformers' own key mapping)."""
+        from transformers import AutoConfig
+        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+
+        arch = self.architecture
+        if arch not in ARCHITECTURES:
+            raise ModelSourceError(f"{self.path}: GGUF architecture {arch!r} is not read natively (supported: "
+                                   f"{', '.join(sorted(ARCHITECTURES))}); load it with quantization='none'")
+        mapping = GGUF_CONFIG_MAPPING[arch]
+        values: dict[str, Any] = {}
+        for key, value in self.metadata.items():
+            prefix, _, rest = key.partition(".")
+            if prefix == arch and rest in mapping and mapping[rest] is not None:
+                values[mapping[rest]] = value
+        if "vocab_size" not in values:
+            values["vocab_size"] = self.metadata.get("tokenizer.ggml.tokens")
+        theta = values.pop("rope_theta", None)
+        if theta is not None:
+            values["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
+        for token in ("bos", "eos", "unknown", "padding"):
+            value = self.metadata.get(f"tokenizer.ggml.{token}_token_id")
+            if value is not None:
+                values[{"unknown": "unk", "padding": "pad"}.get(token, token) + "_token_id"] = int(value)
+        names = {info.name for info in self.header.tensors}
+        values["tie_word_embeddings"] = "output.weight" not in names
+        if arch == "qwen2":
+            values.setdefault("use_sliding_window", False)
+        config = AutoConfig.for_model(arch, **values)
+        config.architectures = [ARCHITECTURES[arch]]
+        config._name_or_path = str(self.path)
+        return config
+
+    def tokenizer(self) -> Any:
+        """The tokenizer the metadata describes (vocabulary, merges, special tokens, chat template),
+        built by transformers' GGUF converters; None when the file has no vocabulary."""
+        if "tokenizer.ggml.tokens" not in self.metadata:
+            return None
+        from transformers import PreTrainedTokenizerFast
+        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+        try:
+            arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
+            backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+        except Exception as e:  # noqa: BLE001 - an unknown tokenizer model, a damaged vocabulary
+            raise ModelSourceError(f"{self.path}: cannot build the tokenizer its metadata describes "
+                                   f"({type(e).__name__}: {e})") from e
+        return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+    # -- tensors -----------------------------------------------------------------------------------
+
+    def _mapped(self) -> np.ndarray:
+        if self._blob is None:
+            # Copy-on-write: tensors are views of the file, writable (torch wants that) without copying it.
+            self._blob = np.memmap(self.path, mode="c", dtype=np.uint8)
+        return self._blob
+
+    def weight_types(self) -> dict[str, int]:
+        """Hugging Face tensor name → ggml type, for the tensors the model uses."""
+        return {name: info.ggml_type for info in self.header.tensors if (name := hf_name(info.name))}
+
+    def iter_weights(self) -> Iterator[tuple[str, Any]]:
+        """``(hf_name, tensor)`` for every tensor: float tensors (views of the file when float32) or
+        :class:`GGMLBlocks`; query/key rows put back in Hugging Face's order.
+
+        :raises ModelSourceError: a tensor name the architecture does not have.
+        """
+        blob = self._mapped()
+        config = self.metadata
+        arch = self.architecture
+        heads = config.get(f"{arch}.attention.head_count")
+        kv_heads = config.get(f"{arch}.attention.head_count_kv", heads)
+        for info in self.header.tensors:
+            name = hf_name(info.name)
+            if name is None:
+                if "rope" in info.name:
+                    continue  # precomputed rotary tables: the model computes its own
+                raise ModelSourceError(f"{self.path}: tensor {info.name!r} has no place in a {arch} model")
+            start = self.header.data_start + info.offset
+            raw = torch.from_numpy(np.asarray(blob[start:start + info.nbytes]))
+            if info.ggml_type in FLOAT_TYPES:
+                tensor: Any = raw.view(FLOAT_TYPES[info.ggml_type]).reshape(info.shape)
+            else:
+                rows, cols = info.shape if len(info.shape) == 2 else (1, info.shape[0])
+                tensor = GGMLBlocks(raw.reshape(rows, -1), info.ggml_type, (rows, cols), info.name)
+            if arch in ("llama", "mistral") and info.name.endswith(("attn_q.weight", "attn_k.weight")):
+                n = heads if "attn_q" in info.name else kv_heads
+                index = _unpermute_rows(info.shape[0], n)
+                tensor = tensor.permute_rows(index) if isinstance(tensor, GGMLBlocks) else tensor.index_select(0, index)
+            yield name, tensor
+
+    def close(self) -> None:
+        """Unmap the file (after loading: the model holds its own copy); a later read maps it again."""
+        self._blob = None
+
+    def __iter__(self) -> Iterator[tuple[str, Any]]:
+        return self.iter_weights()
+
+    def file_of(self, name: str) -> Path:
+        """The file every tensor comes from (named in loading errors)."""
+        return self.path
+
+    def nbytes(self) -> int:
+        """The file's size in bytes."""
+        return os.path.getsize(self.path)

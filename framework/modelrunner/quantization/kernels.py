@@ -1,0 +1,222 @@
+"""Which matmul kernel a quantized layer runs, chosen by timing the candidates on this machine.
+
+For every distinct ``(format, rows × columns)`` of a model and for two input sizes — ``decode``
+(up to :data:`DECODE_ROWS` rows: one token per sequence) and ``batch`` (more) — each allowed
+candidate is timed once on the layer's real weights, the fastest kept, and the choice cached on disk
+per CPU model and software version (``kernels.json`` under the cache directory), so later loads
+skip the timing. Candidates:
+
+- ``reference``: dequantize to float32, then ``F.linear`` (always there; exact; slow).
+- ``cpu_exact`` / ``cpu_q8``: the ``modelrunner-quant-cpu`` plugin's C++ kernels (float32
+  activations; or activations quantized to int8 per 32-element block, as llama.cpp does).
+- ``int8_rowwise``: torch's int8 GEMM (``torch._int_mm``) with each activation row quantized to
+  int8 on its own (per-channel int8 weights only; no copy of the weight). Per row, so a token's
+  result does not depend on the other tokens of its batch (fbgemm's dynamic linear quantizes the
+  whole batch with one scale, which does) — but too lossy to be chosen by timing (:data:`PINNED_ONLY`).
+
+Candidates that quantize activations run only where the method allows them (``activations`` option).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..timing_cache import (
+    DECODE_ROWS,
+    TIMING_ROWS,
+    TimingCache,
+    bucket,
+    time_candidates,
+)
+from .planar import dequantize_planar
+
+logger = logging.getLogger(__name__)
+
+KERNEL_VERSION = 2
+"""Bumped when a candidate changes, so cached choices are remade."""
+
+
+@functools.cache
+def quant_cpu() -> Any:
+    """The ``modelrunner_quant_cpu`` kernels when installed and built here, else None."""
+    try:
+        import modelrunner_quant_cpu as kernels
+    except ImportError:
+        return None
+    try:
+        return kernels if kernels.available() else None
+    except Exception:  # noqa: BLE001 - a plugin that cannot build is as good as absent
+        return None
+
+
+def _plugin_build() -> str:
+    """The quant-cpu plugin's version and a hash of its kernel source (a changed kernel times again)."""
+    plugin = quant_cpu()
+    if plugin is None:
+        return "none"
+    digest = hashlib.sha256()
+    for source in sorted(Path(plugin.__file__).parent.glob("*.cpp")):
+        digest.update(source.read_bytes())
+    return f"{getattr(plugin, '__version__', '?')}-{digest.hexdigest()[:12]}"
+
+
+# -- candidates ------------------------------------------------------------------------------------
+
+
+def _reference(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
+    return F.linear(x.float(), scheme.dequantized(layer))
+
+
+def _cpu(mode: str) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
+    def run(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        qweight, scales, mins = scheme.storage(layer)
+        return quant_cpu().qlinear(x.float().contiguous(), qweight, scales, mins, scheme.group_size, scheme.bits,
+                                   mode=mode)
+    return run
+
+
+def _int8_rowwise(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
+    # Each row of x (one token) quantized on its own: a token's result never depends on its batch.
+    qweight, scales, _ = scheme.storage(layer)
+    x = x.float()
+    row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+    xq = torch.round(x / row_scale).clamp_(-127, 127).to(torch.int8)
+    return torch._int_mm(xq, qweight.t()).float() * row_scale * scales.reshape(1, -1).float()
+
+
+CANDIDATES: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {
+    "reference": (_reference, True),
+    "cpu_exact": (_cpu("exact"), True),
+    "cpu_q8": (_cpu("q8"), False),
+    "int8_rowwise": (_int8_rowwise, False),
+}
+"""name → (kernel, exact: computes with float activations)."""
+
+
+PINNED_ONLY = frozenset({"int8_rowwise"})
+"""Candidates timing never picks (``kernel=`` runs them): one int8 scale per token over a whole row
+lost too much — SmolLM2's int8 perplexity +3.1% against +0.5% with the per-32-value activation
+blocks of ``cpu_q8`` (and +0.3% with float activations)."""
+
+
+def usable(name: str, scheme: Any, layer: Any = None) -> bool:
+    """Whether candidate ``name`` can run ``scheme``'s format (and ``layer``'s shape) on this machine."""
+    if name.startswith("cpu_"):
+        if layer is not None and layer.weight.device.type != "cpu":
+            return False
+        cols = layer.weight.logical_shape[-1] if layer is not None else 32
+        # The C++ kernels work in 32-element blocks.
+        return quant_cpu() is not None and cols % 32 == 0 and scheme.group_size % 32 == 0
+    if name == "int8_rowwise":
+        return scheme.bits == 8 and not scheme.has_mins and scheme.per_row and hasattr(torch, "_int_mm")
+    return True
+
+
+# -- choosing ------------------------------------------------------------------------------------
+
+
+class KernelSelector:
+    """Times the allowed candidates for each shape of a model once and remembers the fastest.
+
+    :param activations: ``float`` (exact kernels only), ``int8`` (kernels that quantize activations;
+        exact ones as fallback), ``auto`` (whichever is fastest).
+    :param cache_dir: where ``kernels.json`` keeps the choices (None: not kept).
+    :param kernel: one candidate for every shape it can run (to measure one against another); None: timed.
+    """
+
+    def __init__(self, activations: str = "float", cache_dir: Path | None = None, kernel: str | None = None) -> None:
+        if activations not in ("float", "int8", "auto"):
+            raise ValueError(f"activations must be 'float', 'int8' or 'auto', got {activations!r}")
+        if kernel is not None and kernel not in CANDIDATES:
+            raise ValueError(f"kernel must be one of {', '.join(CANDIDATES)} (or unset: timed), got {kernel!r}")
+        self.kernel = kernel
+        """The pinned candidate (None: the fastest, timed)."""
+        self.activations = activations
+        """Which kinds of kernel may run."""
+        self.cache_dir = cache_dir
+        """Where the on-disk choices live (None: not kept)."""
+        self.choices: dict[str, str] = {}
+        """Shape key → chosen candidate, for this model."""
+        self.timings: dict[str, dict[str, float]] = {}
+        """Shape key → candidate → measured seconds (for the shapes timed in this process)."""
+        self._cache: TimingCache | None = None
+
+    @property
+    def cache(self) -> TimingCache:
+        """The on-disk choices (made lazily: the thread count is read when the first shape is timed)."""
+        if self._cache is None:
+            self._cache = TimingCache(self.cache_dir, (f"quant-cpu {_plugin_build()}", f"quant {KERNEL_VERSION}"))
+        return self._cache
+
+    def _allowed(self, scheme: Any, layer: Any) -> list[str]:
+        names = [n for n in CANDIDATES if n not in PINNED_ONLY and usable(n, scheme, layer)]
+        if self.activations == "float":
+            names = [n for n in names if CANDIDATES[n][1]]
+        elif self.activations == "int8":
+            names = [n for n in names if not CANDIDATES[n][1]] or [n for n in names if CANDIDATES[n][1]]
+        if len(names) > 1 and "reference" in names:
+            names.remove("reference")  # the fallback only: every other candidate beats it
+        return names
+
+    @staticmethod
+    def key(scheme: Any, layer: Any, bucket: str) -> str:
+        """``int4:g32:mins:960x576:decode`` — what a choice depends on."""
+        rows, cols = layer.weight.logical_shape
+        return f"int{scheme.bits}:g{scheme.group_size}:{'mins' if scheme.has_mins else 'sym'}:{rows}x{cols}:{bucket}"
+
+    def prepare(self, scheme: Any, layer: Any) -> None:
+        """Choose the kernels of ``layer`` for both buckets now (timing them unless cached)."""
+        for name in TIMING_ROWS:
+            self._choice(scheme, layer, name)
+
+    def run(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ`` by the kernel chosen for ``x``'s row count."""
+        kernel = CANDIDATES[self._choice(scheme, layer, bucket(x.shape[0]))][0]
+        return kernel(scheme, layer, x)
+
+    def _choice(self, scheme: Any, layer: Any, bucket_name: str) -> str:
+        key = self.key(scheme, layer, bucket_name)
+        name = self.choices.get(key)
+        if name is not None:
+            return name
+        allowed = self._allowed(scheme, layer)
+        if self.kernel is not None:
+            if not usable(self.kernel, scheme, layer):
+                raise ValueError(f"kernel {self.kernel!r} cannot run {key} here (usable: "
+                                 f"{', '.join(n for n in CANDIDATES if usable(n, scheme, layer))})")
+            self.choices[key] = self.kernel
+            return self.kernel
+        qualified = f"{self.activations}|{','.join(allowed)}|{key}"
+        cached = self.cache.get(qualified)
+        if cached in allowed:
+            self.choices[key] = cached
+            return cached
+        name = allowed[0] if len(allowed) == 1 else self._time(scheme, layer, bucket_name, key, allowed)
+        self.choices[key] = name
+        self.cache.put(qualified, name)
+        logger.info("kernel for %s: %s", key, name)
+        return name
+
+    def _time(self, scheme: Any, layer: Any, bucket_name: str, key: str, allowed: list[str]) -> str:
+        cols = layer.weight.logical_shape[1]
+        x = torch.randn(TIMING_ROWS[bucket_name], cols, generator=torch.Generator().manual_seed(0))
+        times = time_candidates({name: functools.partial(CANDIDATES[name][0], scheme, layer, x) for name in allowed})
+        if not times:
+            raise RuntimeError(f"no matmul kernel can run {key} (tried {', '.join(allowed)})")
+        self.timings[key] = times
+        chosen = min(times, key=times.get)
+        for name in list(scheme.kernel_state):
+            if name != chosen:
+                scheme.kernel_state.pop(name)  # a losing candidate's packed copy is not kept
+        return chosen
+
+
+__all__ = ["CANDIDATES", "DECODE_ROWS", "PINNED_ONLY", "KernelSelector", "dequantize_planar", "quant_cpu", "usable"]

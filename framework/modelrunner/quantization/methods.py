@@ -1,0 +1,214 @@
+"""The kernel's quantization methods: ``none``, ``gguf`` (a GGUF file's blocks run as stored), and
+``int8`` / ``int4`` weight-only quantization of any float checkpoint, done as it loads."""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from typing import Any
+
+from torch import nn
+
+from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from ..layers.fused_moe import FusedMoE
+from .base import QuantizationMethod, quantizable_layers
+from .blocks import PLANAR_TYPES, Q4_0, Q8_0, ggml_type_name
+from .experts import QuantizedExperts
+from .kernels import KernelSelector
+from .planar import PlanarScheme
+
+logger = logging.getLogger(__name__)
+
+
+def _checkpoint_names(model: nn.Module, layer_name: str) -> list[str]:
+    """The checkpoint tensors that feed ``layer_name``'s weight (the members of a packed layer)."""
+    packed = getattr(model, "packed_modules_mapping", {}) or {}
+    parts = layer_name.split(".")
+    for packed_name, members in packed.items():
+        if parts and parts[-1] == packed_name:
+            return [".".join([*parts[:-1], member, "weight"]) for member in members]
+    return [f"{layer_name}.weight"]
+
+
+def _rows_cols(layer: nn.Module) -> tuple[int, int]:
+    return tuple(layer.weight.shape)  # on meta: this rank's float shape
+
+
+def _prepare_layers(method: QuantizationMethod, model: nn.Module, schemes: dict[str, PlanarScheme]) -> None:
+    """Create storage for every layer in ``schemes``; tied LM heads share their embedding's."""
+    owners: dict[int, nn.Module] = {}
+    for name, layer in quantizable_layers(model):
+        if isinstance(layer, FusedMoE):
+            if name in schemes:
+                experts = QuantizedExperts(schemes[name])
+                experts.create_storage(layer)
+                method.layers[name] = experts
+            continue
+        original = id(layer.weight)
+        if isinstance(layer, ParallelLMHead) and original in owners:
+            owner = owners[original]
+            if owner.quant_scheme is not None:
+                owner.quant_scheme.share_with(layer, owner)
+                method.layers[name] = owner.quant_scheme
+            continue
+        owners[original] = layer
+        scheme = schemes.get(name)
+        if scheme is None:
+            continue
+        scheme.create_storage(layer, *_rows_cols(layer))
+        method.layers[name] = scheme
+
+
+class NoQuantization(QuantizationMethod):
+    """``none``: every weight stays in the model's float dtype (GGUF blocks are dequantized at load)."""
+
+    name = "none"
+    tensor_parallel = True
+    conformance_tolerance = 1e-4
+
+    def prepare(self, model: nn.Module, source: Any) -> None:
+        """Nothing to prepare."""
+
+
+class _PlanarMethod(QuantizationMethod):
+    """What the planar methods share: a kernel selector, and choosing kernels once weights are in."""
+
+    devices = ("cpu", "cuda")
+    tensor_parallel = True
+
+    OPTIONS = {"activations": "float", "kernel": None}
+
+    def __init__(self, options: dict[str, Any] | None = None, cache_dir: Any = None) -> None:
+        super().__init__(options, cache_dir)
+        self.kernels = KernelSelector(self.options["activations"], self.cache_dir, self.options["kernel"])
+        """Times and remembers the matmul kernel of each shape."""
+
+    def process_after_loading(self, model: nn.Module) -> None:
+        """Choose (time, or read back) the kernel of every covered layer for decode and batch sizes."""
+        for name, layer in quantizable_layers(model):
+            scheme = layer.quant_scheme
+            if isinstance(scheme, QuantizedExperts):
+                scheme.process_after_loading(layer)
+            elif scheme is not None and not (isinstance(layer, VocabParallelEmbedding) and
+                                             not isinstance(layer, ParallelLMHead)):
+                self.kernels.prepare(scheme, layer)
+
+    def stats(self, model: nn.Module) -> dict[str, Any]:
+        """Also the kernel chosen for each shape."""
+        return {**super().stats(model), "kernels": dict(sorted(self.kernels.choices.items()))}
+
+
+class GGUFMethod(_PlanarMethod):
+    """``gguf``: a GGUF file's Q4_0, Q4_1 and Q8_0 tensors run as stored (their bytes regrouped into
+    the planar layout, no loss); other types (K-quants, …) are dequantized at load, with one log
+    line naming them. Chosen automatically for ``.gguf`` files.
+
+    Options: ``activations`` — ``float`` (exact: float32 activations), ``int8`` (activations
+    quantized per 32-element block, as llama.cpp does) or ``auto`` (the faster, per shape).
+    """
+
+    name = "gguf"
+    conformance_tolerance = 1e-4  # the file's own weights, exactly
+
+    def check_source(self, source: Any) -> None:
+        """Only a GGUF file read in place has blocks to keep."""
+        if getattr(source, "gguf", None) is None:
+            raise ValueError(f"quantization 'gguf' runs .gguf files; {source.path} is not one (use int8 or int4 "
+                             "to quantize a float checkpoint)")
+
+    def prepare(self, model: nn.Module, source: Any) -> None:
+        """Keep every layer whose checkpoint tensors are all one planar block type as blocks."""
+        self.check_source(source)
+        types = source.gguf.weight_types()
+        schemes: dict[str, PlanarScheme] = {}
+        dequantized: Counter[str] = Counter()
+        for name, layer in quantizable_layers(model):
+            names = _checkpoint_names(model, name)
+            found = {types.get(n) for n in names}
+            if None in found:
+                continue  # not in this file (e.g. another stage's layer), or a tied head
+            if len(found) == 1 and (kind := found.pop()) in PLANAR_TYPES:
+                bits = PLANAR_TYPES[kind]
+                schemes[name] = PlanarScheme(bits, 32, has_mins=kind != Q8_0, kernels=self.kernels,
+                                             source_type=ggml_type_name(kind))
+            elif all(types[n] in PLANAR_TYPES for n in names):
+                # One packed layer (q/k/v, gate/up) stored in different block types: one storage can't hold both.
+                dequantized[f"mixed {'+'.join(sorted({ggml_type_name(types[n]) for n in names}))}"] += len(names)
+            else:
+                for n in names:
+                    if types[n] not in PLANAR_TYPES and types[n] not in (0, 1, 30):
+                        dequantized[ggml_type_name(types[n])] += 1
+        if dequantized:
+            logger.warning("gguf: dequantizing %s at load (no kernel runs them as stored)",
+                           ", ".join(f"{count} {kind} tensor(s)" for kind, count in sorted(dequantized.items())))
+        self.dequantized_types = dict(dequantized)
+        """ggml type → tensors of it dequantized at load."""
+        _prepare_layers(self, model, schemes)
+
+
+class _LoadTimeMethod(_PlanarMethod):
+    """Quantizes a float checkpoint's linear layers as their tensors load (the float weight is never
+    materialised). Options: ``activations``; ``lm_head`` — quantize the LM head too."""
+
+    BITS = 8
+    OPTIONS = {"activations": "float", "lm_head": False, "kernel": None}
+
+    def _scheme(self) -> PlanarScheme:
+        raise NotImplementedError
+
+    def check_source(self, source: Any) -> None:
+        """A GGUF file is already quantized: use ``gguf`` (or ``none`` to dequantize it)."""
+        if getattr(source, "gguf", None) is not None:
+            raise ValueError(f"quantization {self.name!r} quantizes float checkpoints; {source.path} is a GGUF file "
+                             "(use quantization='gguf')")
+
+    def prepare(self, model: nn.Module, source: Any) -> None:
+        """A planar scheme for every linear layer (and the LM head with ``lm_head=True``)."""
+        self.check_source(source)
+        schemes = {}
+        for name, layer in quantizable_layers(model):
+            if isinstance(layer, VocabParallelEmbedding) and not (isinstance(layer, ParallelLMHead)
+                                                                   and self.options["lm_head"]):
+                continue
+            schemes[name] = self._scheme()
+        _prepare_layers(self, model, schemes)
+
+
+class Int8Method(_LoadTimeMethod):
+    """``int8``: symmetric per-output-channel int8 weights, quantized at load from any float checkpoint.
+
+    ``activations``: ``float`` (int8 weights × float32 activations), ``int8`` (activations quantized
+    too, per token: torch's int8 GEMM or the quant-cpu kernel), ``auto`` (the faster, per shape; default).
+    """
+
+    name = "int8"
+    conformance_tolerance = 0.05
+    OPTIONS = {"activations": "auto", "lm_head": False, "kernel": None}
+
+    def _scheme(self) -> PlanarScheme:
+        return PlanarScheme(8, 0, has_mins=False, kernels=self.kernels, quantize_floats=True, source_type="float")
+
+
+class Int4Method(_LoadTimeMethod):
+    """``int4``: asymmetric group-wise int4 weights (``group_size`` 32, 64 or 128), quantized at load.
+
+    ``activations``: ``float`` (default, exact int4 × float32), ``int8`` or ``auto``.
+    """
+
+    name = "int4"
+    conformance_tolerance = 0.15
+    OPTIONS = {"activations": "float", "lm_head": False, "group_size": 32, "kernel": None}
+
+    def __init__(self, options: dict[str, Any] | None = None, cache_dir: Any = None) -> None:
+        super().__init__(options, cache_dir)
+        if self.options["group_size"] not in (32, 64, 128):
+            raise ValueError(f"int4 group_size must be 32, 64 or 128, got {self.options['group_size']!r}")
+
+    def _scheme(self) -> PlanarScheme:
+        return PlanarScheme(4, self.options["group_size"], has_mins=True, kernels=self.kernels,
+                            quantize_floats=True, source_type="float")
+
+
+METHODS = (NoQuantization, GGUFMethod, Int8Method, Int4Method)
+"""The kernel's quantization methods."""
+__all__ = ["METHODS", "Q4_0", "GGUFMethod", "Int4Method", "Int8Method", "NoQuantization"]

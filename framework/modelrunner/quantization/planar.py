@@ -1,0 +1,243 @@
+"""The planar layout every quantized weight is kept in, and the per-layer scheme that stores and runs it.
+
+A weight ``[N, K]`` is three tensors: ``qweight`` (uint8 ``[N, K / 2]`` for 4 bits, int8 ``[N, K]`` for
+8 bits), ``scales`` and ``mins`` (float16 ``[N, K / group_size]``; ``mins`` may be absent). Element
+``w[n, k] = scales[n, k // g] * q + mins[n, k // g]``. For 4 bits, values are packed in sub-blocks of
+32: byte ``j`` of a sub-block holds element ``j`` in its low nibble and element ``j + 16`` in its high
+nibble (ggml's order), ``q`` being the unsigned nibble. GGUF's Q4_0, Q4_1 and Q8_0 convert to it
+without loss (:meth:`~.blocks.GGMLBlocks.to_planar`); ``int4``/``int8`` quantize float weights into it.
+
+A :class:`PlanarScheme` replaces a layer's float ``weight`` parameter by ``qweight`` (still named
+``weight``, so checkpoints load by name) plus ``weight_scales`` / ``weight_mins``, and fills them as
+the checkpoint streams in — float weights are never materialised.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from .blocks import GGMLBlocks
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K / 2]`` → the unsigned nibbles ``[N, K]`` (uint8), in element order."""
+    rows = qweight.shape[0]
+    sub = qweight.reshape(rows, -1, 16)
+    return torch.cat((sub & 15, sub >> 4), dim=-1).reshape(rows, -1)
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """Unsigned nibbles ``[N, K]`` (values 0–15) → uint8 ``[N, K / 2]`` in the planar order."""
+    rows = q.shape[0]
+    sub = q.to(torch.uint8).reshape(rows, -1, 32)
+    return (sub[..., :16] | (sub[..., 16:] << 4)).reshape(rows, -1).contiguous()
+
+
+def dequantize_planar(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                      bits: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The float ``[N, K]`` weight a planar triple encodes (the reference every kernel must match)."""
+    q = unpack_int4(qweight) if bits == 4 else qweight
+    w = q.to(torch.float32) * scales.to(torch.float32).repeat_interleave(group_size, dim=1)
+    if mins is not None:
+        w += mins.to(torch.float32).repeat_interleave(group_size, dim=1)
+    return w.to(dtype)
+
+
+def quantize_planar(weight: torch.Tensor, bits: int, group_size: int,
+                    symmetric: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A float ``[N, K]`` weight as a planar triple: round to nearest, float16 scales.
+
+    4 bits: asymmetric groups (``q = round((w - min) / scale)`` in 0–15, ``scale = (max - min) / 15``).
+    8 bits: symmetric (``q = round(w / scale)`` in ±127, ``scale = max|w| / 127``), ``mins`` None.
+
+    :raises ValueError: ``K`` not a multiple of ``group_size`` (and, for 4 bits, of 32).
+    """
+    rows, cols = weight.shape
+    if cols % group_size or (bits == 4 and group_size % 32):
+        raise ValueError(f"cannot quantize a weight of {cols} input features in groups of {group_size} "
+                         "(4-bit groups are multiples of 32)")
+    w = weight.detach().to(torch.float32).reshape(rows, cols // group_size, group_size)
+    if bits == 8 and symmetric:
+        scale = (w.abs().amax(-1) / 127).clamp_min(1e-12).to(torch.float16)
+        q = torch.round(w / scale.float().unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+        return q.reshape(rows, cols), scale, None
+    if bits != 4:
+        raise ValueError(f"planar quantization is 4-bit asymmetric or 8-bit symmetric, got {bits}-bit "
+                         f"{'symmetric' if symmetric else 'asymmetric'}")
+    low, high = w.amin(-1), w.amax(-1)
+    scale = ((high - low) / 15).clamp_min(1e-12).to(torch.float16)
+    mins = low.to(torch.float16)
+    q = torch.round((w - mins.float().unsqueeze(-1)) / scale.float().unsqueeze(-1)).clamp_(0, 15)
+    return pack_int4(q.reshape(rows, cols)), scale, mins
+
+
+class PlanarScheme:
+    """How one layer's weight is stored (planar, ``bits``/``group_size``) and multiplied.
+
+    :param bits: 4 or 8.
+    :param group_size: elements sharing one scale (and min).
+    :param has_mins: whether the format has per-group minimums (asymmetric).
+    :param kernels: picks the matmul kernel per input row count (:class:`~.kernels.KernelSelector`).
+    :param quantize_floats: when float tensors reach the loader, quantize them (``int4``/``int8``);
+        False: only GGUF blocks are accepted.
+    :param symmetric: 8-bit quantization without minimums.
+    """
+
+    def __init__(self, bits: int, group_size: int, has_mins: bool, kernels: Any, quantize_floats: bool = False,
+                 symmetric: bool = True, source_type: str = "") -> None:
+        self.bits = bits
+        """Bits per stored value."""
+        self.group_size = group_size
+        """Elements per scale."""
+        self.has_mins = has_mins
+        """Whether groups have minimums."""
+        self.kernels = kernels
+        """Chooses the kernel for each row count."""
+        self.quantize_floats = quantize_floats
+        """Whether float checkpoint tensors are quantized as they load."""
+        self.symmetric = symmetric
+        """8 bits without minimums."""
+        self.source_type = source_type
+        """What the weights were stored as (``Q4_1``, ``float``) — shown in stats."""
+        self.kernel_state: dict[Any, Any] = {}
+        """Per-kernel prepared state (e.g. a packed copy a kernel made), by kernel name."""
+        self.per_row = group_size == 0
+        """One scale per output row (``group_size`` 0: the group is the whole row, per-channel int8)."""
+
+    # -- storage -----------------------------------------------------------------------------------
+
+    def create_storage(self, layer: nn.Module, rows: int, cols: int, prefix: str = "weight",
+                       experts: int | None = None) -> None:
+        """Replace ``layer.<prefix>`` (on the meta device) by planar storage for a ``[rows, cols]`` weight
+        (a stack of ``experts`` of them when given): ``<prefix>``, ``<prefix>_scales``, ``<prefix>_mins``."""
+        if self.group_size == 0:
+            self.per_row = True
+        group = cols if self.per_row else self.group_size
+        if cols % group or (self.bits == 4 and cols % 32):
+            tp = getattr(layer, "tp_size", 1)
+            share = f" (its share of {cols * tp} under tensor parallelism of {tp})" if tp > 1 else ""
+            raise ValueError(f"{type(layer).__name__} has {cols} input features{share}, not a multiple of the "
+                             f"{self.bits}-bit group size {group}")
+        self.group_size = group
+        lead = () if experts is None else (experts,)
+        loader = getattr(getattr(layer, prefix), "weight_loader", None)
+        qdtype = torch.uint8 if self.bits == 4 else torch.int8
+        qweight = nn.Parameter(torch.empty(*lead, rows, cols * self.bits // 8, dtype=qdtype, device="meta"),
+                               requires_grad=False)
+        qweight.logical_shape = (*lead, rows, cols)
+        qweight.keep_dtype = True
+        qweight.weight_loader = loader
+        qweight.quant_loader = self._loader(layer, prefix)
+        setattr(layer, prefix, qweight)
+        for suffix, present in (("scales", True), ("mins", self.has_mins)):
+            if present:
+                extra = nn.Parameter(torch.empty(*lead, rows, cols // group, dtype=torch.float16, device="meta"),
+                                     requires_grad=False)
+                extra.keep_dtype = True
+                extra.loaded_with = prefix
+                setattr(layer, f"{prefix}_{suffix}", extra)
+            else:
+                setattr(layer, f"{prefix}_{suffix}", None)
+        if experts is None:
+            layer.quant_scheme = self
+
+    def share_with(self, layer: nn.Module, owner: nn.Module) -> None:
+        """Make ``layer`` (a tied LM head) use ``owner``'s storage and this scheme."""
+        layer.weight, layer.weight_scales, layer.weight_mins = owner.weight, owner.weight_scales, owner.weight_mins
+        layer.quant_scheme = self
+
+    def _loader(self, layer: nn.Module, prefix: str = "weight") -> Any:
+        def load(param: torch.Tensor, tensor: Any, dst: Any, src: tuple[int, int, int] | None = None) -> None:
+            """Quantize (or regroup) ``tensor`` — narrowed by ``src`` ``(dim, start, length)`` after its
+            groups are formed — into the part of the storage ``dst`` selects: ``(start, length)`` rows, a
+            function from a storage tensor to its destination view, or None (all of it)."""
+            q, scales, mins = self._quantized_part(tensor, src)
+            if dst is None:
+                select = lambda t: t
+            elif callable(dst):
+                select = dst
+            else:
+                select = lambda t: t.narrow(0, *dst)
+            stored_mins = getattr(layer, f"{prefix}_mins")
+            if stored_mins is not None and mins is None:
+                raise ValueError(f"{self} expects minimums, the checkpoint tensor has none")
+            with torch.no_grad():
+                select(param.data).copy_(q)
+                select(getattr(layer, f"{prefix}_scales").data).copy_(scales)
+                if stored_mins is not None:
+                    select(stored_mins.data).copy_(mins)
+            self.kernel_state.clear()
+        return load
+
+    def _quantized_part(self, tensor: Any, src: tuple[int, int, int] | None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The planar triple of ``tensor``'s part ``src``: GGUF blocks narrowed along whole blocks;
+        float tensors quantized whole, then narrowed along whole groups (a per-row scale stays the
+        whole row's)."""
+        if isinstance(tensor, GGMLBlocks):
+            return (tensor if src is None else tensor.narrow(*src)).to_planar()
+        if not (self.quantize_floats and isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
+            kind = tensor.type_name if isinstance(tensor, GGMLBlocks) else str(getattr(tensor, "dtype", type(tensor)))
+            raise ValueError(f"quantized storage ({self}) cannot take a {kind} tensor")
+        cols = tensor.shape[1]
+        group = cols if self.per_row else self.group_size
+        q, scales, mins = quantize_planar(tensor, self.bits, group, self.symmetric)
+        if src is None:
+            return q, scales, mins
+        dim, start, length = src
+        if dim == 0:
+            return q.narrow(0, start, length), scales.narrow(0, start, length), \
+                None if mins is None else mins.narrow(0, start, length)
+        if self.per_row:
+            return q.narrow(1, start, length), scales, mins  # int8 per row: one value per byte, the row's scale
+        if start % group or length % group:
+            raise ValueError(f"columns {start}:{start + length} of a {cols}-column weight cut a {group}-element "
+                             "quantization group (a tensor-parallel split must keep whole groups)")
+        per_byte = 8 // self.bits
+        return (q.narrow(1, start // per_byte, length // per_byte), scales.narrow(1, start // group, length // group),
+                None if mins is None else mins.narrow(1, start // group, length // group))
+
+    def clone(self) -> PlanarScheme:
+        """A scheme of the same format and kernel selector, with its own kernel state (one per expert)."""
+        twin = PlanarScheme(self.bits, self.group_size, self.has_mins, self.kernels, self.quantize_floats,
+                            self.symmetric, self.source_type)
+        twin.per_row = self.per_row
+        return twin
+
+    def storage(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(qweight, scales, mins)`` of ``layer``."""
+        return layer.weight, layer.weight_scales, layer.weight_mins
+
+    def nbytes(self, layer: nn.Module) -> int:
+        """Bytes of the layer's quantized storage."""
+        return sum(t.numel() * t.element_size() for t in self.storage(layer) if t is not None)
+
+    # -- compute -----------------------------------------------------------------------------------
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """``x Wᵀ + bias`` by the kernel chosen for this shape and row count."""
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        out = self.kernels.run(self, layer, flat)
+        if bias is not None:
+            out = out + bias
+        return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
+
+    def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+        """Rows ``ids`` of the stored table, dequantized (an embedding lookup)."""
+        flat = ids.reshape(-1)
+        qweight, scales, mins = self.storage(layer)
+        rows = dequantize_planar(qweight.index_select(0, flat), scales.index_select(0, flat),
+                                 None if mins is None else mins.index_select(0, flat), self.group_size, self.bits)
+        return rows.reshape(*ids.shape, -1)
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """The whole float weight (for tests and the reference kernel)."""
+        return dequantize_planar(*self.storage(layer), self.group_size, self.bits)
+
+    def __repr__(self) -> str:
+        kind = f"int{self.bits}" + ("" if self.source_type in ("", "float") else f" from {self.source_type}")
+        return f"{kind}/g{self.group_size}{'' if self.has_mins else ' symmetric'}"

@@ -1,0 +1,273 @@
+"""The files ``modelrunner new-plugin`` writes, per kind: a distribution that installs, lists in
+``modelrunner plugins`` and passes its own conformance test before its author changes a line."""
+
+from __future__ import annotations
+
+KINDS = {
+    "adapter": "architectures",
+    "attention-backend": "attention_backends",
+    "allocator": "allocators",
+    "compile-backend": "compile_backends",
+    "quantization-method": "quantization_methods",
+    "logits-processor": "logits_processors",
+}
+"""``new-plugin`` KIND → the registry kind its conformance suite checks."""
+
+PYPROJECT = '''\
+[build-system]
+requires = ["setuptools>=68"]
+build-backend = "setuptools.build_meta"
+
+[project]
+name = "{dist}"
+version = "0.1.0"
+description = "{summary}"
+readme = "README.md"
+requires-python = ">=3.10"
+dependencies = ["modelrunner"]
+
+[project.optional-dependencies]
+test = ["pytest>=8", "hypothesis>=6"]
+
+# How modelrunner finds the plugin: the entry point names it, its value is the module with the hooks.
+[project.entry-points.modelrunner]
+{entry} = "{module}"
+
+[tool.setuptools]
+packages = ["{module}"]
+'''
+
+README = '''\
+# {dist}
+
+{summary}
+
+```sh
+pip install -e .                 # installs the plugin; `modelrunner plugins` now lists `{entry}`
+pytest tests                     # the conformance suite of its kind
+modelrunner check {entry}        # the same suite, from the command line
+```
+
+{usage}
+'''
+
+TEST = '''\
+"""The conformance suite modelrunner ships for this kind, run on this plugin's `{name}`."""
+
+{imports}from modelrunner.conformance import suite
+
+test_conformance = suite("{kind}", "{name}"{options}).as_pytest()
+'''
+
+HEADER = '''\
+"""{summary}"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from modelrunner import hookimpl
+
+PLUGIN_API = ">=1.1,<2"
+"""The modelrunner plugin API versions this plugin was written for (outside them it is listed as broken)."""
+'''
+
+MODULES = {
+    "attention-backend": HEADER + '''
+import torch
+
+from modelrunner.layers import TorchSDPABackend
+
+
+class {cls}(TorchSDPABackend):
+    """Paged attention; starts as the kernel's ``torch_sdpa`` (override ``build_metadata`` / ``forward``).
+
+    Its class attributes are its declared capabilities: the configuration is refused up front where
+    they exclude the model or the cache layout.
+    """
+
+    name = "{name}"
+    priority = -10  # below the kernel's backends: used only when asked for (attention_backend="{name}")
+    max_block_size = None  # largest KV block size it handles (None: any)
+    supports_sliding_window = True
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the backend."""
+    registry.attention_backends({cls})
+''',
+    "allocator": HEADER + '''
+from modelrunner.kv_cache.paged import PagedBlockAllocator
+
+
+class {cls}(PagedBlockAllocator):
+    """A KV-cache block allocator; starts as the kernel's ``paged`` one (override what you change)."""
+
+    name = "{name}"
+    supports_prefix_caching = True
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the allocator and whether it caches prompt prefixes."""
+    registry.allocators({cls}.name, prefix_caching={cls}.supports_prefix_caching)
+
+
+@hookimpl
+def allocate(num_blocks: int, block_size: int, max_model_len: int, config: Any) -> {cls}:
+    """A fresh allocator (called only for ``kv_allocator="{name}"``)."""
+    return {cls}(num_blocks, block_size, max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+''',
+    "compile-backend": HEADER + '''
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the backend and where it runs."""
+    registry.compile_backends("{name}", devices=("cpu", "cuda"), tensor_parallel=True, pipeline_parallel=True)
+
+
+@hookimpl
+def compile(name: str, loaded: Any, config: Any) -> Any:
+    """The callable run in place of the model: here the eager one, wrapped (replace with your compiler).
+
+    ``loaded.runnable`` is the kernel's eager callable (its prepacked weights included), with the
+    model's signature ``(batch, kv_caches, **inputs)``; ``config.options`` are ``compile_options``.
+    """
+    inner = loaded.runnable
+
+    def run(batch: Any, kv_caches: Any, **inputs: Any) -> Any:
+        return inner(batch, kv_caches, **inputs)
+
+    return run
+''',
+    "quantization-method": HEADER + '''
+from modelrunner.quantization.methods import Int8Method
+
+
+class {cls}(Int8Method):
+    """A weight quantization method; starts as the kernel's ``int8`` (per-channel int8 weights
+    quantized at load). Override ``prepare`` (give the layers storage on the meta device) and
+    ``process_after_loading``, or ``_scheme`` (the storage format each layer gets).
+    """
+
+    name = "{name}"
+    conformance_tolerance = 0.05  # max |logits - float logits| / max |float logits| on a tiny model
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the method (config ``quantization="{name}"``)."""
+    registry.quantization_methods({cls})
+''',
+    "logits-processor": HEADER + '''
+from collections.abc import Sequence
+
+import torch
+
+from modelrunner.sampling import LogitsProcessor, LogitsRow, banned_mask
+
+
+class {cls}(LogitsProcessor):
+    """Bans the token ids a request lists: ``SamplingParams(logits_processors=[("{name}", {{"token_ids": [7]}})])``."""
+
+    name = "{name}"
+    example_args = ({{"token_ids": [0, 1]}},)  # what the conformance suite runs a request with
+
+    def request_state(self, params: Any, args: dict[str, Any]) -> list[int]:
+        """Check the request's arguments once, when it is added (a ValueError rejects the request)."""
+        unknown = set(args) - {{"token_ids"}}
+        if unknown:
+            raise ValueError(f"{name} takes 'token_ids', got {{sorted(unknown)}}")
+        ids = args.get("token_ids", [])
+        vocab = self.context.vocab_size
+        if not isinstance(ids, (list, tuple)) or not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+            raise ValueError(f"{name}: token_ids must be a list of ids in [0, {{vocab}}), got {{ids!r}}")
+        return list(ids)
+
+    def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
+        """Every listed id of each row to -inf, in one masked fill for the whole step."""
+        mask = banned_mask(len(rows), logits.shape[-1], [row.state for row in rows], logits.device)
+        return logits.masked_fill_(mask, float("-inf"))
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the processor."""
+    registry.logits_processors({cls})
+''',
+    "adapter": HEADER + '''
+import torch
+
+from modelrunner.loaded_model import LoadedModel
+from modelrunner.models import DecoderForCausalLM, build_and_load, check_built_for, loaded_for, run_stage
+
+ARCHITECTURE = "{cls}ForCausalLM"
+"""The ``architectures`` entry of the checkpoints this adapter loads (their config's model_type is
+``llama``: the kernel's pre-norm decoder is that architecture; change the model class for yours)."""
+
+
+class {cls}ForCausalLM(DecoderForCausalLM):
+    """The model, built from the kernel's layers (so tensor parallelism and quantization apply).
+    Override ``make_attention`` / ``make_mlp`` / ``attention_biases`` for your architecture."""
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the architecture and what the adapter supports."""
+    registry.architectures(ARCHITECTURE, tensor_parallel=True, pipeline_parallel=True, quantization=("*",),
+                           devices=("cpu", "cuda"))
+
+
+@hookimpl
+def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, parallel: Any,
+         attention_backend: Any, max_model_len: int) -> LoadedModel:
+    """Build the model on the meta device, then stream this rank's weights in."""
+    model = build_and_load(lambda: {cls}ForCausalLM(source.hf_config, max_model_len, parallel, attention_backend),
+                           source, device, dtype)
+    return loaded_for(model, source, config, dtype)
+
+
+@hookimpl
+def forward(loaded: LoadedModel, batch: Any, kv_caches: list[torch.Tensor]) -> Any:
+    """Logits for the rows ``batch.logits_indices`` of the step's flattened tokens."""
+    return run_stage(loaded, batch, kv_caches)
+
+
+@hookimpl
+def parallelize(loaded: LoadedModel, parallel: Any) -> None:
+    """The split happened while building; check it matches this rank."""
+    check_built_for(loaded.model, parallel)
+''',
+}
+"""KIND → the plugin module (``{name}``, ``{cls}`` filled in)."""
+
+SUMMARIES = {
+    "adapter": "A modelrunner model adapter for {cls}ForCausalLM checkpoints.",
+    "attention-backend": "The {name} paged-attention backend for modelrunner.",
+    "allocator": "The {name} KV-cache block allocator for modelrunner.",
+    "compile-backend": "The {name} compile backend for modelrunner.",
+    "quantization-method": "The {name} weight quantization method for modelrunner.",
+    "logits-processor": "The {name} logits processor for modelrunner.",
+}
+
+USAGE = {
+    "adapter": 'Checkpoints whose `config.json` says `"architectures": ["{cls}ForCausalLM"]` load through it:\n'
+               '`LLM("path/to/checkpoint")`.',
+    "attention-backend": '`LLM(model, attention_backend="{name}")`.',
+    "allocator": '`LLM(model, kv_allocator="{name}")`.',
+    "compile-backend": '`LLM(model, compile=True, compile_backend="{name}")`.',
+    "quantization-method": '`LLM(model, quantization="{name}")`.',
+    "logits-processor": '`llm.generate(prompt, SamplingParams(logits_processors=[("{name}", {{"token_ids": [7]}})]))`.',
+}
+
+TEST_OPTIONS = {
+    "adapter": (
+        "from transformers import LlamaConfig\n\n",
+        ', config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,\n'
+        '                                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,\n'
+        '                                     architectures=["{cls}ForCausalLM"])',
+    ),
+}
+"""KIND → (imports, extra ``suite(...)`` arguments) of its test."""

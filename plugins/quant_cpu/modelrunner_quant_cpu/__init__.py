@@ -1,0 +1,34 @@
+"""modelrunner plugin: CPU matmul kernels for weight-quantized linear layers (4-bit and 8-bit weights
+with grouped float16 scales and optional mins), built on first use.
+
+The package implements no hooks yet: quantization methods import it directly. It is an entry point
+so that ``modelrunner plugins`` lists it (and reports it if it fails to import).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+
+from .kernel import KernelUnavailable, available, dequantize, load, qlinear, simd
+from .reference import (
+    reference_dequantize,
+    reference_qlinear_q8,
+    reference_quantize_activations,
+)
+
+try:
+    __version__ = importlib.metadata.version("modelrunner-quant-cpu")
+except importlib.metadata.PackageNotFoundError:  # imported from a source tree
+    __version__ = "0.0.0"
+
+__all__ = [
+    "KernelUnavailable",
+    "available",
+    "dequantize",
+    "load",
+    "qlinear",
+    "reference_dequantize",
+    "reference_qlinear_q8",
+    "reference_quantize_activations",
+    "simd",
+]

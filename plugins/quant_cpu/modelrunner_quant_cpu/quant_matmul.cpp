@@ -1,0 +1,1182 @@
+// Matrix products with weight-quantized linear layers, for CPUs: y = x @ dequantize(W).T without
+// materialising the float weight (small batches), or through MKL on dequantized tiles (large ones),
+// or llama.cpp-style with activations quantized to int8 per 32-element block ("q8").
+//
+// Weight format (prepared by the Python side):
+//   qweight  bits=4: uint8 [N, K/2], ggml's nibble order per 32-element block: byte j of the block
+//            holds element j in its low nibble and element j+16 in its high nibble (q = 0..15);
+//            bits=8: int8 [N, K] (q = -128..127).
+//   scales   float16 [N, K/group_size]; mins float16 [N, K/group_size] or absent;
+//            w[n, k] = scales[n, k/g] * q[n, k] + mins[n, k/g].
+//
+// Registered as torch operators (modelrunner_quant_cpu::...) so that eager code and torch.compile
+// graphs call the same kernels. Built with -march=native: the code paths below are chosen by the
+// compiler's target (AVX-512 + VNNI, AVX2 + FMA, or portable scalar code).
+
+#include <c10/core/InferenceMode.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdlib>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <string>
+#include <vector>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MRQ_AVX2 1
+#endif
+#if defined(MRQ_AVX2) && defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__) && \
+    defined(__AVX512VL__)
+#define MRQ_AVX512 1
+#endif
+// 256-bit u8 x s8 dot products in one instruction: AVX-512 VNNI (EVEX, needs VL) or AVX-VNNI (VEX).
+#if defined(MRQ_AVX2) && defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define MRQ_VNNI 1
+#elif defined(MRQ_AVX2) && defined(__AVXVNNI__)
+#define MRQ_VNNI 2
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;  // elements of one nibble block and of one activation-quantization block
+
+// ---------------------------------------------------------------------------------------------
+// The weight, validated.
+
+struct QuantWeight {
+  const uint8_t* data = nullptr;  // row n starts at data + n * row_bytes
+  const at::Half* scales = nullptr;
+  const at::Half* mins = nullptr;  // nullptr: no mins
+  int64_t rows = 0, cols = 0, group = 0, groups = 0, bits = 0, row_bytes = 0;
+
+  const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
+};
+
+QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                         int64_t group_size, int64_t bits) {
+  TORCH_CHECK_VALUE(bits == 4 || bits == 8, "bits must be 4 or 8, got ", bits);
+  TORCH_CHECK_VALUE(qweight.dim() == 2, "qweight must be 2-D, [N, K/2] for bits=4 or [N, K] for bits=8, got shape ",
+                    qweight.sizes());
+  const auto want = bits == 4 ? at::kByte : at::kChar;
+  TORCH_CHECK_VALUE(qweight.scalar_type() == want, "qweight must be ", (bits == 4 ? "uint8" : "int8"),
+                    " for bits=", bits, ", got ", qweight.scalar_type());
+  TORCH_CHECK_VALUE(qweight.device().is_cpu(), "qweight must be a CPU tensor, got device ", qweight.device());
+  TORCH_CHECK_VALUE(qweight.is_contiguous(), "qweight must be contiguous (strides ", qweight.strides(), ")");
+  QuantWeight w;
+  w.bits = bits;
+  w.rows = qweight.size(0);
+  w.row_bytes = qweight.size(1);
+  w.cols = bits == 4 ? 2 * w.row_bytes : w.row_bytes;
+  TORCH_CHECK_VALUE(w.cols > 0 && w.cols % kBlock == 0, "K (input features) must be a positive multiple of 32, got K = ",
+                    w.cols, " from qweight shape ", qweight.sizes());
+  TORCH_CHECK_VALUE(group_size > 0 && group_size % kBlock == 0 && w.cols % group_size == 0,
+                    "group_size must be a positive multiple of 32 that divides K = ", w.cols, ", got ", group_size);
+  w.group = group_size;
+  w.groups = w.cols / group_size;
+  const auto check_grid = [&](const at::Tensor& t, const char* name) {
+    TORCH_CHECK_VALUE(t.scalar_type() == at::kHalf, name, " must be float16, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == w.rows && t.size(1) == w.groups, name,
+                      " must be [N, K/group_size] = [", w.rows, ", ", w.groups, "], got shape ", t.sizes());
+    TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
+    TORCH_CHECK_VALUE(t.is_contiguous(), name, " must be contiguous (strides ", t.strides(), ")");
+  };
+  check_grid(scales, "scales");
+  w.data = static_cast<const uint8_t*>(qweight.const_data_ptr());
+  w.scales = scales.const_data_ptr<at::Half>();
+  if (mins.has_value()) {
+    check_grid(*mins, "mins");
+    w.mins = mins->const_data_ptr<at::Half>();
+  }
+  return w;
+}
+
+void check_input(const at::Tensor& x, const QuantWeight& w) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be a CPU tensor, got device ", x.device());
+  TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous (strides ", x.strides(), ")");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [M, K], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) == w.cols, "x has ", x.size(1), " features (x.size(1)) but the weight has K = ", w.cols);
+}
+
+inline void halves_to_floats(const at::Half* src, float* dst, int64_t n) {
+  int64_t i = 0;
+#ifdef MRQ_AVX2
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+// Float scales and mins (zeros when absent) of rows [n0, n0 + count), [count][groups] each.
+struct RowScales {
+  std::vector<float> scales, mins;
+
+  void fetch(const QuantWeight& w, int64_t n0, int64_t count) {
+    const size_t size = static_cast<size_t>(count * w.groups);
+    if (scales.size() < size) scales.resize(size), mins.resize(size);
+    halves_to_floats(w.scales + n0 * w.groups, scales.data(), count * w.groups);
+    if (w.mins)
+      halves_to_floats(w.mins + n0 * w.groups, mins.data(), count * w.groups);
+    else
+      std::fill(mins.begin(), mins.begin() + size, 0.f);
+  }
+  const float* scale(int64_t i, int64_t groups) const { return scales.data() + i * groups; }
+  const float* min(int64_t i, int64_t groups) const { return mins.data() + i * groups; }
+};
+
+// ---------------------------------------------------------------------------------------------
+// Weights unpacked to floats in registers.
+
+#ifdef MRQ_AVX512
+// 16 float lanes; a 32-element block is two vectors. 4-bit weights are looked up in a 16-entry
+// table of the group's dequantized values (scale * i + min): one permute per 16 weights.
+struct Exact {
+  using V = __m512;
+  static constexpr int kVecs = 2, kLanes = 16, kMaxAccumulators = 16;
+  static V zero() { return _mm512_setzero_ps(); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  static float sum(V v) { return _mm512_reduce_add_ps(v); }
+
+  struct Group {
+    V a, b;
+  };
+  // kMins false: a multiply, no add of 0 (dequantize keeps torch's -0 for negative scales).
+  template <int kBits, bool kMins = true>
+  static Group group(float s, float m) {
+    if constexpr (kBits == 4) {
+      const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      return {kMins ? _mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(m)) : _mm512_mul_ps(iota, _mm512_set1_ps(s)),
+              V{}};
+    } else {
+      return {_mm512_set1_ps(s), _mm512_set1_ps(m)};
+    }
+  }
+  template <int kBits, bool kMins = true>
+  static void unpack(const uint8_t* p, const Group& g, V* w) {
+    if constexpr (kBits == 4) {
+      const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      w[0] = _mm512_permutexvar_ps(bytes, g.a);  // the permute reads the low 4 bits of each index
+      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), g.a);
+    } else {
+      const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
+      if constexpr (kMins) {
+        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), g.a, g.b);
+        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), g.a, g.b);
+      } else {
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), g.a);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), g.a);
+      }
+    }
+  }
+  static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+#elif defined(MRQ_AVX2)
+// 8 float lanes; a block is four vectors.
+struct Exact {
+  using V = __m256;
+  static constexpr int kVecs = 4, kLanes = 8, kMaxAccumulators = 8;
+  static V zero() { return _mm256_setzero_ps(); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static float sum(V v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+  }
+
+  struct Group {
+    V a, b;
+  };
+  template <int kBits, bool kMins = true>
+  static Group group(float s, float m) {
+    return {_mm256_set1_ps(s), _mm256_set1_ps(m)};
+  }
+  template <int kBits, bool kMins = true>
+  static void unpack(const uint8_t* p, const Group& g, V* w) {
+    const auto bytes = [&](int offset) {
+      const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + offset));
+      return kBits == 4 ? _mm256_cvtepu8_epi32(raw) : _mm256_cvtepi8_epi32(raw);
+    };
+    const auto dequant = [&](__m256i q) {
+      return kMins ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), g.a, g.b) : _mm256_mul_ps(_mm256_cvtepi32_ps(q), g.a);
+    };
+    if constexpr (kBits == 4) {
+      const __m256i lo = bytes(0), hi = bytes(8), mask = _mm256_set1_epi32(15);
+      w[0] = dequant(_mm256_and_si256(lo, mask));  // elements 0..7
+      w[1] = dequant(_mm256_and_si256(hi, mask));  // 8..15
+      w[2] = dequant(_mm256_srli_epi32(lo, 4));    // 16..23
+      w[3] = dequant(_mm256_srli_epi32(hi, 4));    // 24..31
+    } else {
+      for (int v = 0; v < 4; ++v) w[v] = dequant(bytes(8 * v));
+    }
+  }
+  static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Dequantization. scales * q is exact in float32 (11-bit fp16 mantissa times an integer of at most
+// 8 bits), so a fused or a separate multiply-add rounds the same way: these values equal torch's
+// `scales.float() * q + mins.float()` bit for bit, whatever the compiler contracts.
+
+template <int kBits, bool kMins>
+void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K, int64_t group, float* out) {
+#ifdef MRQ_AVX2
+  const int64_t per_group = group / kBlock;
+  for (int64_t g = 0, b = 0; g < K / group; ++g) {
+    const Exact::Group grp = Exact::group<kBits, kMins>(s[g], kMins ? m[g] : 0.f);
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      Exact::V w[Exact::kVecs];
+      Exact::unpack<kBits, kMins>(q + b * (kBits * kBlock / 8), grp, w);
+      for (int v = 0; v < Exact::kVecs; ++v) Exact::store(out + b * kBlock + v * Exact::kLanes, w[v]);
+    }
+  }
+#else
+  for (int64_t b = 0; b < K / kBlock; ++b) {
+    const int64_t g = b * kBlock / group;
+    const float sc = s[g], mn = kMins ? m[g] : 0.f;
+    float* o = out + b * kBlock;
+    if constexpr (kBits == 4) {
+      const uint8_t* p = q + b * 16;
+      for (int j = 0; j < 16; ++j) {
+        if constexpr (kMins) {
+          o[j] = sc * static_cast<float>(p[j] & 15) + mn;
+          o[j + 16] = sc * static_cast<float>(p[j] >> 4) + mn;
+        } else {
+          o[j] = sc * static_cast<float>(p[j] & 15);
+          o[j + 16] = sc * static_cast<float>(p[j] >> 4);
+        }
+      }
+    } else {
+      const int8_t* p = reinterpret_cast<const int8_t*>(q) + b * kBlock;
+      for (int j = 0; j < 32; ++j) {
+        if constexpr (kMins)
+          o[j] = sc * static_cast<float>(p[j]) + mn;
+        else
+          o[j] = sc * static_cast<float>(p[j]);
+      }
+    }
+  }
+#endif
+}
+
+// Rows [n0, n1) into out ([n1 - n0][K], contiguous).
+void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* out, RowScales& rs) {
+  if (n1 <= n0) return;
+  rs.fetch(w, n0, n1 - n0);
+  for (int64_t n = n0; n < n1; ++n) {
+    const float* s = rs.scale(n - n0, w.groups);
+    const float* m = rs.min(n - n0, w.groups);
+    float* o = out + (n - n0) * w.cols;
+    if (w.bits == 4)
+      w.mins ? dequantize_row<4, true>(w.row(n), s, m, w.cols, w.group, o)
+             : dequantize_row<4, false>(w.row(n), s, m, w.cols, w.group, o);
+    else
+      w.mins ? dequantize_row<8, true>(w.row(n), s, m, w.cols, w.group, o)
+             : dequantize_row<8, false>(w.row(n), s, m, w.cols, w.group, o);
+  }
+}
+
+// Multiply-adds a thread must get before a call is split: waking torch's other threads costs ~35 us
+// here when they sleep between parallel regions (OMP_WAIT_POLICY=PASSIVE, as the Makefile sets),
+// a few us when they spin. Measured on SmolLM2's layers at one row of x: with sleeping threads,
+// 576x576 took 35 us on one thread and 75 us on two.
+double min_work_per_thread() {
+  static const double work = [] {
+    const char* policy = std::getenv("OMP_WAIT_POLICY");
+    std::string p = policy ? policy : "";
+    std::transform(p.begin(), p.end(), p.begin(), [](unsigned char c) { return std::tolower(c); });
+    return p == "passive" ? double(1 << 20) : double(1 << 17);
+  }();
+  return work;
+}
+
+// Splits rows [0, N) into chunks of whole `unit`s among torch's threads, each with at least
+// min_work_per_thread() multiply-adds: a small call stays on the calling thread.
+template <typename F>
+void parallel_rows(int64_t N, int64_t unit, double work_per_row, F&& body) {
+  const int64_t units = (N + unit - 1) / unit;
+  const double per_unit = std::max(1.0, work_per_row * static_cast<double>(unit));
+  const int64_t grain = std::max<int64_t>(1, static_cast<int64_t>(min_work_per_thread() / per_unit));
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) { body(u0 * unit, std::min(N, u1 * unit)); });
+}
+
+// ---------------------------------------------------------------------------------------------
+// "exact": float activations times float weights, unpacked in registers (small M).
+
+#ifdef MRQ_AVX2
+// MT activation rows times NT weight rows over all of K, each weight block unpacked once for the
+// MT rows; acc[r][t] stay in registers. kPerGroup: blocks per group when known at compile time
+// (1: groups of 32, one flat loop), 0: w.group / 32.
+template <int kBits, int kPerGroup, int MT, int NT>
+void exact_tile(const QuantWeight& w, const uint8_t* const* rows, const float* const* s, const float* const* m,
+                const float* x, float* y, int64_t ldy) {
+  using V = Exact::V;
+  constexpr int64_t bb = kBits * kBlock / 8;
+  const int64_t K = w.cols, per_group = kPerGroup > 0 ? kPerGroup : w.group / kBlock;
+  const uint8_t* q[NT];
+  const float* sc[NT];
+  const float* mn[NT];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) q[t] = rows[t], sc[t] = s[t], mn[t] = m[t];
+  V acc[MT][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) acc[r][t] = Exact::zero();
+  // Few x rows: their block is loaded into registers once for the NT weight rows; more rows: read
+  // by the multiply-adds from L1 (registers are short).
+  constexpr bool kHoist = MT * Exact::kVecs <= 4;
+  const auto block = [&](const Exact::Group* grp, int64_t b) {
+    const float* xb = x + b * kBlock;
+    V xv[kHoist ? MT : 1][Exact::kVecs];
+    if constexpr (kHoist) {
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+        for (int v = 0; v < Exact::kVecs; ++v) xv[r][v] = Exact::load(xb + r * K + v * Exact::kLanes);
+    }
+    const auto x_at = [&](int r, int v) {
+      if constexpr (kHoist)
+        return xv[r][v];
+      else
+        return Exact::load(xb + r * K + v * Exact::kLanes);
+    };
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      V wv[Exact::kVecs];
+      Exact::unpack<kBits>(q[t] + b * bb, grp[t], wv);
+#pragma GCC unroll 4
+      for (int v = 0; v < Exact::kVecs; ++v)
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r) acc[r][t] = Exact::fma(x_at(r, v), wv[v], acc[r][t]);
+    }
+  };
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    Exact::Group grp[NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) grp[t] = Exact::group<kBits>(sc[t][g], mn[t][g]);
+    if constexpr (kPerGroup == 1) {
+      block(grp, b++);
+    } else {
+      for (const int64_t end = b + per_group; b < end; ++b) block(grp, b);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) y[r * ldy + t] = Exact::sum(acc[r][t]);
+}
+
+constexpr int exact_nt(int mt) {
+  const int nt = Exact::kMaxAccumulators / mt;
+  return nt > 4 ? 4 : nt < 1 ? 1 : nt;
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// "q8": activations quantized per 32-element block to int8 with one float scale (amax / 127),
+// integer dot products with the weights' integers, then the scales:
+//   sum_k w_k x_k ~= sum_g [ s_g * sum_{b in g} dx_b * (q_b . xq_b) ] + sum_g m_g * (sum_{k in g} x_k)
+// The mins' term uses the exact float sums of x (no quantization error there).
+
+struct QuantizedInput {
+  std::unique_ptr<int8_t[]> q;   // [M][K]
+  std::unique_ptr<float[]> d;    // [M][K/32]
+  std::unique_ptr<float[]> sum;  // [M][groups] (only with mins)
+  std::unique_ptr<int32_t[]> qsum;  // [M][K/32]: sum of each block's integers (8-bit weights, packed kernel)
+};
+
+// pairs: blocks 2p and 2p+1 stored as [2p: 0..15][2p+1: 0..15][2p: 16..31][2p+1: 16..31], the order
+// of one 32-byte load of their 4-bit weights split into low and high nibbles (an odd last block
+// stays in element order).
+void quantize_row(const float* x, int64_t K, int64_t group, bool sums, bool pairs, int8_t* q, float* d,
+                  float* gsum, int32_t* qsum) {
+  const int64_t blocks = K / kBlock;
+  for (int64_t b = 0; b < blocks; ++b) {
+    const float* v = x + b * kBlock;
+    int8_t* out = q + b * kBlock;
+    float amax = 0.f, total = 0.f;
+#ifdef MRQ_AVX2
+    const __m256 v0 = _mm256_loadu_ps(v), v1 = _mm256_loadu_ps(v + 8), v2 = _mm256_loadu_ps(v + 16),
+                 v3 = _mm256_loadu_ps(v + 24);
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 a = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, v0), _mm256_andnot_ps(sign, v1)),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, v2), _mm256_andnot_ps(sign, v3)));
+    __m128 a4 = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    a4 = _mm_max_ps(a4, _mm_movehl_ps(a4, a4));
+    amax = _mm_cvtss_f32(_mm_max_ss(a4, _mm_movehdup_ps(a4)));
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    const __m256 vid = _mm256_set1_ps(id);
+    constexpr int kRound = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+    const __m256i i0 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v0, vid), kRound));
+    const __m256i i1 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v1, vid), kRound));
+    const __m256i i2 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v2, vid), kRound));
+    const __m256i i3 = _mm256_cvtps_epi32(_mm256_round_ps(_mm256_mul_ps(v3, vid), kRound));
+    // packs work within 128-bit lanes: the permute puts the 32 bytes back in order.
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(i0, i1), _mm256_packs_epi32(i2, i3));
+    const __m256i ordered = _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+    if (pairs && b < blocks - blocks % 2) {
+      int8_t* pair = q + (b - b % 2) * kBlock + (b % 2) * 16;
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair), _mm256_castsi256_si128(ordered));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(pair + 32), _mm256_extracti128_si256(ordered, 1));
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), ordered);
+    }
+    if (qsum) {
+      const __m256i t = _mm256_add_epi32(_mm256_add_epi32(i0, i1), _mm256_add_epi32(i2, i3));
+      __m128i t4 = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+      t4 = _mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0x4e));
+      qsum[b] = _mm_cvtsi128_si32(_mm_add_epi32(t4, _mm_shuffle_epi32(t4, 0xb1)));
+    }
+    if (sums) {
+      const __m256 s = _mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3));
+      __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+      s4 = _mm_add_ps(s4, _mm_movehl_ps(s4, s4));
+      total = _mm_cvtss_f32(_mm_add_ss(s4, _mm_movehdup_ps(s4)));
+    }
+#else
+    for (int j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float id = amax != 0.f ? 127.f / amax : 0.f;
+    for (int j = 0; j < kBlock; ++j) out[j] = static_cast<int8_t>(std::nearbyint(v[j] * id));
+    if (qsum) {
+      qsum[b] = 0;
+      for (int j = 0; j < kBlock; ++j) qsum[b] += out[j];
+    }
+    if (sums)
+      for (int j = 0; j < kBlock; ++j) total += v[j];
+#endif
+    d[b] = amax / 127.f;
+    if (sums) {
+      const int64_t g = b * kBlock / group;
+      gsum[g] = (b * kBlock % group == 0 ? 0.f : gsum[g]) + total;
+    }
+  }
+}
+
+QuantizedInput quantize_input(const float* x, int64_t M, const QuantWeight& w, bool block_sums, bool pairs) {
+  QuantizedInput in;
+  const int64_t blocks = w.cols / kBlock;
+  in.q.reset(new int8_t[std::max<int64_t>(1, M * w.cols)]);
+  in.d.reset(new float[std::max<int64_t>(1, M * blocks)]);
+  const bool sums = w.mins != nullptr;
+  if (sums) in.sum.reset(new float[std::max<int64_t>(1, M * w.groups)]);
+  if (block_sums) in.qsum.reset(new int32_t[std::max<int64_t>(1, M * blocks)]);
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / w.cols), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m)
+      quantize_row(x + m * w.cols, w.cols, w.group, sums, pairs, in.q.get() + m * w.cols, in.d.get() + m * blocks,
+                   sums ? in.sum.get() + m * w.groups : nullptr, block_sums ? in.qsum.get() + m * blocks : nullptr);
+  });
+  return in;
+}
+
+#ifdef MRQ_AVX2
+// 8 int32 lanes, each the sum of 4 adjacent products of unsigned bytes u and signed bytes s.
+inline __m256i dot_u8s8(__m256i u, __m256i s) {
+#if MRQ_VNNI == 1
+  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#elif MRQ_VNNI == 2
+  return _mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u, s);
+#else
+  // Pairs of products fit int16: at most 2 * 15 * 127 (4-bit) or 2 * 128 * 127 (8-bit, sign trick).
+  return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));
+#endif
+}
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// One weight block as 32 bytes in element order: unsigned nibbles (4-bit), or |q| (8-bit: u8 x s8
+// instructions need one unsigned side; the signs go onto the activations).
+template <int kBits>
+inline __m256i q8_weights(const uint8_t* p) {
+  if constexpr (kBits == 4) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(raw, 4), raw), _mm256_set1_epi8(15));
+  } else {
+    return _mm256_abs_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+
+template <int kBits>
+inline __m256i q8_dot(__m256i u, const uint8_t* p, __m256i xq) {
+  if constexpr (kBits == 4)
+    return dot_u8s8(u, xq);
+  else
+    return dot_u8s8(u, _mm256_sign_epi8(xq, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))));
+}
+
+#ifdef MRQ_AVX512
+constexpr int kQ8MaxAccumulators = 12;  // two registers each, of 32
+constexpr int kQ8MaxRows = 8;
+#else
+constexpr int kQ8MaxAccumulators = 4;  // of 16: taller tiles would spill
+constexpr int kQ8MaxRows = 4;
+#endif
+
+constexpr int q8_nt(int mt) {
+  const int nt = kQ8MaxAccumulators / mt;
+  return nt > 4 ? 4 : nt < 1 ? 1 : nt;
+}
+
+template <int kBits, int kPerGroup, int MT, int NT>
+void q8_tile(const QuantWeight& w, const uint8_t* const* rows, const float* const* s, const float* const* m,
+             const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
+  constexpr int64_t bb = kBits * kBlock / 8;
+  const int64_t K = w.cols, blocks = K / kBlock, per_group = kPerGroup > 0 ? kPerGroup : w.group / kBlock;
+  const int8_t* xq = in.q.get() + m0 * K;
+  const float* dx = in.d.get() + m0 * blocks;
+  const uint8_t* q[NT];
+  const float* sc[NT];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) q[t] = rows[t], sc[t] = s[t];
+  __m256 acc[MT][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  if constexpr (kPerGroup == 1) {
+    // A scale per block: dx * scale folded into one multiplier per (row, block).
+    for (int64_t b = 0; b < blocks; ++b) {
+      __m256i u[NT];
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) u[t] = q8_weights<kBits>(q[t] + b * bb);
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
+        const float d = dx[r * blocks + b];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t)
+          acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<kBits>(u[t], q[t] + b * bb, xv)),
+                                      _mm256_set1_ps(d * sc[t][b]), acc[r][t]);
+      }
+    }
+  } else {
+    for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+      __m256 part[MT][NT];
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) part[r][t] = _mm256_setzero_ps();
+      for (const int64_t end = b + per_group; b < end; ++b) {
+        __m256i u[NT];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) u[t] = q8_weights<kBits>(q[t] + b * bb);
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r) {
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
+          const __m256 d = _mm256_set1_ps(dx[r * blocks + b]);
+#pragma GCC unroll 4
+          for (int t = 0; t < NT; ++t)
+            part[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(q8_dot<kBits>(u[t], q[t] + b * bb, xv)), d, part[r][t]);
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const __m256 scale = _mm256_set1_ps(sc[t][g]);
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r) acc[r][t] = _mm256_fmadd_ps(part[r][t], scale, acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      float total = hsum(acc[r][t]);
+      if (w.mins) {  // sum_g min_g * sum(x over g): exact sums, off the vector loop
+        const float* xs = in.sum.get() + (m0 + r) * w.groups;
+        for (int64_t g = 0; g < w.groups; ++g) total += m[t][g] * xs[g];
+      }
+      y[r * ldy + t] = total;
+    }
+}
+
+// Two u8 x s8 dot products summed into 8 int32 lanes.
+inline __m256i dot2_u8s8(__m256i u1, __m256i s1, __m256i u2, __m256i s2) {
+#if MRQ_VNNI == 1
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#elif MRQ_VNNI == 2
+  return _mm256_dpbusd_avx_epi32(_mm256_dpbusd_avx_epi32(_mm256_setzero_si256(), u1, s1), u2, s2);
+#else
+  // 4-bit: each int16 pair is at most 2 * 15 * 127, two of them still fit.
+  return _mm256_madd_epi16(_mm256_add_epi16(_mm256_maddubs_epi16(u1, s1), _mm256_maddubs_epi16(u2, s2)),
+                           _mm256_set1_epi16(1));
+#endif
+}
+
+// [v[0] x4, v[1] x4]: the multipliers of two consecutive blocks for the lanes that sum them.
+inline __m256 two_blocks(const float* v) {
+  const __m128 pair = _mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v)));
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(pair), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1));
+}
+
+// Whether the 4-bit q8 kernel takes blocks two at a time: a pair never straddles two groups unless
+// groups are single blocks (then each lane half gets its own scale).
+bool q8_takes_pairs(const QuantWeight& w) {
+  const int64_t per_group = w.group / kBlock;
+  return w.bits == 4 && (per_group == 1 || per_group % 2 == 0);
+}
+
+#ifdef MRQ_AVX512
+constexpr int kPairsMaxAccumulators = 12;
+#else
+constexpr int kPairsMaxAccumulators = 4;
+#endif
+
+constexpr int pairs_nt(int mt) {
+  const int nt = kPairsMaxAccumulators / mt;
+  return nt > (kPairsMaxAccumulators >= 8 ? 4 : 2) ? (kPairsMaxAccumulators >= 8 ? 4 : 2) : nt < 1 ? 1 : nt;
+}
+
+// 4-bit weights, blocks two at a time: one 32-byte load holds blocks b and b+1, its low nibbles
+// their elements 0..15 and its high nibbles their elements 16..31 (the activations' pair layout);
+// int32 lanes 0-3 sum block b, lanes 4-7 block b+1, scaled by [dx*s of b, dx*s of b+1].
+// kPerGroup: 1 (groups of 32) or 0 (an even number of blocks per group).
+template <int kPerGroup, int MT, int NT>
+void q8_pairs_tile(const QuantWeight& w, const uint8_t* const* rows, const float* const* s, const float* const* m,
+                   const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
+  const int8_t* xq = in.q.get() + m0 * K;
+  const float* dx = in.d.get() + m0 * blocks;
+  const uint8_t* q[NT];
+  const float* sc[NT];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) q[t] = rows[t], sc[t] = s[t];
+  const __m256i mask = _mm256_set1_epi8(15);
+  __m256 acc[MT][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm256_setzero_ps();
+  const int64_t paired = blocks - blocks % 2;
+  for (int64_t b = 0; b < paired; b += 2) {
+    __m256i lo[NT], hi[NT];
+    __m256 sv[NT];
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q[t] + b * 16));
+      lo[t] = _mm256_and_si256(raw, mask);
+      hi[t] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), mask);
+      sv[t] = kPerGroup == 1 ? two_blocks(sc[t] + b) : _mm256_set1_ps(sc[t][b / per_group]);
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r) {
+      const int8_t* xp = xq + r * K + b * kBlock;
+      const __m256i xlo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp));
+      const __m256i xhi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xp + 32));
+      const __m256 dv = two_blocks(dx + r * blocks + b);
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t)
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot2_u8s8(lo[t], xlo, hi[t], xhi)), _mm256_mul_ps(dv, sv[t]),
+                                    acc[r][t]);
+    }
+  }
+  if (paired < blocks) {  // an odd last block, in element order
+    const int64_t b = paired;
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m256i u = q8_weights<4>(q[t] + b * 16);
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + r * K + b * kBlock));
+        acc[r][t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot_u8s8(u, xv)),
+                                    _mm256_set1_ps(dx[r * blocks + b] * sc[t][b / per_group]), acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      float total = hsum(acc[r][t]);
+      if (w.mins) {
+        const float* xs = in.sum.get() + (m0 + r) * w.groups;
+        for (int64_t g = 0; g < w.groups; ++g) total += m[t][g] * xs[g];
+      }
+      y[r * ldy + t] = total;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// q8 for larger M: tiles of 16 weight rows repacked so that one u8 x s8 instruction multiplies four
+// activation bytes (broadcast) by four weights of each of 8 rows: eight of them per block and row of
+// x, then one conversion and multiply-add, instead of one conversion per (row, output, block).
+// 4-bit weights on any AVX2 CPU; 8-bit ones with VNNI (stored as q + 128, unsigned, the 128 * sum(xq)
+// it adds taken off exactly in int32), else the q8_tile kernel serves them.
+
+#if MRQ_VNNI
+constexpr bool kPackedInt8 = true;
+#else
+constexpr bool kPackedInt8 = false;  // q + 128 up to 255 times 127 overflows maddubs' int16 pairs
+#endif
+constexpr int64_t kPackRows = 16;
+#ifdef MRQ_AVX512
+constexpr int kPackMaxRows = 4;  // x rows per tile: 16 int32 + 8 float accumulators of 32 registers
+#else
+constexpr int kPackMaxRows = 2;
+#endif
+
+inline __m256i dot_u8s8_add(__m256i acc, __m256i u, __m256i s) {
+#if MRQ_VNNI == 1
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif MRQ_VNNI == 2
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// r[i] = 8 dwords of row i -> r[j] = dword j of rows 0..7.
+inline void transpose8x8_epi32(__m256i* r) {
+  __m256i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_unpacklo_epi64(t[i], t[i + 2]);
+    u[i + 1] = _mm256_unpackhi_epi64(t[i], t[i + 2]);
+    u[i + 2] = _mm256_unpacklo_epi64(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm256_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int j = 0; j < 4; ++j) {
+    r[j] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x20);
+    r[j + 4] = _mm256_permute2x128_si256(u[j], u[j + 4], 0x31);
+  }
+}
+
+// Rows [n0, n0 + 16) (zeros past N): data[b][kk][half][row][4] bytes, scales and mins [groups][16].
+struct PackedRows {
+  std::vector<__m256i> data;
+  std::vector<float> scales, mins;
+
+  template <int kBits>
+  void pack(const QuantWeight& w, int64_t n0) {
+    const int64_t blocks = w.cols / kBlock, rows = std::min(kPackRows, w.rows - n0);
+    data.resize(static_cast<size_t>(blocks * 16));
+    scales.assign(static_cast<size_t>(w.groups * kPackRows), 0.f);
+    mins.assign(static_cast<size_t>(w.groups * kPackRows), 0.f);
+    for (int64_t b = 0; b < blocks; ++b)
+      for (int half = 0; half < 2; ++half) {
+        __m256i r[8];
+        for (int i = 0; i < 8; ++i) {
+          const int64_t n = 8 * half + i;
+          if (n >= rows) {
+            r[i] = _mm256_setzero_si256();
+          } else if constexpr (kBits == 4) {
+            r[i] = q8_weights<4>(w.row(n0 + n) + b * 16);
+          } else {
+            const __m256i q = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w.row(n0 + n) + b * kBlock));
+            r[i] = _mm256_xor_si256(q, _mm256_set1_epi8(static_cast<char>(0x80)));  // q + 128 as unsigned
+          }
+        }
+        transpose8x8_epi32(r);
+        for (int kk = 0; kk < 8; ++kk) data[static_cast<size_t>((b * 8 + kk) * 2 + half)] = r[kk];
+      }
+    for (int64_t n = 0; n < rows; ++n)
+      for (int64_t g = 0; g < w.groups; ++g) {
+        scales[g * kPackRows + n] = static_cast<float>(w.scales[(n0 + n) * w.groups + g]);
+        if (w.mins) mins[g * kPackRows + n] = static_cast<float>(w.mins[(n0 + n) * w.groups + g]);
+      }
+  }
+};
+
+template <int kBits, int MT>
+void q8_packed_tile(const QuantWeight& w, const PackedRows& pr, const QuantizedInput& in, int64_t m0, float* y,
+                    int64_t ldy, int64_t n0) {
+  const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
+  const int8_t* xq = in.q.get() + m0 * K;
+  const float* dx = in.d.get() + m0 * blocks;
+  __m256 acc[MT][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    const __m256 s0 = _mm256_loadu_ps(pr.scales.data() + g * kPackRows);
+    const __m256 s1 = _mm256_loadu_ps(pr.scales.data() + g * kPackRows + 8);
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      __m256i isum[MT][2];
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        if constexpr (kBits == 4)
+          isum[r][0] = isum[r][1] = _mm256_setzero_si256();
+        else
+          isum[r][0] = isum[r][1] = _mm256_set1_epi32(-128 * in.qsum[(m0 + r) * blocks + b]);
+      }
+      const __m256i* wp = pr.data.data() + b * 16;
+#pragma GCC unroll 8
+      for (int kk = 0; kk < 8; ++kk) {
+        const __m256i w0 = wp[2 * kk], w1 = wp[2 * kk + 1];
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r) {
+          int32_t four;
+          std::memcpy(&four, xq + r * K + b * kBlock + 4 * kk, 4);
+          const __m256i xb = _mm256_set1_epi32(four);
+          isum[r][0] = dot_u8s8_add(isum[r][0], w0, xb);
+          isum[r][1] = dot_u8s8_add(isum[r][1], w1, xb);
+        }
+      }
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        const __m256 d = _mm256_set1_ps(dx[r * blocks + b]);
+        acc[r][0] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][0]), _mm256_mul_ps(d, s0), acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][1]), _mm256_mul_ps(d, s1), acc[r][1]);
+      }
+    }
+    if (w.mins) {
+      const __m256 m0v = _mm256_loadu_ps(pr.mins.data() + g * kPackRows);
+      const __m256 m1v = _mm256_loadu_ps(pr.mins.data() + g * kPackRows + 8);
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) {
+        const __m256 xs = _mm256_set1_ps(in.sum[(m0 + r) * w.groups + g]);
+        acc[r][0] = _mm256_fmadd_ps(m0v, xs, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(m1v, xs, acc[r][1]);
+      }
+    }
+  }
+  const int64_t rows = std::min(kPackRows, w.rows - n0);
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) {
+    float* out = y + r * ldy + n0;
+    if (rows == kPackRows) {
+      _mm256_storeu_ps(out, acc[r][0]);
+      _mm256_storeu_ps(out + 8, acc[r][1]);
+    } else {
+      alignas(32) float lanes[16];
+      _mm256_store_ps(lanes, acc[r][0]);
+      _mm256_store_ps(lanes + 8, acc[r][1]);
+      std::copy(lanes, lanes + rows, out);
+    }
+  }
+}
+#endif  // MRQ_AVX2
+
+// ---------------------------------------------------------------------------------------------
+// Portable fallbacks (no AVX2): the same arithmetic, plain loops.
+
+#ifndef MRQ_AVX2
+void exact_rows_scalar(const QuantWeight& w, const float* x, int64_t M, float* y, int64_t n0, int64_t n1) {
+  std::vector<float> row(static_cast<size_t>(w.cols));
+  RowScales rs;
+  for (int64_t n = n0; n < n1; ++n) {
+    dequantize_rows(w, n, n + 1, row.data(), rs);
+    for (int64_t r = 0; r < M; ++r) {
+      const float* xr = x + r * w.cols;
+      float part[8] = {};
+      for (int64_t k = 0; k < w.cols; k += 8)
+        for (int j = 0; j < 8; ++j) part[j] += xr[k + j] * row[k + j];
+      y[r * w.rows + n] = ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
+    }
+  }
+}
+
+void q8_rows_scalar(const QuantWeight& w, const QuantizedInput& in, int64_t M, float* y, int64_t n0, int64_t n1) {
+  const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
+  RowScales rs;
+  for (int64_t n = n0; n < n1; ++n) {
+    rs.fetch(w, n, 1);
+    const uint8_t* q = w.row(n);
+    for (int64_t r = 0; r < M; ++r) {
+      const int8_t* xq = in.q.get() + r * K;
+      float total = 0.f;
+      for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+        float part = 0.f;
+        for (const int64_t end = b + per_group; b < end; ++b) {
+          int32_t dot = 0;
+          if (w.bits == 4) {
+            for (int j = 0; j < 16; ++j)
+              dot += (q[b * 16 + j] & 15) * xq[b * kBlock + j] + (q[b * 16 + j] >> 4) * xq[b * kBlock + j + 16];
+          } else {
+            const int8_t* qs = reinterpret_cast<const int8_t*>(q) + b * kBlock;
+            for (int j = 0; j < kBlock; ++j) dot += qs[j] * xq[b * kBlock + j];
+          }
+          part += static_cast<float>(dot) * in.d[r * blocks + b];
+        }
+        total += part * rs.scales[g];
+        if (w.mins) total += rs.mins[g] * in.sum[r * w.groups + g];
+      }
+      y[r * w.rows + n] = total;
+    }
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// Drivers: rows [n0, n1) of y for every row of x.
+
+// Calls visit.template operator()<MT>() for a run-time mt in 1..8.
+template <typename F>
+void with_mt(int64_t mt, F&& visit) {
+  switch (mt) {
+    case 1: visit.template operator()<1>(); break;
+    case 2: visit.template operator()<2>(); break;
+    case 3: visit.template operator()<3>(); break;
+    case 4: visit.template operator()<4>(); break;
+    case 5: visit.template operator()<5>(); break;
+    case 6: visit.template operator()<6>(); break;
+    case 7: visit.template operator()<7>(); break;
+    default: visit.template operator()<8>(); break;
+  }
+}
+
+// Rows [n0, n1) are taken in slices whose weights stay in L2 while every tile of x rows (at most
+// max_rows, sizes balanced) passes over them; each weight byte is read from memory once.
+template <typename Tiles>
+void for_each_tile(const QuantWeight& w, int64_t M, int64_t n0, int64_t n1, int64_t max_rows, Tiles&& tiles) {
+  constexpr int64_t kSliceBytes = 128 << 10;
+  const int64_t slice = std::max<int64_t>(16, kSliceBytes / std::max<int64_t>(1, w.row_bytes));
+  RowScales rs;
+  for (int64_t s0 = n0; s0 < n1; s0 += slice) {
+    const int64_t s1 = std::min(n1, s0 + slice);
+    rs.fetch(w, s0, s1 - s0);
+    const int64_t count = (M + max_rows - 1) / max_rows;
+    for (int64_t i = 0, m0 = 0; i < count; ++i) {
+      const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
+      tiles(rs, s0, s1, m0, mt);
+      m0 += mt;
+    }
+  }
+}
+
+// Rows [n, n + NT) of the slice that starts at s0, as the tile functions take them.
+template <int NT>
+struct TileRows {
+  const uint8_t* rows[NT];
+  const float* s[NT];
+  const float* m[NT];
+  TileRows(const QuantWeight& w, const RowScales& rs, int64_t s0, int64_t n) {
+    for (int t = 0; t < NT; ++t) {
+      rows[t] = w.row(n + t);
+      s[t] = rs.scale(n + t - s0, w.groups);
+      m[t] = rs.min(n + t - s0, w.groups);
+    }
+  }
+};
+
+template <int kBits>
+void exact_rows(const QuantWeight& w, const float* x, int64_t M, float* y, int64_t n0, int64_t n1) {
+#ifdef MRQ_AVX2
+  for_each_tile(w, M, n0, n1, 8, [&](const RowScales& rs, int64_t s0, int64_t s1, int64_t m0, int64_t mt) {
+    with_mt(mt, [&]<int MT>() {
+      constexpr int NT = exact_nt(MT);
+      const float* xm = x + m0 * w.cols;
+      float* ym = y + m0 * w.rows;
+      int64_t n = s0;
+      for (; n + NT <= s1; n += NT) {
+        const TileRows<NT> tr(w, rs, s0, n);
+        (w.group == kBlock ? exact_tile<kBits, 1, MT, NT> : exact_tile<kBits, 0, MT, NT>)(w, tr.rows, tr.s, tr.m, xm,
+                                                                                          ym + n, w.rows);
+      }
+      for (; n < s1; ++n) {
+        const TileRows<1> tr(w, rs, s0, n);
+        (w.group == kBlock ? exact_tile<kBits, 1, MT, 1> : exact_tile<kBits, 0, MT, 1>)(w, tr.rows, tr.s, tr.m, xm,
+                                                                                        ym + n, w.rows);
+      }
+    });
+  });
+#else
+  exact_rows_scalar(w, x, M, y, n0, n1);
+#endif
+}
+
+template <int kBits>
+void q8_rows(const QuantWeight& w, const QuantizedInput& in, int64_t M, float* y, int64_t n0, int64_t n1) {
+#ifdef MRQ_AVX2
+  if constexpr (kBits == 4) {
+    if (q8_takes_pairs(w)) {
+      for_each_tile(w, M, n0, n1, kQ8MaxRows, [&](const RowScales& rs, int64_t s0, int64_t s1, int64_t m0, int64_t mt) {
+        with_mt(mt, [&]<int MT>() {
+          constexpr int NT = pairs_nt(MT);
+          float* ym = y + m0 * w.rows;
+          int64_t n = s0;
+          for (; n + NT <= s1; n += NT) {
+            const TileRows<NT> tr(w, rs, s0, n);
+            (w.group == kBlock ? q8_pairs_tile<1, MT, NT> : q8_pairs_tile<0, MT, NT>)(w, tr.rows, tr.s, tr.m, in, m0,
+                                                                                      ym + n, w.rows);
+          }
+          for (; n < s1; ++n) {
+            const TileRows<1> tr(w, rs, s0, n);
+            (w.group == kBlock ? q8_pairs_tile<1, MT, 1> : q8_pairs_tile<0, MT, 1>)(w, tr.rows, tr.s, tr.m, in, m0,
+                                                                                    ym + n, w.rows);
+          }
+        });
+      });
+      return;
+    }
+  }
+  for_each_tile(w, M, n0, n1, kQ8MaxRows, [&](const RowScales& rs, int64_t s0, int64_t s1, int64_t m0, int64_t mt) {
+    with_mt(mt, [&]<int MT>() {
+      constexpr int NT = q8_nt(MT);
+      float* ym = y + m0 * w.rows;
+      int64_t n = s0;
+      for (; n + NT <= s1; n += NT) {
+        const TileRows<NT> tr(w, rs, s0, n);
+        (w.group == kBlock ? q8_tile<kBits, 1, MT, NT> : q8_tile<kBits, 0, MT, NT>)(w, tr.rows, tr.s, tr.m, in, m0,
+                                                                                    ym + n, w.rows);
+      }
+      for (; n < s1; ++n) {
+        const TileRows<1> tr(w, rs, s0, n);
+        (w.group == kBlock ? q8_tile<kBits, 1, MT, 1> : q8_tile<kBits, 0, MT, 1>)(w, tr.rows, tr.s, tr.m, in, m0,
+                                                                                  ym + n, w.rows);
+      }
+    });
+  });
+#else
+  q8_rows_scalar(w, in, M, y, n0, n1);
+#endif
+}
+
+// q8 with the packed kernel: each tile of 16 weight rows is repacked once, then every row of x
+// passes over it (the repacked tile, 16 * K bytes, stays in L1).
+template <int kBits>
+void q8_packed_rows(const QuantWeight& w, const QuantizedInput& in, int64_t M, float* y, int64_t n0, int64_t n1) {
+#ifdef MRQ_AVX2
+  PackedRows pr;
+  const int64_t count = (M + kPackMaxRows - 1) / kPackMaxRows;
+  for (int64_t n = n0; n < n1; n += kPackRows) {
+    pr.pack<kBits>(w, n);
+    for (int64_t i = 0, m0 = 0; i < count; ++i) {
+      const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
+      with_mt(mt, [&]<int MT>() {
+        if constexpr (MT <= kPackMaxRows) q8_packed_tile<kBits, MT>(w, pr, in, m0, y + m0 * w.rows, w.rows, n);
+      });
+      m0 += mt;
+    }
+  }
+#endif
+}
+
+// Large M: tiles of rows dequantized into a per-thread float buffer (about 256 KB, so it stays in
+// L2), each multiplied by MKL/oneDNN through at::mm into its columns of y.
+void exact_gemm(const QuantWeight& w, const at::Tensor& x, at::Tensor& y) {
+  constexpr int64_t kTileBytes = 256 << 10;
+  const int64_t N = w.rows, K = w.cols, threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t max_tile = std::max<int64_t>(16, kTileBytes / (4 * K) / 16 * 16);
+  int64_t tiles = (N + max_tile - 1) / max_tile;
+  tiles = std::min((tiles + threads - 1) / threads * threads, (N + 15) / 16);  // every thread busy
+  const int64_t tile = ((N + tiles - 1) / tiles + 15) / 16 * 16;
+  tiles = (N + tile - 1) / tile;
+  // at::parallel_for does not carry the caller's inference mode into its threads: without it, at::mm_out
+  // into a view of an inference tensor y fails there ("inplace update to inference tensor").
+  const bool inference = c10::InferenceMode::is_enabled();
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);
+    at::Tensor buffer = at::empty({tile, K}, x.options());
+    RowScales rs;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      dequantize_rows(w, n0, n1, buffer.data_ptr<float>(), rs);
+      at::Tensor out = y.narrow(1, n0, n1 - n0);
+      at::mm_out(out, x, buffer.narrow(0, 0, n1 - n0).t());
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The operators.
+
+at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                      int64_t group_size, int64_t bits) {
+  const QuantWeight w = check_weight(qweight, scales, mins, group_size, bits);
+  at::Tensor out = at::empty({w.rows, w.cols}, qweight.options().dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  parallel_rows(w.rows, 16, static_cast<double>(w.cols), [&](int64_t n0, int64_t n1) {
+    RowScales rs;
+    dequantize_rows(w, n0, n1, o + n0 * w.cols, rs);
+  });
+  return out;
+}
+
+at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                   const std::optional<at::Tensor>& mins, int64_t group_size, int64_t bits, int64_t gemm_rows) {
+  const QuantWeight w = check_weight(qweight, scales, mins, group_size, bits);
+  check_input(x, w);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, w.rows}, x.options());
+  if (M == 0 || w.rows == 0) return y;
+  if (M >= gemm_rows) {
+    exact_gemm(w, x, y);
+    return y;
+  }
+  const float* xp = x.const_data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  parallel_rows(w.rows, 16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
+    bits == 4 ? exact_rows<4>(w, xp, M, yp, n0, n1) : exact_rows<8>(w, xp, M, yp, n0, n1);
+  });
+  return y;
+}
+
+at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                      const std::optional<at::Tensor>& mins, int64_t group_size, int64_t bits, int64_t packed_rows) {
+  const QuantWeight w = check_weight(qweight, scales, mins, group_size, bits);
+  check_input(x, w);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, w.rows}, x.options());
+  if (M == 0 || w.rows == 0) return y;
+#ifdef MRQ_AVX2
+  const bool packed = M >= packed_rows && (bits == 4 || kPackedInt8);
+  const bool pairs = !packed && q8_takes_pairs(w);
+#else
+  const bool packed = false, pairs = false;
+#endif
+  const QuantizedInput in = quantize_input(x.const_data_ptr<float>(), M, w, packed && bits == 8, pairs);
+  float* yp = y.data_ptr<float>();
+  parallel_rows(w.rows, 16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
+    if (packed)
+      bits == 4 ? q8_packed_rows<4>(w, in, M, yp, n0, n1) : q8_packed_rows<8>(w, in, M, yp, n0, n1);
+    else
+      bits == 4 ? q8_rows<4>(w, in, M, yp, n0, n1) : q8_rows<8>(w, in, M, yp, n0, n1);
+  });
+  return y;
+}
+
+std::string simd() {
+#if defined(MRQ_AVX512) && MRQ_VNNI == 1
+  return "avx512-vnni";
+#elif defined(MRQ_AVX512)
+  return "avx512";
+#elif MRQ_VNNI == 2
+  return "avx2-vnni";
+#elif defined(MRQ_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace
+
+TORCH_LIBRARY(modelrunner_quant_cpu, m) {
+  m.def("dequantize(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits) -> Tensor");
+  m.def("qlinear(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits, int gemm_rows) "
+        "-> Tensor");
+  m.def("qlinear_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits, "
+        "int packed_rows) -> Tensor");
+  m.def("simd() -> str");
+}
+
+TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CPU, m) {
+  m.impl("dequantize", &dequantize);
+  m.impl("qlinear", &qlinear);
+  m.impl("qlinear_q8", &qlinear_q8);
+}
+
+// simd() takes no tensor, so it has no dispatch key to route by: registered for every backend.
+TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CompositeExplicitAutograd, m) {
+  m.impl("simd", &simd);
+}

@@ -1,0 +1,102 @@
+"""GGUF files read in place: every block type against transformers reading the same file, K-quants
+dequantized with one log line, and damaged files refused with the file, tensor and type named —
+nothing half-written left in the cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from gguf import GGMLQuantizationType as T
+
+from modelrunner import LLM
+from modelrunner.errors import ModelSourceError
+from modelrunner.source import convert_gguf, resolve_source
+
+from .gguf_files import tiny_llama, write_llama_gguf
+
+IDS = [504, 3575, 282, 4649, 314, 12, 99, 1000, 49000]
+KW = dict(kv_cache_memory=2**22, block_size=4)
+
+
+def _transformers_logits(path: Path, ids: list[int]) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+@pytest.mark.parametrize("layout, kept", [
+    ({}, {"int8 from Q8_0/g32 symmetric": 10}),  # embedding, LM head, 2 × (qkv, o, gate/up, down)
+    ({"attn": T.Q4_0, "ffn": T.Q4_1}, {"int8 from Q8_0/g32 symmetric": 2, "int4 from Q4_0/g32": 4,
+                                      "int4 from Q4_1/g32": 4}),
+    ({"ffn_up": T.F16, "attn_v": T.Q4_0}, {"int8 from Q8_0/g32 symmetric": 6}),  # mixed q/k/v and gate/up: float
+])
+def test_blocks_run_as_stored_and_match_transformers_reading_the_same_file(tmp_path, layout, kept):
+    path = write_llama_gguf(tiny_llama(tie=False), tmp_path / "tiny.gguf", types=layout)
+    want = _transformers_logits(path, IDS)
+    stored = LLM(str(path), **KW)
+    assert stored.runner.stats()["quantization"]["formats"] == kept
+    dense = LLM(str(path), quantization="none", **KW)
+    for llm in (stored, dense):
+        diff = (llm.runner.forward(IDS) - want).abs().max().item()
+        assert diff < 1e-4, diff
+
+
+def test_k_quants_are_dequantized_at_load_with_one_log_line(tmp_path, caplog):
+    path = write_llama_gguf(tiny_llama(intermediate=256, tie=True), tmp_path / "k.gguf", types={"ffn_down": T.Q4_K})
+    with caplog.at_level(logging.WARNING, logger="modelrunner"):
+        llm = LLM(str(path), **KW)
+    lines = [r.getMessage() for r in caplog.records if "dequantizing" in r.getMessage()]
+    assert lines == ["gguf: dequantizing 2 Q4_K tensor(s) at load (no kernel runs them as stored)"]
+    assert (llm.runner.forward(IDS) - _transformers_logits(path, IDS)).abs().max().item() < 1e-4
+
+
+def test_a_tensor_type_no_reader_supports_is_named(tmp_path):
+    path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "tq.gguf", types={"blk.1.ffn_down": T.TQ1_0})
+    with pytest.raises(ModelSourceError, match=rf"{path}: tensor 'blk.1.ffn_down.weight' has ggml type TQ1_0 \(34\), "
+                                               r"which no installed reader supports \(supported: .*Q4_K.*\)"):
+        LLM(str(path), **KW)
+
+
+def test_truncated_and_corrupt_files_fail_naming_the_file_and_leave_no_cache_entry(tmp_path, monkeypatch):
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("MODELRUNNER_CACHE_DIR", str(cache))
+    path = write_llama_gguf(tiny_llama(), tmp_path / "cut.gguf")
+    data = path.read_bytes()
+    path.write_bytes(data[:-1000])
+    for quantization in ("gguf", "none"):
+        with pytest.raises(ModelSourceError, match=rf"{path}: tensor '[\w.]+' \(Q8_0\) ends at byte [\d,]+ but the "
+                                                   r"file has [\d,]+ bytes: the file is truncated"):
+            LLM(str(path), quantization=quantization, **KW)
+    path.write_bytes(b"GGUF" + os.urandom(200))
+    with pytest.raises(ModelSourceError, match=rf"{path}: not a readable GGUF file"):
+        LLM(str(path), **KW)
+    path.write_bytes(b"")
+    with pytest.raises(ModelSourceError, match=rf"{path}: the file is empty"):
+        LLM(str(path), **KW)
+    assert not cache.exists() or not any(cache.rglob("*.safetensors"))
+
+
+def test_conversion_is_atomic_and_follows_the_umask(tmp_path):
+    path = write_llama_gguf(tiny_llama(), tmp_path / "conv.gguf")
+    good = path.read_bytes()
+    path.write_bytes(good[: len(good) // 2])
+    with pytest.raises(ModelSourceError, match=str(path)):
+        convert_gguf(path, tmp_path / "cache")
+    assert [p.name for p in (tmp_path / "cache" / "gguf").iterdir()] == []  # no half-written entry
+    path.write_bytes(good)
+    previous = os.umask(0o002)
+    try:
+        target = convert_gguf(path, tmp_path / "cache")
+    finally:
+        os.umask(previous)
+    assert target.stat().st_mode & 0o777 == 0o775
+    assert {f.stat().st_mode & 0o777 for f in target.iterdir()} == {0o664}
+    # The converted directory is what the generic transformers adapter (and quantization="none" users
+    # with code that needs a directory) read; its weights are the file's, dequantized.
+    assert resolve_source(str(path)).gguf is not None

@@ -1,0 +1,113 @@
+"""Quantization through the kernel's layers, without adapter code: tiny Llama and MoE models quantized
+at load (``int8``, ``int4``), and a GGUF file's blocks, run end to end, and two tensor-parallel gloo
+ranks (experts split whole, row-parallel layers split along whole groups) match one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from modelrunner import LLM, SamplingParams
+from modelrunner.layers.linear import LinearBase
+from modelrunner.parallel_state import ParallelState
+from modelrunner.quantization.experts import QuantizedExperts
+from modelrunner.testing import PagedDriver, load_adapter
+
+from gloo_ranks import run_ranks
+
+from moe.checkpoints import make_config, make_reference, save_checkpoint
+from .gguf_files import tiny_llama, write_llama_gguf
+
+PROMPTS = {0: [5, 9, 2, 77, 31, 8, 100], 1: [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]}
+CASES = [("llama", "int8"), ("llama", "int4"), ("mixtral", "int4"), ("qwen3_moe", "int8"), ("gguf", "gguf")]
+
+
+def _logits(path: str, method: str, parallel: ParallelState | None = None) -> torch.Tensor:
+    # Exact kernels (float activations): quantized activations would take their scales over each
+    # rank's share of a row-parallel input, not the whole row.
+    options = {"int4": {"group_size": 32, "activations": "float"}, "int8": {"activations": "float"}}.get(method, {})
+    model = load_adapter(path, {"quantization": method, "quantization_options": options, "block_size": 4},
+                         parallel=parallel)
+    driver = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32)
+    prefill = driver.step(PROMPTS, all_logits=True)
+    return torch.cat([prefill, driver.step({0: [11], 1: [12]}, all_logits=True)])
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory, tiny_llama_dir) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("quantized")
+    paths = {"llama": str(tiny_llama_dir)}
+    for name in ("mixtral", "qwen3_moe"):
+        paths[name] = str(save_checkpoint(make_reference(make_config(name)), root / name))
+    paths["gguf"] = str(write_llama_gguf(tiny_llama(vocab=49152, tie=True), root / "tiny.gguf"))
+    return paths
+
+
+def _worker(rank: int, world: int, root: str, paths: dict[str, str]) -> None:
+    import torch.distributed as dist
+
+    parallel = ParallelState(tp_rank=rank, tp_size=world, tp_group=dist.group.WORLD)
+    for arch, method in CASES:
+        logits = _logits(paths[arch], method, parallel)
+        if rank == 0:
+            torch.save(logits, f"{root}/{arch}-{method}.pt")
+
+
+def test_two_ranks_match_one_process(tmp_path, checkpoints):
+    run_ranks(_worker, 2, str(tmp_path / "rendezvous"), str(tmp_path), checkpoints)
+    for arch, method in CASES:
+        one = _logits(checkpoints[arch], method)
+        two = torch.load(tmp_path / f"{arch}-{method}.pt")
+        diff = (one - two).abs().max().item()
+        print(f"{arch} {method}: tp=2 vs one process max |logits diff| = {diff:.2e}")
+        assert diff <= 1e-4
+
+
+@pytest.mark.parametrize("arch, method", [c for c in CASES if c[0] != "gguf"])
+def test_quantized_models_generate_and_cover_every_layer(checkpoints, arch, method):
+    options = {"group_size": 32} if method == "int4" else {}
+    llm = LLM(checkpoints[arch], quantization=method, quantization_options=options, kv_cache_memory=2**22,
+              block_size=4)
+    stats = llm.runner.stats()
+    assert stats["weights"]["quantization"] == method
+    model = llm.runner.loaded.model
+    experts = [m for m in model.modules() if hasattr(m, "w13_weight")]
+    assert all(isinstance(m.quant_scheme, QuantizedExperts) for m in experts)
+    assert all(m.w13_weight.dtype in (torch.int8, torch.uint8) for m in experts)
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert linears and all(m.weight.dtype in (torch.int8, torch.uint8) for m in linears)
+    assert stats["quantization"]["layers"] == len(linears) + len(experts)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[1]}], SamplingParams(max_tokens=8, temperature=0,
+                                                                          ignore_eos=True))
+    assert len(out[0].outputs[0].token_ids) == 8
+
+
+def test_int8_activations_are_quantized_per_token(checkpoints):
+    # A token's logits do not depend on what else is in its batch (one scale per row, not per batch).
+    model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4,
+                                                "quantization_options": {"activations": "int8"}})
+    kernels = set(model.loaded.model.model.layers[0].mlp.down_proj.quant_scheme.kernels.choices.values())
+    assert kernels == {"cpu_q8"}, kernels
+    alone = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32).step({0: PROMPTS[0]})
+    other = {1: [40000, 7, 7, 123, 9000, 5, 5, 44]}  # same size bucket (15 rows in all), same kernels
+    batch = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32).step({0: PROMPTS[0], **other})
+    assert (alone[0] - batch[0]).abs().max().item() < 1e-5
+    exact = _logits(checkpoints["llama"], "int8")
+    approx = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32).step(PROMPTS, all_logits=True)
+    assert (approx - exact[: approx.shape[0]]).abs().max().item() < 0.05 * exact.abs().max().item()
+
+
+def test_bad_quantization_settings_are_refused_by_name(checkpoints):
+    with pytest.raises(ValueError, match=r"int4 group_size must be 32, 64 or 128, got 48"):
+        LLM(checkpoints["llama"], quantization="int4", quantization_options={"group_size": 48})
+    with pytest.raises(ValueError, match=r"quantization 'int8' has no option 'group'.*options: activations, lm_head"):
+        LLM(checkpoints["llama"], quantization="int8", quantization_options={"group": 32})
+    with pytest.raises(ValueError, match=r"quantization 'gguf' runs \.gguf files"):
+        LLM(checkpoints["llama"], quantization="gguf")
+    with pytest.raises(ValueError, match=r"quantization 'int8' quantizes float checkpoints; .*tiny\.gguf is a GGUF file"):
+        LLM(checkpoints["gguf"], quantization="int8")
+    with pytest.raises(Exception, match=r"unknown quantization method 'int3'.*installed: .*gguf.*int4.*int8.*none"):
+        LLM(checkpoints["llama"], quantization="int3")
+    assert Path(checkpoints["gguf"]).is_file()
