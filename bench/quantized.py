@@ -3,7 +3,8 @@ against modelrunner's own float32 path, every number measured in this run.
 
 - single stream: 128 new tokens after a short prompt, decode tokens/s, ours (``gguf``) ÷ llama.cpp;
 - prompt processing: one 256-token prompt to its first token, tokens/s, ours ÷ llama.cpp;
-- batch: 64 prompts × 64 new tokens, output tokens/s, ``gguf`` ÷ float32 and ``int8`` ÷ float32;
+- batch: 64 prompts × 64 new tokens, output tokens/s, ``gguf`` ÷ float32 and ``int8`` ÷ float32 (the
+  float32 and int8 runs read the file's float32 conversion, the checkpoint they start from);
 - cold start: ``LLM(model="smollm2")`` to its first token in a fresh process with an empty
   ``MODELRUNNER_CACHE_DIR`` (no converted files, no kernel timings; the quant-cpu C++ extension,
   built once per install, is already built);
@@ -60,12 +61,11 @@ def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[
 class Ours:
     """modelrunner's ``LLM`` on the default model with one quantization method."""
 
-    def __init__(self, quantization: str | None) -> None:
+    def __init__(self, model: str, quantization: str | None) -> None:
         from modelrunner import LLM, SamplingParams
 
-        self.label = quantization or "gguf (auto)"
         settings = {} if quantization is None else {"quantization": quantization}
-        self.llm = LLM("smollm2", **settings)
+        self.llm = LLM(model, **settings)
         self.params = SamplingParams
         self.tokenizer = self.llm.get_tokenizer()
         stats = self.llm.stats()
@@ -190,15 +190,18 @@ def main(argv: list[str] | None = None) -> int:
     if load1 > 0.5:
         print(f"WARNING: load average {load1:.2f} before the run: other processes compete for the CPU; "
               "rerun on a quiet machine")
+    if os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE":
+        print("WARNING: OMP_WAIT_POLICY=PASSIVE: torch's threads sleep between matmuls, which slows small "
+              "decode steps by about a quarter; unset it to measure what users get")
     rate = stream_rate(args.threads)
     print(f"streaming read rate: {rate:.1f} GB/s")
 
-    gguf = Ours(None)
     from modelrunner.source import resolve_source
 
     source = resolve_source("smollm2")
-    path = str(source.path)
+    path, dense_dir = str(source.path), str(source.directory)  # the file, and its float32 conversion
     source.release_weights()
+    gguf = Ours("smollm2", None)
     print(f"file: {path} ({os.path.getsize(path) / 1e6:.1f} MB); ours resident weights "
           f"{gguf.weight_bytes / 1e6:.1f} MB; kernels: {gguf.kernels}")
     try:
@@ -233,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         print(ratio_line("prompt", results["prompt"]))
 
     print(f"\n== batch: {batch} prompts × {new_batch} new tokens, output tokens/s")
-    dense, int8 = Ours("none"), Ours("int8")
+    dense, int8 = Ours(dense_dir, None), Ours(dense_dir, "int8")
     print(f"   int8 kernels: {int8.kernels}")
     prompts = random_prompts(vocab, batch, 32, seed=3)
     values = alternate({"float32": lambda: dense.batch_rate(prompts, new_batch),

@@ -109,6 +109,19 @@ class Suite:
         """``kind:name``."""
         return f"{self.kind}:{self.name}"
 
+    def provider(self) -> str:
+        """The plugin under test: the chosen one, else (resolved once) the one the kernel would use.
+
+        :raises ConformanceError: no loaded plugin provides the name (the message lists those that do
+            and the broken plugins).
+        """
+        registry = self.plugins.registry
+        if self.plugin is None:
+            self.plugin = registry.owner(self.kind, self.name)
+        if self.plugin is None:
+            raise ConformanceError(registry.unknown(self.kind, self.name, self.plugins.broken))
+        return self.plugin
+
     def checks(self) -> list[Check]:
         """The checks, in the order they run."""
         raise NotImplementedError

@@ -121,8 +121,10 @@ def tiny_checkpoint(architecture_or_config: Any, root: str | Path, seed: int = 0
         name = (getattr(config, "architectures", None) or [config.model_type])[0]
         name = f"{name}-{hashlib.sha1(config.to_json_string().encode()).hexdigest()[:8]}"
     path = Path(root) / f"{_slug(name)}-seed{seed}"
+    wanted = list(getattr(config, "architectures", None) or [])
     if (path / "config.json").is_file() and (path / "tokenizer.json").is_file():
-        return path
+        if not wanted or checkpoint_config(path).get("architectures") == wanted:
+            return path
     path.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).eval()
@@ -134,7 +136,6 @@ def tiny_checkpoint(architecture_or_config: Any, root: str | Path, seed: int = 0
     model.save_pretrained(str(path))
     # save_pretrained names the transformers class; keep the architecture asked for (an adapter's
     # own name for a transformers model_type, as a new-plugin adapter skeleton declares).
-    wanted = list(getattr(config, "architectures", None) or [])
     saved = json.loads((path / "config.json").read_text())
     if wanted and saved.get("architectures") != wanted:
         saved["architectures"] = wanted
@@ -174,16 +175,15 @@ def reference_logits(model: Any, tokens: list[int]) -> Any:
 
 
 def reference_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list[int]:
-    """transformers' greedy ``generate`` of ``max_new_tokens`` tokens after ``prompt`` (EOS does not stop it)."""
+    """transformers' model's greedy continuation of ``prompt``, ``max_new_tokens`` tokens (EOS does not
+    stop it): argmax of a full forward per token, so no generation config can change it."""
     import torch
-    from transformers import GenerationConfig
 
-    config = GenerationConfig(max_new_tokens=max_new_tokens, min_new_tokens=0, do_sample=False, num_beams=1,
-                              eos_token_id=None, pad_token_id=UNK, bos_token_id=None)
+    ids = list(prompt)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             generation_config=config)
-    return out[0, len(prompt):].tolist()
+        for _ in range(max_new_tokens):
+            ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(prompt):]
 
 
 def make_llm(model: str | Path, plugins: Any = None, **config: Any) -> Any:

@@ -354,6 +354,7 @@ class AllocatorContract:
                 max_examples=self.max_examples,
                 stateful_step_count=self.stateful_step_count,
                 deadline=None,
+                database=None,  # no .hypothesis/ folder in a plugin author's working directory
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much],
             ),
         )

@@ -14,6 +14,7 @@ the checkpoint streams in — float weights are never materialised.
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -202,9 +203,8 @@ class PlanarScheme:
 
     def clone(self) -> PlanarScheme:
         """A scheme of the same format and kernel selector, with its own kernel state (one per expert)."""
-        twin = PlanarScheme(self.bits, self.group_size, self.has_mins, self.kernels, self.quantize_floats,
-                            self.symmetric, self.source_type)
-        twin.per_row = self.per_row
+        twin = copy.copy(self)  # keeps a subclass (and its apply) for every expert
+        twin.kernel_state = {}
         return twin
 
     def storage(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

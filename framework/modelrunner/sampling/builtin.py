@@ -35,6 +35,8 @@ class PenaltiesProcessor(BuiltinProcessor):
     the output, with vLLM's semantics."""
 
     name, order = "penalties", 10
+    example_args = ({"repetition_penalty": 1.3}, {"presence_penalty": 0.5, "frequency_penalty": 0.3})
+    invalid_args = ({"repetition_penalty": 0}, {"presence_penalty": 5}, {"frequency_penalty": -3})
     fields = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 
     def request_state(self, params: SamplingParams, args: dict[str, Any]) -> Any:
@@ -58,6 +60,8 @@ class LogitBiasProcessor(BuiltinProcessor):
     """``logit_bias``: a per-token bias added to the logits."""
 
     name, order = "logit_bias", 20
+    example_args = ({"logit_bias": {5: 2.0, 7: -100.0}}, {"logit_bias": {9: 1.5}})
+    invalid_args = ({"logit_bias": {999: 1.0}},)
     fields = ("logit_bias",)
 
     def request_state(self, params: SamplingParams, args: dict[str, Any]) -> Any:
@@ -77,6 +81,8 @@ class AllowedTokensProcessor(BuiltinProcessor):
     """``allowed_token_ids``: every other token's logit becomes -inf."""
 
     name, order = "allowed_token_ids", 30
+    example_args = ({"allowed_token_ids": [3, 4, 5, 6]}, {"allowed_token_ids": [8]})
+    invalid_args = ({"allowed_token_ids": [3, 999]},)
     fields = ("allowed_token_ids",)
 
     def request_state(self, params: SamplingParams, args: dict[str, Any]) -> Any:
@@ -95,6 +101,8 @@ class BadWordsProcessor(BuiltinProcessor):
     word is always banned, a longer one's last token is banned right after its other tokens."""
 
     name, order = "bad_words", 40
+    example_args = ({"bad_words": ["t5", "t9 t10"]},)
+    invalid_args = ({"bad_words": [""]},)
     fields = ("bad_words",)
 
     def request_state(self, params: SamplingParams, args: dict[str, Any]) -> Any:
@@ -128,6 +136,8 @@ class MinTokensProcessor(BuiltinProcessor):
     """``min_tokens``: EOS (unless ``ignore_eos``) and ``stop_token_ids`` cannot be sampled before it."""
 
     name, order = "min_tokens", 50
+    example_args = ({"min_tokens": 3, "stop_token_ids": [7]}, {"min_tokens": 1})
+    invalid_args = ({"min_tokens": -1},)
     fields = ("min_tokens",)
 
     def request_state(self, params: SamplingParams, args: dict[str, Any]) -> Any:
@@ -146,6 +156,7 @@ class LegacyCallablesProcessor(BuiltinProcessor):
     ``fn(output_token_ids, logits_row) -> logits_row``, applied row by row in the order given."""
 
     name, order = "callables", 90
+    example_args = ({"logits_processors": [lambda output_token_ids, logits: logits.mul_(0.5)]},)
     fields = ()
 
     def request_state(self, params: SamplingParams, args: dict[str, Any]) -> Any:

@@ -58,6 +58,13 @@ class LogitsProcessor(abc.ABC):
     (a request never names them)."""
     order: ClassVar[int] = 100
     """Processors run in ascending order (built-ins 10–90, named ones after, then sampling)."""
+    example_args: ClassVar[tuple[dict[str, Any], ...]] = ()
+    """Requests that use this processor, for its conformance suite (``modelrunner check``): for a named
+    processor, ``args`` dicts a request may give with its name; for a built-in one, the
+    :class:`~.params.SamplingParams` keyword arguments that turn it on (token ids below 256, the suite's
+    tiny vocabulary). Empty: the suite skips the checks that need a request."""
+    invalid_args: ClassVar[tuple[dict[str, Any], ...]] = ()
+    """Arguments, in the form of :attr:`example_args`, that must be refused with a ``ValueError`` naming each key."""
 
     def __init__(self, context: ProcessorContext) -> None:
         self.context = context

@@ -21,6 +21,8 @@ class BannedWords(LogitsProcessor):
     """Bans the first token of each of ``words`` and every id in ``token_ids``."""
 
     name = "banned_words"
+    example_args = ({"words": ["t5"]}, {"token_ids": [9, 10]})
+    invalid_args = ({"token_ids": [999]}, {"words": [""]}, {"colour": "red"})
 
     def request_state(self, params: Any, args: dict[str, Any]) -> list[int]:
         unknown = set(args) - {"words", "token_ids"}

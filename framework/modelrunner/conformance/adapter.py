@@ -1,0 +1,474 @@
+"""The conformance suite of a model adapter: one architecture name, checked against transformers.
+
+:class:`AdapterSuite` runs a tiny random-weight checkpoint of the architecture (or one you give)
+through ``LLM`` routed to the plugin under test, and compares with transformers' own model on the
+same weights: every position's logits of prompts that span several KV blocks, and greedy tokens
+under continuous batching, chunked prefill, prefix-cache hits, preemption, every attention backend
+that runs on the CPU, and (when the adapter declares it) two tensor-parallel ranks.
+
+For the generic fallback name (``AutoModelForCausalLM``) the checkpoint is of an architecture no
+loaded plugin registers (the first of :data:`GENERIC_ARCHITECTURES`, or ``checkpoint=`` /
+``config=``), so that the fallback adapter is the one that serves it.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from ..registry import FALLBACK_ARCHITECTURE
+from .base import Check, ConformanceError, NotApplicable, Suite, expect
+from .models import (
+    checkpoint_config,
+    make_llm,
+    reference_greedy,
+    reference_logits,
+    reference_model,
+    tiny_checkpoint,
+)
+
+LOGITS_ATOL = 1e-4
+"""Largest |logit − transformers' logit| (and |log-probability − transformers'|) accepted in float32."""
+TP_LOGITS_ATOL = 1e-4
+"""The same bound for two tensor-parallel ranks."""
+BLOCK_SIZE = 4
+"""KV-cache block size of every run: the prompts below span 2 to 6 blocks."""
+PROMPT_LENGTHS = (5, 9, 13, 17)
+"""Prompt lengths: each ends one token into a new block of :data:`BLOCK_SIZE`."""
+NEW_TOKENS = 6
+"""Tokens generated per prompt (greedy, EOS ignored)."""
+CHUNK_TOKENS = 8
+"""``max_num_batched_tokens`` of the chunked-prefill runs: longer prompts are prefilled in pieces."""
+MAX_NUM_SEQS = 3
+"""Sequences running at once in the continuous-batching run: later prompts join while others decode."""
+MAX_MODEL_LEN = 64
+"""``max_model_len`` of every run (lowered to the model's ``max_position_embeddings`` when smaller)."""
+PREFIX_TOKENS = 16
+"""Shared prefix of the prefix-cache check: four full blocks."""
+PREEMPTION_MAX_MODEL_LEN = 24
+"""``max_model_len`` of the preemption run, whose KV cache holds exactly one such sequence."""
+GENERIC_ARCHITECTURES = ("GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoXForCausalLM", "BloomForCausalLM")
+"""Architectures the fallback adapter is checked on by default: the first no loaded plugin registers."""
+DEFAULT_ROOT = Path(tempfile.gettempdir()) / "modelrunner-conformance"
+"""Where tiny checkpoints are written unless ``root=`` says otherwise."""
+_ALLOW_ENV, _BLOCK_ENV = "MODELRUNNER_PLUGINS", "MODELRUNNER_BLOCK_PLUGINS"
+
+
+def _env_names(var: str) -> list[str] | None:
+    value = os.environ.get(var)
+    return None if value is None else [n.strip() for n in value.split(",") if n.strip()]
+
+
+def _first_difference(got: list[int], want: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+class AdapterSuite(Suite):
+    """The checks of one architecture an adapter registered, against transformers on the same weights.
+
+    :param name: the architecture (``LlamaForCausalLM``), or ``AutoModelForCausalLM`` for a fallback adapter.
+    :param plugins: the loaded plugins (default: the process's); the runs route through them.
+    :param plugin: the adapter plugin under test (default: the one the kernel would pick).
+    :param checkpoint: a transformers checkpoint directory of the architecture to use instead of a tiny one.
+    :param config: a transformers config to build the tiny checkpoint from (its ``architectures`` names the class).
+    :param root: where tiny checkpoints are written (default :data:`DEFAULT_ROOT`); reused when present.
+    :param seed: the tiny checkpoint's weight seed.
+    :param tensor_parallel: run the ``tensor-parallel=2`` check (it starts a worker process); False
+        reports it skipped.
+    :raises ValueError: no loaded plugin provides ``name``, or ``plugin`` does not.
+    """
+
+    kind = "architectures"
+
+    def __init__(self, name: str, plugins: Any = None, plugin: str | None = None, checkpoint: str | Path | None = None,
+                 config: Any = None, root: str | Path | None = None, seed: int = 0,
+                 tensor_parallel: bool = True) -> None:
+        super().__init__(name, plugins, plugin)
+        registry = self.plugins.registry
+        providers = registry.providers["architectures"].get(name, [])
+        if self.plugin is None:
+            self.plugin = self.plugins.require("architectures", name)
+        elif self.plugin not in providers:
+            raise ValueError(f"plugin {self.plugin!r} does not provide architecture {name!r}; it is provided by "
+                             f"{', '.join(map(repr, providers)) or 'no loaded plugin'}")
+        if checkpoint is not None and config is not None:
+            raise ValueError("give checkpoint= or config=, not both")
+        self.capabilities = registry.capabilities("architectures", name, self.plugin)
+        """What the plugin declared for the architecture (``tensor_parallel``, ``devices`` …)."""
+        self.fallback = name == FALLBACK_ARCHITECTURE
+        """Whether the name under test is the generic fallback (checked on another architecture)."""
+        self.root = Path(root) if root is not None else DEFAULT_ROOT
+        """Where tiny checkpoints go."""
+        self.seed = seed
+        """The tiny checkpoint's seed."""
+        self.tensor_parallel = tensor_parallel
+        """Whether the tensor-parallel check runs."""
+        self._checkpoint = None if checkpoint is None else Path(checkpoint)
+        self._config = config
+        if self.fallback and checkpoint is None and config is None:
+            taken = set(registry.providers["architectures"])
+            self._generic = next((a for a in GENERIC_ARCHITECTURES if a not in taken), None)
+        else:
+            self._generic = None
+        self._llms: dict[str, Any] = {}
+        self._greedy: dict[tuple[int, ...], list[int]] = {}
+
+    # -- set-up, built once and shared by the checks ---------------------------------------------
+
+    @cached_property
+    def checkpoint(self) -> Path:
+        """The checkpoint directory every check runs (written on first use when tiny)."""
+        if self._checkpoint is not None:
+            path = self._checkpoint
+        elif self._config is not None:
+            path = tiny_checkpoint(self._config, self.root, self.seed)
+        elif self.fallback:
+            if self._generic is None:
+                raise ValueError(f"every architecture of {', '.join(GENERIC_ARCHITECTURES)} is registered by a loaded "
+                                 f"plugin, so none reaches the fallback adapter {self.plugin!r}; pass checkpoint= or "
+                                 "config= of an architecture no plugin registers")
+            path = tiny_checkpoint(self._generic, self.root, self.seed)
+        else:
+            path = tiny_checkpoint(self.name, self.root, self.seed)
+        problem = self._routing_problem(self.plugins, self._architecture_of(path))
+        if problem is not None:
+            raise ValueError(problem)
+        return path
+
+    @staticmethod
+    def _architecture_of(path: Path) -> str | None:
+        return (checkpoint_config(path).get("architectures") or [None])[0]
+
+    @property
+    def architecture(self) -> str | None:
+        """The checkpoint's architecture (``name`` itself unless checking the fallback)."""
+        return self._architecture_of(self.checkpoint)
+
+    def _routing_problem(self, plugins: Any, architecture: str | None) -> str | None:
+        """Why ``plugins`` would not route a checkpoint of ``architecture`` to this suite's plugin (None: it would)."""
+        registry = plugins.registry
+        if self.fallback:
+            registered = registry.candidates("architectures", architecture) if architecture else []
+            if registered:
+                return (f"the checkpoint's architecture {architecture!r} is registered by "
+                        f"{', '.join(map(repr, registered))}, so the fallback adapter {self.plugin!r} would not serve "
+                        "it; check it on an architecture no loaded plugin registers")
+            try:
+                fallback = registry.owner("architectures", FALLBACK_ARCHITECTURE)
+            except Exception as e:  # noqa: BLE001 - a conflict between fallbacks is a reason like any other
+                return str(e)
+            if fallback != self.plugin:
+                return f"the fallback architecture goes to plugin {fallback!r} there, not {self.plugin!r}"
+        else:
+            if architecture != self.name:
+                return (f"the checkpoint's architecture is {architecture!r}, not {self.name!r}; pass a checkpoint of "
+                        f"{self.name}")
+            if self.plugin not in registry.providers["architectures"].get(self.name, []):
+                return f"plugin {self.plugin!r} is not loaded there"
+        if plugins.pm.get_plugin(self.plugin) is not self.plugins.pm.get_plugin(self.plugin):
+            return f"plugin {self.plugin!r} there is not the module under test"
+        return None
+
+    @cached_property
+    def hf_config(self) -> Any:
+        """The checkpoint's transformers config (its text part for a composite model)."""
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(str(self.checkpoint))
+        return getattr(config, "get_text_config", lambda: config)()
+
+    @cached_property
+    def max_model_len(self) -> int:
+        """:data:`MAX_MODEL_LEN`, or the model's own limit when lower."""
+        limit = getattr(self.hf_config, "max_position_embeddings", None) or MAX_MODEL_LEN
+        return min(MAX_MODEL_LEN, int(limit))
+
+    @cached_property
+    def reference(self) -> Any:
+        """transformers' model on the checkpoint (float32)."""
+        return reference_model(self.checkpoint)
+
+    @cached_property
+    def prompts(self) -> list[list[int]]:
+        """One random prompt of each of :data:`PROMPT_LENGTHS` (ids 3 … vocab-1: no special tokens)."""
+        return self._random_prompts(PROMPT_LENGTHS, seed=1)
+
+    def _random_prompts(self, lengths: tuple[int, ...], seed: int) -> list[list[int]]:
+        import torch
+
+        vocab = int(self.hf_config.vocab_size)
+        generator = torch.Generator().manual_seed(seed)
+        return [torch.randint(3, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+    def greedy(self, prompt: list[int], max_tokens: int = NEW_TOKENS) -> list[int]:
+        """transformers' greedy continuation of ``prompt`` (the first ``max_tokens`` of :data:`NEW_TOKENS`)."""
+        key = tuple(prompt)
+        if key not in self._greedy:
+            self._greedy[key] = reference_greedy(self.reference, prompt, NEW_TOKENS)
+        return self._greedy[key][:max_tokens]
+
+    def llm_config(self, **overrides: Any) -> dict[str, Any]:
+        """The flat config of a run: CPU, float32, :data:`BLOCK_SIZE`, routed to the plugin under test."""
+        config: dict[str, Any] = {"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE,
+                                  "max_model_len": self.max_model_len, "seed": 0}
+        if not self.fallback:
+            config["adapter"] = self.plugin  # the fallback is reached by having no other adapter, not by choice
+        config.update(overrides)
+        return config
+
+    def llm(self, key: str, **overrides: Any) -> Any:
+        """The ``LLM`` called ``key`` (built once with :meth:`llm_config` plus ``overrides``)."""
+        if key not in self._llms:
+            llm = make_llm(self.checkpoint, self.plugins, **self.llm_config(**overrides))
+            adapter = llm.runner.loaded.adapter
+            expect(adapter == self.plugin, f"the model was loaded by plugin {adapter!r}, not by {self.plugin!r}")
+            self._llms[key] = llm
+        return self._llms[key]
+
+    @property
+    def chunked(self) -> Any:
+        """The run with :data:`CHUNK_TOKENS`-token prefill chunks (logits and chunked-prefill checks)."""
+        return self.llm("chunked", max_num_batched_tokens=CHUNK_TOKENS, max_num_seqs=len(PROMPT_LENGTHS))
+
+    @property
+    def batched(self) -> Any:
+        """The run with whole-prompt prefills and :data:`MAX_NUM_SEQS` seats (batching and prefix-cache checks)."""
+        return self.llm("batched", max_num_seqs=MAX_NUM_SEQS)
+
+    # -- helpers of the checks -----------------------------------------------------------------------
+
+    def _require_cpu(self) -> None:
+        devices = self.capabilities.get("devices")
+        if devices is not None and "cpu" not in devices:
+            raise NotApplicable(f"{self.plugin!r} declares devices {', '.join(devices)} for {self.name}, not cpu "
+                                "(the suite runs on the CPU)")
+
+    def _generate(self, llm: Any, prompts: list[list[int]], max_tokens: list[int] | None = None,
+                  **params: Any) -> list[Any]:
+        from ..sampling.params import SamplingParams
+
+        max_tokens = max_tokens or [NEW_TOKENS] * len(prompts)
+        sampling = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, **params) for m in max_tokens]
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], sampling, use_tqdm=False)
+        for i, out in enumerate(outputs):
+            expect(not out.error, f"prompt {i} ({len(prompts[i])} tokens) failed: {out.error}")
+        return outputs
+
+    def _expect_greedy(self, what: str, prompts: list[list[int]], outputs: list[Any],
+                       max_tokens: list[int] | None = None) -> None:
+        max_tokens = max_tokens or [NEW_TOKENS] * len(prompts)
+        for i, (prompt, out, n) in enumerate(zip(prompts, outputs, max_tokens)):
+            got, want = list(out.outputs[0].token_ids), self.greedy(prompt, n)
+            if got != want:
+                k = _first_difference(got, want)
+                raise ConformanceError(
+                    f"{what}: prompt {i} ({len(prompt)} tokens) differs from transformers' greedy tokens from "
+                    f"generated token {k} on: got {got}, expected {want}")
+
+    def _sliding_window(self) -> bool:
+        from ..models.decoder import sliding_windows_of
+
+        try:
+            return any(w is not None for w in sliding_windows_of(self.hf_config, self.max_model_len))
+        except AttributeError:  # a config without num_hidden_layers: no per-layer windows to read
+            return getattr(self.hf_config, "sliding_window", None) is not None
+
+    # -- the checks ------------------------------------------------------------------------------------
+
+    def checks(self) -> list[Check]:
+        """``logits``, ``greedy/*`` (continuous batching, chunked prefill, prefix cache, preemption, one per
+        CPU attention backend) and ``tensor-parallel=2``."""
+        checks = [
+            Check("logits", self.check_logits),
+            Check("greedy/continuous-batching", self.check_continuous_batching),
+            Check("greedy/chunked-prefill", self.check_chunked_prefill),
+            Check("greedy/prefix-cache", self.check_prefix_cache),
+            Check("greedy/preemption", self.check_preemption),
+        ]
+        for backend in self.plugins.attention_backends("cpu"):
+            checks.append(Check(f"greedy/attention={backend}", lambda b=backend: self.check_attention_backend(b)))
+        checks.append(Check("tensor-parallel=2", self.check_tensor_parallel))
+        return checks
+
+    def check_logits(self) -> str:
+        """Every position's logits of each prompt (one prefill over several blocks) within :data:`LOGITS_ATOL`
+        of transformers'; and, with prefill chunks of :data:`CHUNK_TOKENS`, each prompt token's and each
+        generated token's log-probability within it too. Returns the largest difference, in words."""
+        import torch
+
+        self._require_cpu()
+        llm = self.chunked
+        worst = 0.0
+        for i, prompt in enumerate(self.prompts):
+            got = llm.runner.forward(prompt)[0]
+            want = reference_logits(self.reference, prompt)
+            expect(tuple(got.shape) == tuple(want.shape),
+                   f"prompt {i} ({len(prompt)} tokens): logits of shape {list(got.shape)}, transformers' "
+                   f"{list(want.shape)}")
+            per_position = (got - want).abs().amax(-1)
+            diff = per_position.max().item() if per_position.isfinite().all() else float("inf")
+            if not diff <= LOGITS_ATOL:
+                bad = int((~(per_position <= LOGITS_ATOL)).nonzero()[0, 0])
+                raise ConformanceError(
+                    f"prompt {i} ({len(prompt)} tokens, block_size {BLOCK_SIZE}): logits differ from transformers' "
+                    f"by up to {diff:.3g} (first at position {bad}), tolerance {LOGITS_ATOL:g}")
+            worst = max(worst, diff)
+        outputs = self._generate(llm, self.prompts, prompt_logprobs=0, logprobs=0)
+        for i, (prompt, out) in enumerate(zip(self.prompts, outputs)):
+            generated = list(out.outputs[0].token_ids)
+            tokens = prompt + generated
+            want = torch.log_softmax(reference_logits(self.reference, tokens), -1)
+            got_prompt = [out.prompt_logprobs[p][prompt[p]].logprob for p in range(1, len(prompt))]
+            got_new = [entry[t].logprob for entry, t in zip(out.outputs[0].logprobs, generated)]
+            got = torch.tensor(got_prompt + got_new)
+            expected = want[torch.arange(len(tokens) - 1), torch.tensor(tokens[1:])]
+            per_token = (got - expected).abs()
+            diff = per_token.max().item() if per_token.isfinite().all() else float("inf")
+            if not diff <= LOGITS_ATOL:
+                where = int(per_token.argmax())
+                phase = (f"prompt token {where + 1}" if where < len(prompt) - 1
+                         else f"generated token {where - len(prompt) + 1}")
+                raise ConformanceError(
+                    f"prompt {i} ({len(prompt)} tokens) prefilled in chunks of {CHUNK_TOKENS}: log-probabilities "
+                    f"differ from transformers' by up to {diff:.3g} (at {phase}), tolerance {LOGITS_ATOL:g}")
+            worst = max(worst, diff)
+        return f"max |difference| {worst:.3g} (tolerance {LOGITS_ATOL:g})"
+
+    def check_continuous_batching(self) -> None:
+        """Five prompts of mixed lengths and lengths of output, at most :data:`MAX_NUM_SEQS` at once (later
+        ones join while others decode): each gives transformers' greedy tokens."""
+        self._require_cpu()
+        prompts = self.prompts + self._random_prompts((7,), seed=2)
+        max_tokens = [NEW_TOKENS, 3, NEW_TOKENS, 4, NEW_TOKENS]
+        outputs = self._generate(self.batched, prompts, max_tokens)
+        self._expect_greedy("continuous batching", prompts, outputs, max_tokens)
+
+    def check_chunked_prefill(self) -> None:
+        """The prompts together with prefill chunks of :data:`CHUNK_TOKENS` tokens: transformers' greedy tokens."""
+        self._require_cpu()
+        outputs = self._generate(self.chunked, self.prompts)
+        self._expect_greedy(f"chunked prefill (max_num_batched_tokens={CHUNK_TOKENS})", self.prompts, outputs)
+
+    def _require_paged(self, llm: Any, what: str) -> Any:
+        spec = llm.runner.kv_cache_spec
+        if spec is None:
+            raise NotApplicable(f"the model keeps its own KV cache (no paged cache spec): {what}")
+        return spec
+
+    def check_prefix_cache(self) -> str:
+        """A prompt, then prompts sharing its first :data:`PREFIX_TOKENS` tokens: the second round gets
+        prefix-cache hits and both give transformers' greedy tokens. Returns the tokens found cached."""
+        self._require_cpu()
+        llm = self.batched
+        self._require_paged(llm, "no prefix cache to hit")
+        prefix, a, b, c = self._random_prompts((PREFIX_TOKENS, 3, 2, 5), seed=3)
+        first, second = [prefix + a], [prefix + b, prefix + c]
+        outputs = self._generate(llm, first)
+        self._expect_greedy("prefix cache, first round", first, outputs)
+        before = llm.memory_stats()["prefix_hits"]
+        outputs = self._generate(llm, second)
+        hits = llm.memory_stats()["prefix_hits"] - before
+        expect(hits > 0, f"prefix cache: prompts sharing their first {PREFIX_TOKENS} tokens "
+                         f"({PREFIX_TOKENS // BLOCK_SIZE} full blocks) with a finished one got no prefix-cache hits")
+        self._expect_greedy(f"prefix cache, second round ({hits} prompt tokens cached)", second, outputs)
+        return f"{hits} prompt tokens from the prefix cache"
+
+    def check_preemption(self) -> str:
+        """A KV cache of exactly one sequence of :data:`PREEMPTION_MAX_MODEL_LEN` tokens and four prompts:
+        sequences are preempted and recomputed, and each still gives transformers' greedy tokens. Returns
+        the number of preemptions."""
+        self._require_cpu()
+        spec = self._require_paged(self.batched, "no blocks to run out of")
+        max_len = min(PREEMPTION_MAX_MODEL_LEN, self.max_model_len)
+        budget = spec.bytes_per_block * math.ceil(max_len / BLOCK_SIZE)
+        llm = self.llm("preemption", max_model_len=max_len, kv_cache_memory=budget, max_num_seqs=4)
+        prompts = self._random_prompts(tuple(min(n, max_len - NEW_TOKENS) for n in (9, 11, 13, 10)), seed=4)
+        outputs = self._generate(llm, prompts)
+        preemptions = llm.memory_stats()["num_preemptions"]
+        expect(preemptions > 0, f"preemption: {len(prompts)} prompts in a KV cache of {llm.runner.num_blocks} blocks "
+                                "ran without a preemption (the check could not force one)")
+        self._expect_greedy(f"preemption ({preemptions} preemptions)", prompts, outputs)
+        return f"{preemptions} preemption(s)"
+
+    def check_attention_backend(self, backend: str) -> None:
+        """The prompts with ``attention_backend=backend`` and prefill chunks of :data:`CHUNK_TOKENS`:
+        transformers' greedy tokens, and every attention layer uses that backend."""
+        from ..layers.attention import Attention
+
+        self._require_cpu()
+        if self.capabilities.get("attention_backends") is False:
+            raise NotApplicable(f"{self.plugin!r} declares that {self.name} runs its own attention, not attention "
+                                "backends")
+        self._require_paged(self.batched, "it runs no paged-attention backend")
+        cls = self.plugins.attention_backend_class(backend)
+        if self._sliding_window() and not cls.supports_sliding_window:
+            raise NotApplicable(f"attention backend {backend!r} declares no sliding-window support and "
+                                f"{self.architecture} has a window")
+        llm = self.llm(f"attention={backend}", attention_backend=backend, max_num_batched_tokens=CHUNK_TOKENS,
+                       max_num_seqs=len(PROMPT_LENGTHS))
+        layers = [m for m in llm.runner.loaded.model.modules() if isinstance(m, Attention)]
+        others = sorted({getattr(type(m.backend), "name", "?") for m in layers} - {backend})
+        expect(not others, f"attention_backend={backend!r} was asked for, but the model's attention layers run "
+                           f"{', '.join(others)}")
+        outputs = self._generate(llm, self.prompts)
+        self._expect_greedy(f"attention backend {backend!r}", self.prompts, outputs)
+
+    def check_tensor_parallel(self) -> str:
+        """With ``tensor_parallel_size=2`` (a worker process): transformers' greedy tokens for the prompts
+        (prefill chunks of :data:`CHUNK_TOKENS`), and one prompt's logits within :data:`TP_LOGITS_ATOL`.
+        Returns the largest logit difference."""
+        from ..plugins import Plugins, get_plugins
+
+        self._require_cpu()
+        if not self.tensor_parallel:
+            raise NotApplicable("left out by the suite's options (tensor_parallel=False)")
+        declared = self.capabilities.get("tensor_parallel")
+        if declared is not True:
+            raise NotApplicable(f"{self.plugin!r} does not declare tensor_parallel=True for {self.name} "
+                                f"(declared {declared!r})")
+        # Parallel ranks route through the process's own plugins (rank 0) and the entry points a fresh
+        # interpreter finds (the workers), not through ``self.plugins``.
+        views = {"rank 0": get_plugins(),
+                 "a worker": Plugins(allow=_env_names(_ALLOW_ENV), block=_env_names(_BLOCK_ENV) or [])}
+        for rank, view in views.items():
+            problem = self._routing_problem(view, self.architecture)
+            if problem is not None:
+                raise NotApplicable(f"tensor-parallel {rank} would not run plugin {self.plugin!r} (parallel ranks "
+                                    f"load the installed plugins, not the ones passed to the suite): {problem}")
+        llm = make_llm(self.checkpoint, self.plugins,
+                       **self.llm_config(tensor_parallel_size=2, max_num_batched_tokens=CHUNK_TOKENS,
+                                         max_num_seqs=len(PROMPT_LENGTHS)))
+        try:
+            ranks = llm.runner.ranks
+            for rank in ranks:
+                expect(self.plugin in rank.get("plugins", []),
+                       f"tensor-parallel rank {rank.get('rank')} did not load plugin {self.plugin!r}")
+            outputs = self._generate(llm, self.prompts)
+            self._expect_greedy("tensor_parallel_size=2", self.prompts, outputs)
+            prompt = self.prompts[-1]
+            got = llm.runner.forward(prompt)[0]
+            want = reference_logits(self.reference, prompt)
+            expect(tuple(got.shape) == tuple(want.shape),
+                   f"tensor_parallel_size=2: logits of shape {list(got.shape)}, transformers' {list(want.shape)}")
+            diff = (got - want).abs().max().item()
+            expect(diff <= TP_LOGITS_ATOL,
+                   f"tensor_parallel_size=2: logits of a {len(prompt)}-token prompt differ from transformers' by "
+                   f"{diff:.3g}, tolerance {TP_LOGITS_ATOL:g}")
+            return f"max |logits difference| {diff:.3g} (tolerance {TP_LOGITS_ATOL:g})"
+        finally:
+            llm.shutdown()
+
+
+__all__ = [
+    "BLOCK_SIZE",
+    "GENERIC_ARCHITECTURES",
+    "LOGITS_ATOL",
+    "NEW_TOKENS",
+    "PROMPT_LENGTHS",
+    "TP_LOGITS_ATOL",
+    "AdapterSuite",
+]

@@ -1,0 +1,433 @@
+"""The conformance suite of a quantization method: a tiny Llama (and a tiny Mixtral, when the method
+covers fused-MoE experts) loaded with ``quantization=NAME``, against the same model in dense floats.
+
+A method that refuses a float checkpoint (``check_source``) is checked on a GGUF file of the same
+tiny Llama (:func:`~.gguf.write_llama_gguf`), whose dense reference is that file read with
+``quantization="none"``; give ``checkpoint=`` for a method that runs neither.
+"""
+
+from __future__ import annotations
+
+import os
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from .adapter import DEFAULT_ROOT
+from .base import Check, ConformanceError, NotApplicable, Suite, expect
+from .models import make_llm, tiny_checkpoint
+
+BLOCK_SIZE = 4
+"""KV-cache block size of every run (the prompts span several blocks)."""
+PROMPTS = {0: [5, 9, 2, 77, 31, 8, 100], 1: [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]}
+"""Two prompts prefilled together, then one decode step each."""
+DECODE = {0: [11], 1: [12]}
+"""The decode step after :data:`PROMPTS`."""
+OTHER_PROMPT = [40, 7, 7, 123, 90, 5, 5, 44]
+"""The batch-mate of the batch-independence check (with ``PROMPTS[0]``: 15 rows, one kernel bucket)."""
+LAYER_ROWS = (1, 40)
+"""Input rows of the per-layer check: one decode-sized and one batch-sized input (each kernel choice)."""
+BATCH_ATOL = 1e-5
+"""Largest |logit difference| of a row alone and the same row in a batch."""
+DETERMINISM_ATOL = 0.0
+"""Largest |logit difference| of the same batch run twice."""
+TP_ATOL = 1e-5
+"""Largest |logit difference| of two tensor-parallel ranks and one process."""
+INVALID = type("InvalidOptionValue", (), {"__repr__": lambda self: "<invalid option value>"})()
+"""A value no option accepts (given to each option in turn by the options check)."""
+UNKNOWN_OPTION = "no_such_option_xyz"
+"""An option name no method has."""
+_ALLOW_ENV, _BLOCK_ENV = "MODELRUNNER_PLUGINS", "MODELRUNNER_BLOCK_PLUGINS"
+
+
+def _env_names(var: str) -> list[str] | None:
+    value = os.environ.get(var)
+    return None if value is None else [n.strip() for n in value.split(",") if n.strip()]
+
+
+def _relative(got: Any, want: Any) -> float:
+    """max |got − want| / max |want| (inf when non-finite)."""
+    import torch
+
+    diff = (got.float() - want.float()).abs().max()
+    if not torch.isfinite(diff):
+        return float("inf")
+    return diff.item() / max(want.float().abs().max().item(), 1e-30)
+
+
+class QuantizationMethodSuite(Suite):
+    """The checks of one quantization method on tiny models.
+
+    :param name: the method (``int4``).
+    :param plugins: the loaded plugins (default: the process's).
+    :param plugin: the plugin providing it (default: the one the kernel would pick).
+    :param checkpoint: a checkpoint (directory or ``.gguf``) to check the method on instead of the tiny Llama.
+    :param root: where tiny checkpoints are written (default: the adapter suite's).
+    :param seed: the tiny checkpoints' weight seed.
+    :param options: the method's ``quantization_options`` for every run.
+    :param tensor_parallel: run the ``tensor-parallel=2`` check (it starts a worker process); False
+        reports it skipped.
+    :raises ValueError: no loaded plugin provides ``name``, or ``plugin`` does not.
+    """
+
+    kind = "quantization_methods"
+
+    def __init__(self, name: str, plugins: Any = None, plugin: str | None = None, checkpoint: str | Path | None = None,
+                 root: str | Path | None = None, seed: int = 0, options: dict[str, Any] | None = None,
+                 tensor_parallel: bool = True) -> None:
+        super().__init__(name, plugins, plugin)
+        providers = self.plugins.registry.providers["quantization_methods"].get(name, [])
+        if self.plugin is None:
+            self.plugin = self.plugins.require("quantization_methods", name)
+        elif self.plugin not in providers:
+            raise ValueError(f"plugin {self.plugin!r} does not provide quantization method {name!r}; it is provided "
+                             f"by {', '.join(map(repr, providers)) or 'no loaded plugin'}")
+        self.method_class = self.plugins.registry.get_class("quantization_methods", name, self.plugin)
+        """The method's class."""
+        self.quantization = name if len(providers) == 1 else f"{self.plugin}:{name}"
+        """The ``quantization`` config value that picks this plugin's method."""
+        self.options = dict(options or {})
+        """``quantization_options`` of every run."""
+        self.root = Path(root) if root is not None else DEFAULT_ROOT
+        """Where tiny checkpoints go."""
+        self.seed = seed
+        """The tiny checkpoints' seed."""
+        self.tensor_parallel = tensor_parallel
+        """Whether the tensor-parallel check runs."""
+        self._checkpoint = None if checkpoint is None else Path(checkpoint)
+        self._models: dict[tuple[str, str], Any] = {}
+
+    # -- set-up, built once and shared by the checks ---------------------------------------------
+
+    @cached_property
+    def llama(self) -> Path:
+        """The tiny float Llama checkpoint."""
+        return tiny_checkpoint("LlamaForCausalLM", self.root, self.seed)
+
+    @cached_property
+    def llama_gguf(self) -> Path:
+        """The tiny Llama as a GGUF file (Q4_0 attention, Q4_1 MLP, Q8_0 embedding and head)."""
+        from .gguf import write_llama_gguf
+
+        path = self.root / f"LlamaForCausalLM-seed{self.seed}.gguf"
+        return path if path.is_file() else write_llama_gguf(self.llama, path)
+
+    def _refusal(self, path: Path) -> str | None:
+        """Why the method refuses the checkpoint at ``path`` (None: it runs it)."""
+        from ..source import resolve_source
+
+        source = resolve_source(str(path))
+        try:
+            self.method_class(self.options, None).check_source(source)
+        except ValueError as e:
+            return str(e)
+        finally:
+            getattr(source, "release_weights", lambda: None)()
+        return None
+
+    @cached_property
+    def subject(self) -> Path:
+        """The Llama checkpoint the method runs: ``checkpoint=``, else the float one, else the GGUF file.
+
+        :raises NotApplicable: the method refuses each.
+        """
+        candidates = [self._checkpoint] if self._checkpoint is not None else [self.llama, self.llama_gguf]
+        reasons = []
+        for path in candidates:
+            reason = self._refusal(path)
+            if reason is None:
+                return path
+            reasons.append(reason)
+        raise NotApplicable(f"quantization {self.name!r} runs none of the suite's checkpoints ({'; '.join(reasons)}); "
+                            "give the suite checkpoint=")
+
+    @cached_property
+    def mixtral(self) -> Path:
+        """The tiny float Mixtral checkpoint (fused-MoE experts), when the method runs float checkpoints.
+
+        :raises NotApplicable: it does not.
+        """
+        if self._checkpoint is not None:
+            raise NotApplicable("the suite was given checkpoint= and checks that checkpoint only")
+        if self.subject != self.llama:
+            raise NotApplicable(f"quantization {self.name!r} is checked on {self.subject.name}, not on float "
+                                "checkpoints, so not on an MoE model")
+        return tiny_checkpoint("MixtralForCausalLM", self.root, self.seed)
+
+    def config(self, quantization: str, **overrides: Any) -> dict[str, Any]:
+        """The flat config of a run: ``quantization`` with the suite's options (none for ``none``)."""
+        config: dict[str, Any] = {"quantization": quantization, "block_size": BLOCK_SIZE}
+        if quantization != "none" and self.options:
+            config["quantization_options"] = dict(self.options)
+        config.update(overrides)
+        return config
+
+    def model(self, path: Path, quantization: str) -> Any:
+        """``path`` loaded by its adapter with ``quantization`` (an :class:`~modelrunner.testing.AdapterUnderTest`)."""
+        from ..capabilities import runs_quantization
+        from ..testing import load_adapter
+
+        key = (str(path), quantization)
+        if key not in self._models:
+            model = load_adapter(path, self.config(quantization), plugins=self.plugins)
+            loaded = model.loaded
+            architecture = (getattr(loaded.hf_config, "architectures", None) or ["?"])[0]
+            if loaded.kv_cache_spec is None or not runs_quantization(self.plugins, architecture, loaded.adapter,
+                                                                     self.name):
+                raise ValueError(f"{path.name} ({architecture}) is loaded by adapter {loaded.adapter!r}, which does not "
+                                 f"run quantization {self.name!r} on the kernel's layers; the suite needs an adapter "
+                                 "that does (e.g. modelrunner-llama and modelrunner-moe) among the plugins")
+            self._models[key] = model
+        return self._models[key]
+
+    def quantized(self, path: Path) -> Any:
+        """``path`` loaded with the method under test."""
+        return self.model(path, self.quantization)
+
+    def covered(self, model: Any) -> list[tuple[str, Any]]:
+        """``(name, layer)`` of the layers the method gave a quantization scheme in ``model``."""
+        from ..quantization.base import quantizable_layers
+
+        return [(n, m) for n, m in quantizable_layers(model.loaded.model) if getattr(m, "quant_scheme", None) is not None]
+
+    def moe_model(self) -> Any:
+        """The Mixtral loaded with the method.
+
+        :raises NotApplicable: the method covers none of its fused-MoE layers.
+        """
+        from ..layers.fused_moe import FusedMoE
+
+        model = self.quantized(self.mixtral)
+        if not any(isinstance(m, FusedMoE) for _, m in self.covered(model)):
+            raise NotApplicable(f"quantization {self.name!r} covers no fused-MoE layer")
+        return model
+
+    @staticmethod
+    def logits(model: Any, chunks: list[dict[int, list[int]]] | None = None) -> Any:
+        """Every position's logits of :data:`PROMPTS` prefilled together, then of :data:`DECODE`."""
+        import torch
+
+        from ..testing import PagedDriver
+
+        driver = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32)
+        return torch.cat([driver.step(c, all_logits=True) for c in (chunks or [PROMPTS, DECODE])])
+
+    # -- the checks ------------------------------------------------------------------------------------
+
+    def checks(self) -> list[Check]:
+        """``logits``, ``logits/moe``, ``layers``, ``layers/moe``, ``batch-independence``, ``determinism``,
+        ``tensor-parallel=2``, ``weight-bytes`` and ``options``."""
+        return [
+            Check("logits", self.check_logits),
+            Check("logits/moe", self.check_moe_logits),
+            Check("layers", self.check_layers),
+            Check("layers/moe", self.check_moe_layers),
+            Check("batch-independence", self.check_batch_independence),
+            Check("determinism", self.check_determinism),
+            Check("tensor-parallel=2", self.check_tensor_parallel),
+            Check("weight-bytes", self.check_weight_bytes),
+            Check("options", self.check_options),
+        ]
+
+    def _expect_within_tolerance(self, path: Path, quantized: Any, what: str) -> str:
+        try:
+            dense_model = self.model(path, "none")
+        except ValueError as e:
+            raise NotApplicable(f"no dense reference: {path.name} does not load with quantization='none' ({e})") from e
+        dense = self.logits(dense_model)
+        got = self.logits(quantized)
+        expect(tuple(got.shape) == tuple(dense.shape),
+               f"{what}: logits of shape {list(got.shape)}, the dense model's {list(dense.shape)}")
+        error = _relative(got, dense)
+        tolerance = self.method_class.conformance_tolerance
+        expect(error <= tolerance,
+               f"{what}: max |logits - dense logits| is {error:.3g} of max |dense logits|, above the method's "
+               f"conformance_tolerance {tolerance:g}")
+        return f"{error:.3g} of max |dense logits| (tolerance {tolerance:g})"
+
+    def check_logits(self) -> str:
+        """The tiny Llama's logits (prefill over several blocks, then decode) within the method's
+        ``conformance_tolerance`` of the dense model's, relative to their largest magnitude; returns that ratio."""
+        return self._expect_within_tolerance(self.subject, self.quantized(self.subject),
+                                             f"{self.subject.name} with quantization {self.name!r}")
+
+    def check_moe_logits(self) -> str:
+        """The same on the tiny Mixtral, whose experts the method covers."""
+        return self._expect_within_tolerance(self.mixtral, self.moe_model(),
+                                             f"{self.mixtral.name} with quantization {self.name!r}")
+
+    def _expect_layers_match(self, model: Any, moe: bool) -> str:
+        import torch
+        import torch.nn.functional as F
+
+        from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
+        from ..layers.fused_moe import FusedMoE
+        from ..quantization.experts import STACKS
+
+        tolerance = self.method_class.conformance_tolerance
+        generator = torch.Generator().manual_seed(0)
+        worst, checked, covered = 0.0, 0, 0
+
+        def compare(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+            nonlocal worst, checked
+            expect(tuple(got.shape) == tuple(want.shape),
+                   f"{what}: output of shape {list(got.shape)}, F.linear with the dequantized weight gives "
+                   f"{list(want.shape)}")
+            error = _relative(got, want)
+            expect(error <= tolerance, f"{what}: output differs from F.linear with its own dequantized weight by "
+                                       f"{error:.3g} of its largest magnitude, above the method's "
+                                       f"conformance_tolerance {tolerance:g}")
+            worst, checked = max(worst, error), checked + 1
+
+        with torch.no_grad():
+            for name, layer in self.covered(model):
+                scheme = layer.quant_scheme
+                if isinstance(layer, FusedMoE) != moe:
+                    continue
+                covered += 1
+                if isinstance(layer, FusedMoE):
+                    if not (callable(getattr(scheme, "matmul", None)) and callable(getattr(scheme, "dequantized", None))):
+                        continue
+                    for stack in STACKS:
+                        weights = scheme.dequantized(layer, stack)
+                        for expert in sorted({0, weights.shape[0] - 1}):
+                            for rows in LAYER_ROWS:
+                                x = torch.randn(rows, weights.shape[2], generator=generator)
+                                compare(scheme.matmul(stack, expert, x), F.linear(x, weights[expert]),
+                                        f"{name}.{stack} expert {expert} ({rows} rows)")
+                    continue
+                if not callable(getattr(scheme, "dequantized", None)):
+                    continue
+                weight = scheme.dequantized(layer)
+                if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
+                    ids = torch.randint(0, weight.shape[0], (LAYER_ROWS[-1],), generator=generator)
+                    compare(layer.lookup(ids), weight.index_select(0, ids), f"{name} (embedding lookup)")
+                    continue
+                bias = getattr(layer, "bias", None)
+                for rows in LAYER_ROWS:
+                    x = torch.randn(rows, weight.shape[1], generator=generator)
+                    compare(scheme.apply(layer, x, bias), F.linear(x, weight, bias), f"{name} ({rows} rows)")
+        if covered == 0:
+            raise NotApplicable(f"quantization {self.name!r} covers no {'fused-MoE' if moe else 'linear or embedding'} "
+                                "layer")
+        if checked == 0:
+            raise NotApplicable(f"quantization {self.name!r} exposes no dequantized weight of the layers it covers")
+        return f"{checked} layer outputs, worst {worst:.3g} of their largest magnitude (tolerance {tolerance:g})"
+
+    def check_layers(self) -> str:
+        """Each layer the method covers in the tiny Llama: its scheme's ``apply`` (or embedding lookup) on
+        random inputs of :data:`LAYER_ROWS` rows within ``conformance_tolerance`` (relative) of
+        ``F.linear`` with the scheme's own ``dequantized(layer)``; returns the largest ratio."""
+        return self._expect_layers_match(self.quantized(self.subject), moe=False)
+
+    def check_moe_layers(self) -> str:
+        """The same for each covered fused-MoE layer of the tiny Mixtral (first and last expert, both stacks)."""
+        return self._expect_layers_match(self.moe_model(), moe=True)
+
+    def check_batch_independence(self) -> str:
+        """A prompt's logits alone equal its logits next to another prompt within :data:`BATCH_ATOL`
+        (both in one kernel bucket); returns the difference."""
+        from ..testing import PagedDriver
+
+        model = self.quantized(self.subject)
+        spec = model.loaded.kv_cache_spec
+        alone = PagedDriver(model.forward, spec, num_blocks=32).step({0: PROMPTS[0]}, all_logits=True)
+        batch = PagedDriver(model.forward, spec, num_blocks=32).step({0: PROMPTS[0], 1: OTHER_PROMPT},
+                                                                     all_logits=True)
+        together = batch[: len(PROMPTS[0])]
+        diff = (alone - together).abs().max().item()
+        expect(diff <= BATCH_ATOL, f"a {len(PROMPTS[0])}-token prompt's logits change by {diff:.3g} when another "
+                                   f"prompt shares its batch (tolerance {BATCH_ATOL:g})")
+        return f"max |difference| {diff:.3g}"
+
+    def check_determinism(self) -> str:
+        """The same steps run twice give the same logits (within :data:`DETERMINISM_ATOL`)."""
+        model = self.quantized(self.subject)
+        first, second = self.logits(model), self.logits(model)
+        diff = (first - second).abs().max().item()
+        expect(diff <= DETERMINISM_ATOL,
+               f"the same steps run twice give logits {diff:.3g} apart (tolerance {DETERMINISM_ATOL:g})")
+        return f"max |difference| {diff:.3g}"
+
+    def check_tensor_parallel(self) -> str:
+        """With ``tensor_parallel_size=2`` (a worker process), one prompt's logits within :data:`TP_ATOL` of
+        one process's (float activations where the method has an ``activations`` option); returns the difference."""
+        from ..plugins import Plugins, get_plugins
+
+        if not self.tensor_parallel:
+            raise NotApplicable("left out by the suite's options (tensor_parallel=False)")
+        if self.method_class.tensor_parallel is False:
+            raise NotApplicable(f"quantization {self.name!r} declares tensor_parallel=False")
+        # Parallel ranks route through the process's own plugins (rank 0) and the entry points a fresh
+        # interpreter finds (the workers), not through ``self.plugins``.
+        views = {"rank 0": get_plugins(),
+                 "a worker": Plugins(allow=_env_names(_ALLOW_ENV), block=_env_names(_BLOCK_ENV) or [])}
+        for rank, view in views.items():
+            try:
+                same = view.quantization_method_class(self.quantization) is self.method_class
+            except ValueError:
+                same = False
+            if not same:
+                raise NotApplicable(f"tensor-parallel {rank} would not run {self.plugin!r}'s {self.name!r} (parallel "
+                                    "ranks load the installed plugins, not the ones passed to the suite)")
+        options = dict(self.options)
+        if "activations" in self.method_class.OPTIONS:
+            # Quantized activations take their scales over each rank's share of a row-parallel input.
+            options.setdefault("activations", "float")
+        config = {"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE, "max_model_len": 64,
+                  "kv_cache_memory": 1 << 28, "quantization": self.quantization, "quantization_options": options}
+        prompt = PROMPTS[1]
+        one = make_llm(self.subject, self.plugins, **config).runner.forward(prompt)[0]
+        llm = make_llm(self.subject, self.plugins, tensor_parallel_size=2, **config)
+        try:
+            two = llm.runner.forward(prompt)[0]
+        finally:
+            llm.shutdown()
+        expect(tuple(two.shape) == tuple(one.shape),
+               f"tensor_parallel_size=2: logits of shape {list(two.shape)}, one process's {list(one.shape)}")
+        diff = (two - one).abs().max().item()
+        expect(diff <= TP_ATOL, f"tensor_parallel_size=2 with quantization {self.name!r}: logits differ from one "
+                                f"process's by {diff:.3g} (tolerance {TP_ATOL:g})")
+        return f"max |difference| {diff:.3g}"
+
+    def check_weight_bytes(self) -> str:
+        """A method that covers layers keeps fewer resident weight bytes (``ModelRunner.stats()``) than the
+        dense model; returns the ratio."""
+        from ..runner import ModelRunner
+
+        def resident(quantization: str) -> tuple[int, Any]:
+            runner = ModelRunner(dict(self.config(quantization, model=str(self.subject), dtype="float32",
+                                                  device="cpu", max_model_len=64, kv_cache_memory=1 << 28)),
+                                 plugins=self.plugins)
+            runner.load_model()
+            return runner.stats()["weights"]["resident_bytes"], runner
+
+        quantized, runner = resident(self.quantization)
+        if runner.quantization is None or not runner.quantization.layers:
+            raise NotApplicable(f"quantization {self.name!r} covers no layer: nothing to compress")
+        dense, _ = resident("none")
+        expect(quantized < dense, f"quantization {self.name!r} covers {len(runner.quantization.layers)} layers but "
+                                  f"keeps {quantized:,} resident weight bytes, not fewer than the dense model's "
+                                  f"{dense:,}")
+        return f"{quantized / dense:.3f} of dense"
+
+    def check_options(self) -> None:
+        """An unknown option, and each known option given a value no option accepts, are refused with a
+        ``ValueError`` naming the option."""
+        problems = []
+        for option, value in [(UNKNOWN_OPTION, 1), *[(o, INVALID) for o in self.method_class.OPTIONS]]:
+            try:
+                self.method_class({**self.options, option: value}, None)
+            except ValueError as e:
+                if option not in str(e):
+                    problems.append(f"{option}={value!r} is refused, but the message does not name it: {e}")
+                continue
+            except Exception as e:  # noqa: BLE001 - anything but a ValueError is the wrong kind of refusal
+                problems.append(f"{option}={value!r} raised {type(e).__name__} ({e}), not a ValueError naming it")
+                continue
+            problems.append(f"{option}={value!r} is accepted without complaint")
+        if problems:
+            raise ConformanceError(f"quantization {self.name!r} options: " + "; ".join(problems))
+
+
+__all__ = ["BATCH_ATOL", "DETERMINISM_ATOL", "TP_ATOL", "QuantizationMethodSuite"]

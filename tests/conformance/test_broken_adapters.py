@@ -1,0 +1,189 @@
+"""Deliberately broken plugins, installed as real distributions, that the conformance suites must
+catch with a message naming the defect: adapters built on modelrunner-llama's model that load a
+weight transposed or drop Mistral's sliding window, and int4 methods whose matmul drops the scale or
+takes the next group's."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+from modelrunner.conformance import suite
+from modelrunner.conformance.base import run_check
+from modelrunner.plugins import Plugins, get_plugins
+from plugin_dists import make_distribution
+
+TRANSPOSED_O_PROJ = '''
+"""modelrunner-llama's Llama with every o_proj weight loaded transposed (square here: no shape error)."""
+from modelrunner import hookimpl
+from modelrunner.models import build_and_load, loaded_for
+from modelrunner_llama import forward, parallelize  # the real adapter's other hooks
+from modelrunner_llama.model import LlamaForCausalLM
+
+
+def transposed_o_proj(weights):
+    for name, tensor in weights:
+        yield name, tensor.t().contiguous() if name.endswith("o_proj.weight") else tensor
+
+
+@hookimpl
+def register(registry):
+    registry.architectures("LlamaForCausalLM", tensor_parallel=True, devices=("cpu",))
+
+
+@hookimpl
+def load(source, config, device, dtype, parallel, attention_backend, max_model_len):
+    model = build_and_load(lambda: LlamaForCausalLM(source.hf_config, max_model_len, parallel, attention_backend),
+                           source, device, dtype, transform=transposed_o_proj)
+    return loaded_for(model, source, config, dtype)
+'''
+
+NO_SLIDING_WINDOW = '''
+"""modelrunner-llama's model for Mistral, built without the checkpoint's sliding window."""
+import copy
+
+from modelrunner import hookimpl
+from modelrunner.models import build_and_load, loaded_for
+from modelrunner_llama import forward, parallelize
+from modelrunner_llama.model import LlamaForCausalLM
+
+
+@hookimpl
+def register(registry):
+    registry.architectures("MistralForCausalLM", devices=("cpu",))
+
+
+@hookimpl
+def load(source, config, device, dtype, parallel, attention_backend, max_model_len):
+    windowless = copy.deepcopy(source.hf_config)
+    windowless.sliding_window = None
+    model = build_and_load(lambda: LlamaForCausalLM(windowless, max_model_len, parallel, attention_backend),
+                           source, device, dtype)
+    return loaded_for(model, source, config, dtype)
+'''
+
+BROKEN_INT4 = '''
+"""int4 whose matmul dequantizes wrongly: without the scales, or with each group's neighbour's scale."""
+import torch
+import torch.nn.functional as F
+
+from modelrunner import hookimpl
+from modelrunner.quantization.methods import Int4Method
+from modelrunner.quantization.planar import PlanarScheme, dequantize_planar
+
+
+class NoScaleScheme(PlanarScheme):
+    def apply(self, layer, x, bias):
+        qweight, scales, mins = self.storage(layer)
+        weight = dequantize_planar(qweight, torch.ones_like(scales), mins, self.group_size, self.bits)
+        return F.linear(x.float(), weight, bias).to(x.dtype)
+
+
+class NextGroupScheme(PlanarScheme):
+    def apply(self, layer, x, bias):
+        qweight, scales, mins = self.storage(layer)
+        weight = dequantize_planar(qweight, scales.roll(1, dims=1), mins, self.group_size, self.bits)
+        return F.linear(x.float(), weight, bias).to(x.dtype)
+
+
+class NoScaleInt4(Int4Method):
+    name = "int4_noscale"
+
+    def _scheme(self):
+        return NoScaleScheme(4, self.options["group_size"], has_mins=True, kernels=self.kernels, quantize_floats=True)
+
+
+class NextGroupInt4(Int4Method):
+    name = "int4_nextgroup"
+
+    def _scheme(self):
+        return NextGroupScheme(4, self.options["group_size"], has_mins=True, kernels=self.kernels,
+                               quantize_floats=True)
+
+
+@hookimpl
+def register(registry):
+    registry.quantization_methods(NoScaleInt4, NextGroupInt4)
+'''
+
+
+@contextmanager
+def installed(tmp_path: Path, entry: str, source: str, also: tuple[str, ...] = ()) -> Iterator[Plugins]:
+    """Plugins loading only the defaults, the installed entry points ``also`` and the entry point
+    ``entry`` of a distribution laid out under ``tmp_path`` (on ``sys.path`` for the duration)."""
+    get_plugins()  # the process's own plugins are loaded before the broken one is on the path
+    module = f"mr_conformance_{entry}"
+    root = make_distribution(tmp_path / "site", f"modelrunner-{entry.replace('_', '-')}", entry, module, source)
+    sys.path.insert(0, str(root))
+    importlib.invalidate_caches()
+    try:
+        plugins = Plugins(allow=[entry, *also])
+        assert entry in plugins.infos and not plugins.broken, plugins.broken
+        yield plugins
+    finally:
+        sys.path.remove(str(root))
+        sys.modules.pop(module, None)
+        importlib.invalidate_caches()
+
+
+def _results(checked, names: set[str]) -> dict:
+    return {c.name: run_check(checked.title, c) for c in checked.checks() if c.name in names}
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory) -> Path:
+    """One checkpoint folder for the module."""
+    return tmp_path_factory.mktemp("broken-conformance")
+
+
+def test_a_transposed_o_proj_fails_the_logits_check(tmp_path, root):
+    with installed(tmp_path, "transposed_o_proj", TRANSPOSED_O_PROJ) as plugins:
+        checked = suite("architectures", "LlamaForCausalLM", plugins=plugins, root=root)
+        assert checked.plugin == "transposed_o_proj"
+        results = _results(checked, {"logits", "greedy/chunked-prefill"})
+    logits = results["logits"]
+    assert logits.status == "failed"
+    assert "logits differ from transformers' by up to" in logits.message
+    assert "(first at position 0), tolerance 0.0001" in logits.message
+    assert results["greedy/chunked-prefill"].status == "failed"
+    assert "differs from transformers' greedy tokens" in results["greedy/chunked-prefill"].message
+
+
+def test_a_dropped_sliding_window_fails_past_the_window(tmp_path, root):
+    with installed(tmp_path, "no_window", NO_SLIDING_WINDOW) as plugins:
+        checked = suite("architectures", "MistralForCausalLM", plugins=plugins, root=root)
+        results = _results(checked, {"logits", "greedy/attention=torch_sdpa"})
+    window = checked.hf_config.sliding_window
+    logits = results["logits"]
+    assert logits.status == "failed"
+    # Positions inside the window are right; the first one that must not see the first token is not.
+    assert f"(first at position {window})" in logits.message, logits.message
+    assert results["greedy/attention=torch_sdpa"].status == "failed"
+
+
+def test_a_tensor_parallel_check_is_not_applicable_to_a_plugin_the_workers_cannot_load(tmp_path, root):
+    with installed(tmp_path, "transposed_o_proj", TRANSPOSED_O_PROJ) as plugins:
+        checked = suite("architectures", "LlamaForCausalLM", plugins=plugins, root=root)
+    # Off the path now: a worker process would not find it.
+    result = _results(checked, {"tensor-parallel=2"})["tensor-parallel=2"]
+    assert result.status == "skipped"
+    assert "tensor-parallel rank 0 would not run plugin 'transposed_o_proj'" in result.message
+
+
+@pytest.mark.parametrize("method", ["int4_noscale", "int4_nextgroup"])
+def test_a_wrong_int4_matmul_fails_the_tolerance_and_layer_checks(tmp_path, root, method):
+    # The method needs adapters built from the kernel's layers to cover.
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+        checked = suite("quantization_methods", method, plugins=plugins, root=root, tensor_parallel=False)
+        results = _results(checked, {"logits", "layers", "batch-independence"})
+    assert results["logits"].status == "failed"
+    assert f"with quantization {method!r}: max |logits - dense logits| is" in results["logits"].message
+    assert "above the method's conformance_tolerance 0.3" in results["logits"].message
+    assert results["layers"].status == "failed"
+    assert "qkv_proj (1 rows): output differs from F.linear with its own dequantized weight" in \
+        results["layers"].message
+    assert results["batch-independence"].status == "passed"  # wrong, but consistently so

@@ -1,0 +1,224 @@
+"""Deliberately broken plugins, each a real installed distribution, caught by the suite of its kind:
+the checks its defect breaks fail with a message naming the defect, the others pass."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+from modelrunner.conformance import suite
+from modelrunner.plugins import Plugins
+from plugin_dists import make_distribution
+
+OFF_BY_ONE_WINDOW = """
+from modelrunner import hookimpl
+from modelrunner.layers.sdpa_attention import TorchSDPABackend
+
+
+class OffByOneWindow(TorchSDPABackend):
+    '''torch_sdpa whose sliding window lets one position too many through.'''
+
+    name = "off_by_one_window"
+    priority = -100
+
+    def _metadata(self, batch, sliding_windows):
+        meta = super()._metadata(batch, tuple(None if w is None else w + 1 for w in sliding_windows))
+        meta.masks = {None if w is None else w - 1: mask for w, mask in meta.masks.items()}
+        return meta
+
+
+@hookimpl
+def register(registry):
+    registry.attention_backends(OffByOneWindow)
+"""
+
+LEAKY_ALLOCATOR = """
+from modelrunner import hookimpl
+from modelrunner.kv_cache.paged import PagedBlockAllocator
+
+
+class Leaky(PagedBlockAllocator):
+    '''The paged allocator, except that free() never gives back a sequence's first block.'''
+
+    name = "leaky"
+
+    def free(self, seq_id):
+        seq = self._seq(seq_id)
+        for block in reversed(seq.block_table[1:]):
+            self._release(block)
+        del self._seqs[seq_id]
+
+
+@hookimpl
+def register(registry):
+    registry.allocators("leaky", prefix_caching=True)
+
+
+@hookimpl
+def allocate(num_blocks, block_size, max_model_len, config):
+    return Leaky(num_blocks, block_size, max_model_len, enable_prefix_caching=config.enable_prefix_caching)
+"""
+
+BATCH_NORMALISED = """
+from modelrunner import hookimpl
+from modelrunner.sampling import LogitsProcessor
+
+
+class BatchCentred(LogitsProcessor):
+    '''Divides logits by a temperature after centring them on the mean of the whole batch.'''
+
+    name = "batch_centred"
+    example_args = ({"temperature": 2.0}, {"temperature": 0.5})
+    invalid_args = ({"temperature": 0},)
+
+    def request_state(self, params, args):
+        temperature = args.get("temperature", 1.0)
+        if not temperature > 0:
+            raise ValueError(f"batch_centred: temperature must be > 0, got {temperature!r}")
+        return float(temperature)
+
+    def apply(self, logits, rows):
+        scale = logits.new_tensor([row.state for row in rows]).unsqueeze(1)
+        return (logits - logits.mean()) / scale
+
+
+@hookimpl
+def register(registry):
+    registry.logits_processors(BatchCentred)
+"""
+
+RECOMPILING = """
+import torch
+
+from modelrunner import hookimpl
+from modelrunner.defaults.eager import eager_model
+
+
+@torch.compile(backend="eager")
+def _next_positions(positions):
+    return positions + 1
+
+
+@hookimpl
+def register(registry):
+    registry.compile_backends("recompiling", devices=("cpu",))
+
+
+@hookimpl
+def compile(loaded, config):
+    '''The eager model, plus a compiled helper whose graphs are thrown away every step.'''
+    run = eager_model(loaded, {"prepack_weights": False})
+
+    def step(batch, kv_caches, **kwargs):
+        torch._dynamo.reset()
+        _next_positions(batch.positions)
+        return run(batch, kv_caches, **kwargs)
+
+    return step
+"""
+
+WRONG_DECODE = """
+from modelrunner import hookimpl
+from modelrunner.defaults.eager import eager_model
+
+
+@hookimpl
+def register(registry):
+    registry.compile_backends("wrong_decode", devices=("cpu",))
+
+
+@hookimpl
+def compile(loaded, config):
+    '''The eager model, with decode steps' hidden states 1% too large.'''
+    run = eager_model(loaded, {"prepack_weights": False})
+
+    def step(batch, kv_caches, **kwargs):
+        out = run(batch, kv_caches, **kwargs)
+        return out * 1.01 if batch.is_decode_only else out
+
+    return step
+"""
+
+
+@pytest.fixture
+def install(tmp_path: Path):
+    """``install(entry, module, source, *also)``: the kernel's plugins, the entry points ``also`` and
+    a distribution laid out under ``tmp_path`` and put on ``sys.path`` (removed again, with its
+    module, afterwards)."""
+    added: list[tuple[str, str]] = []
+
+    def installed(entry: str, module: str, source: str, *also: str) -> Plugins:
+        root = make_distribution(tmp_path / entry, f"modelrunner-test-{entry}", entry, module, source)
+        sys.path.insert(0, str(root))
+        added.append((str(root), module))
+        importlib.invalidate_caches()
+        plugins = Plugins(allow=[entry, *also])
+        assert entry in plugins.infos and not plugins.broken, plugins.broken
+        return plugins
+
+    yield installed
+    for root, module in added:
+        sys.path.remove(root)
+        sys.modules.pop(module, None)
+    importlib.invalidate_caches()
+
+
+def _by_status(results) -> dict[str, dict[str, str]]:
+    out: dict[str, dict[str, str]] = {"passed": {}, "failed": {}, "skipped": {}}
+    for r in results:
+        out[r.status][r.check] = r.message
+    return out
+
+
+def test_attention_sliding_window_off_by_one(install):
+    plugins = install("off_by_one", "mr_test_off_by_one", OFF_BY_ONE_WINDOW)
+    results = _by_status(suite("attention_backends", "off_by_one_window", plugins=plugins).run())
+    assert results["failed"] and all(check.endswith("/window=3") for check in results["failed"])
+    assert results["passed"] and all(check.endswith("/window=none") for check in results["passed"])
+    # Only where the window cuts off history (not a lone short prompt) can the extra position show.
+    assert {"eager/decode-only/gqa4x2/window=3", "compiled/decode-only/gqa6x2/window=3"} <= set(results["failed"])
+    message = results["failed"]["eager/decode-only/gqa4x2/window=3"]
+    assert message.startswith("output vs reference (decode-only, 4 heads over 2 kv heads, window 3)")
+    assert "Greatest absolute difference" in message
+
+
+def test_allocator_leaking_blocks_on_free(install):
+    plugins = install("leaky", "mr_test_leaky", LEAKY_ALLOCATOR)
+    results = _by_status(suite("allocators", "leaky", plugins=plugins, shrink=False).run())
+    failed = results["failed"]
+    assert {"free-returns-every-block", "state-machine"} <= set(failed)
+    assert "declared-capabilities" in results["passed"] and "allocate-gives-distinct-slots" in results["passed"]
+    # The message shows the failing rule and the leaked blocks (one per sequence, the fork sharing its parent's).
+    assert failed["free-returns-every-block"].startswith(
+        "`assert (s.used_blocks, s.used_slots, s.reserved_slots) == (0, 0, 0)` failed (test_free_returns_every_block")
+    assert "used_blocks=4" in failed["free-returns-every-block"]
+
+
+def test_logits_processor_depending_on_the_batch(install):
+    plugins = install("batch_centred", "mr_test_batch_centred", BATCH_NORMALISED)
+    results = _by_status(suite("logits_processors", "batch_centred", plugins=plugins).run())
+    assert set(results["failed"]) == {"batch-independence"}
+    assert "batched with 5 other rows vs alone" in results["failed"]["batch-independence"]
+    # Declared through the class attributes: examples and a refused argument.
+    assert {"output-shape-dtype-finite", "determinism", "rejects-bad-arguments", "end-to-end"} <= set(
+        results["passed"])
+
+
+def test_compile_backend_recompiling_every_step(install):
+    plugins = install("recompiling", "mr_test_recompiling", RECOMPILING, "llama")
+    results = _by_status(suite("compile_backends", "recompiling", plugins=plugins).run())
+    assert set(results["failed"]) == {"no-recompile-after-warm-up"}
+    message = results["failed"]["no-recompile-after-warm-up"]
+    assert message.startswith("the second round of the same step shapes compiled again:")
+    assert "more dynamo frames" in message
+
+
+def test_compile_backend_with_wrong_decode_output(install):
+    plugins = install("wrong_decode", "mr_test_wrong_decode", WRONG_DECODE, "llama")
+    results = _by_status(suite("compile_backends", "wrong_decode", plugins=plugins).run())
+    assert "logits/decode-only" in results["failed"]
+    assert {"logits/prefill", "logits/mixed-prefill-decode", "no-recompile-after-warm-up"} <= set(results["passed"])
+    message = results["failed"]["logits/decode-only"]
+    assert message.startswith("step 1 (decode, 2 sequences): logits differ from eager by")
