@@ -3,7 +3,8 @@ against modelrunner's own float32 path, every number measured in this run.
 
 - single stream: 128 new tokens after a short prompt, decode tokens/s, ours (``gguf``) ÷ llama.cpp;
 - prompt processing: one 256-token prompt to its first token, tokens/s, ours ÷ llama.cpp;
-- batch: 64 prompts × 64 new tokens, output tokens/s, ``gguf`` ÷ float32 and ``int8`` ÷ float32 (the
+- batch: 64 prompts × 64 new tokens, output tokens/s, ``gguf`` ÷ float32 (exact, and with
+  ``activations="auto"``: llama.cpp's int8 activations where faster) and ``int8`` ÷ float32 (the
   float32 and int8 runs read the file's float32 conversion, the checkpoint they start from);
 - cold start: ``LLM(model="smollm2")`` to its first token in a fresh process with an empty
   ``MODELRUNNER_CACHE_DIR`` (no converted files, no kernel timings; the quant-cpu C++ extension,
@@ -61,10 +62,12 @@ def random_prompts(vocab: int, count: int, length: int, seed: int) -> list[list[
 class Ours:
     """modelrunner's ``LLM`` on the default model with one quantization method."""
 
-    def __init__(self, model: str, quantization: str | None) -> None:
+    def __init__(self, model: str, quantization: str | None, **options: Any) -> None:
         from modelrunner import LLM, SamplingParams
 
-        settings = {} if quantization is None else {"quantization": quantization}
+        settings: dict[str, Any] = {} if quantization is None else {"quantization": quantization}
+        if options:
+            settings["quantization_options"] = options
         self.llm = LLM(model, **settings)
         self.params = SamplingParams
         self.tokenizer = self.llm.get_tokenizer()
@@ -201,7 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     source = resolve_source("smollm2")
     path, dense_dir = str(source.path), str(source.directory)  # the file, and its float32 conversion
     source.release_weights()
-    gguf = Ours("smollm2", None)
+    gguf = Ours("smollm2", None)  # exact: float activations (the default)
+    fast = Ours("smollm2", None, activations="auto")  # llama.cpp's int8 activations where faster
     print(f"file: {path} ({os.path.getsize(path) / 1e6:.1f} MB); ours resident weights "
           f"{gguf.weight_bytes / 1e6:.1f} MB; kernels: {gguf.kernels}")
     try:
@@ -216,11 +220,14 @@ def main(argv: list[str] | None = None) -> int:
     if peer is not None:
         print(f"\n== single stream: {new_single} new tokens after {len(short)} prompt tokens, decode tokens/s")
         values = alternate({"ours": lambda: gguf.decode_rate(short, new_single),
+                            "ours auto": lambda: fast.decode_rate(short, new_single),
                             "llama.cpp": lambda: peer.decode_rate(short, new_single)}, rounds)
         for label, v in values.items():
             print(f"   {label:<10} {summary(v)}")
         results["decode"] = statistics.median(values["ours"]) / statistics.median(values["llama.cpp"])
         print(ratio_line("decode", results["decode"]))
+        auto = statistics.median(values["ours auto"]) / statistics.median(values["llama.cpp"])
+        print(f"   with activations=auto: {auto:.2f}×")
         for label, source, v in (("ours", gguf, values["ours"]), ("llama.cpp", peer, values["llama.cpp"])):
             reached = source.weight_bytes * statistics.median(v) / 1e9
             print(f"   {label}: reads {source.weight_bytes / 1e6:.0f} MB of weights per token → {reached:.1f} GB/s "
@@ -241,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = random_prompts(vocab, batch, 32, seed=3)
     values = alternate({"float32": lambda: dense.batch_rate(prompts, new_batch),
                         "gguf": lambda: gguf.batch_rate(prompts, new_batch),
+                        "gguf auto": lambda: fast.batch_rate(prompts, new_batch),
                         "int8": lambda: int8.batch_rate(prompts, new_batch)}, max(2, rounds - 2))
     for label, v in values.items():
         print(f"   {label:<10} {summary(v)}")
@@ -248,6 +256,7 @@ def main(argv: list[str] | None = None) -> int:
     results["batch gguf"] = statistics.median(values["gguf"]) / base
     results["batch int8"] = statistics.median(values["int8"]) / base
     print(ratio_line("batch gguf", results["batch gguf"]))
+    print(f"   batch gguf with activations=auto: {statistics.median(values['gguf auto']) / base:.2f}×")
     print(ratio_line("batch int8", results["batch int8"]))
 
     print("\n== cold start: LLM(model='smollm2') to its first token, fresh process, empty cache directory")

@@ -43,7 +43,7 @@ def _perplexity(llm: LLM) -> float:
 
 
 def test_gguf_computes_with_the_files_weights(dense):
-    stored = LLM("smollm2", **KW)
+    stored = LLM("smollm2", quantization_options={"activations": "float"}, **KW)  # the exact mode
     assert stored.runner.stats()["weights"]["quantization"] == "gguf"
     tok = stored.get_tokenizer()
     worst = 0.0
@@ -60,6 +60,25 @@ def test_gguf_computes_with_the_files_weights(dense):
     file_size = resolve_source("smollm2").path.stat().st_size
     print(f"gguf weights resident: {weights['resident_bytes'] / 2**20:.1f} MiB for a {file_size / 2**20:.1f} MiB file")
     assert weights["resident_bytes"] <= 1.25 * file_size
+
+
+def test_gguf_with_quantized_activations_stays_within_int8s_bound(dense, float_perplexity):
+    """``activations="auto"`` takes llama.cpp's int8 activations where they are faster: its agreement
+    with the exact path is reported and its perplexity bounded like int8's."""
+    fast = LLM("smollm2", quantization_options={"activations": "auto"}, **KW)
+    kernels = fast.runner.stats()["quantization"]["kernels"]
+    tok = fast.get_tokenizer()
+    worst = max((fast.runner.forward(tok(p).input_ids) - dense.runner.forward(tok(p).input_ids)).abs().max().item()
+                for p in PROMPTS)
+    greedy = SamplingParams(max_tokens=16, temperature=0)
+    got = [o.outputs[0].token_ids for o in fast.generate(PROMPTS, greedy)]
+    want = [o.outputs[0].token_ids for o in dense.generate(PROMPTS, greedy)]
+    same = [next((i for i, (a, b) in enumerate(zip(g, w)) if a != b), len(w)) for g, w in zip(got, want)]
+    ppl = _perplexity(fast)
+    print(f"gguf auto ({sorted(set(kernels.values()))}): max |logits diff| {worst:.3f}; greedy tokens equal to the "
+          f"exact path before the first difference: {same} of 16; perplexity {ppl:.3f} vs {float_perplexity:.3f} "
+          f"({ppl / float_perplexity - 1:+.2%})")
+    assert ppl <= float_perplexity * 1.01
 
 
 @pytest.mark.parametrize("method, options, bound", [

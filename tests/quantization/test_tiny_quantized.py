@@ -27,7 +27,8 @@ CASES = [("llama", "int8"), ("llama", "int4"), ("mixtral", "int4"), ("qwen3_moe"
 def _logits(path: str, method: str, parallel: ParallelState | None = None) -> torch.Tensor:
     # Exact kernels (float activations): quantized activations would take their scales over each
     # rank's share of a row-parallel input, not the whole row.
-    options = {"int4": {"group_size": 32, "activations": "float"}, "int8": {"activations": "float"}}.get(method, {})
+    options = {"int4": {"group_size": 32, "activations": "float"}, "int8": {"activations": "float"},
+               "gguf": {"activations": "float"}}.get(method, {})
     model = load_adapter(path, {"quantization": method, "quantization_options": options, "block_size": 4},
                          parallel=parallel)
     driver = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32)

@@ -40,7 +40,7 @@ from .planar import dequantize_planar
 
 logger = logging.getLogger(__name__)
 
-KERNEL_VERSION = 2
+KERNEL_VERSION = 3
 """Bumped when a candidate changes, so cached choices are remade."""
 
 
@@ -127,7 +127,9 @@ class KernelSelector:
     """Times the allowed candidates for each shape of a model once and remembers the fastest.
 
     :param activations: ``float`` (exact kernels only), ``int8`` (kernels that quantize activations;
-        exact ones as fallback), ``auto`` (whichever is fastest).
+        exact ones as fallback), ``auto`` (per shape, the kind whose kernels are fastest over the timed
+        row counts — one kind for every row count, so that a request's numbers never depend on how
+        many rows share its step).
     :param cache_dir: where ``kernels.json`` keeps the choices (None: not kept).
     :param kernel: one candidate for every shape it can run (to measure one against another); None: timed.
     """
@@ -147,6 +149,8 @@ class KernelSelector:
         """Shape key → chosen candidate, for this model."""
         self.timings: dict[str, dict[str, float]] = {}
         """Shape key → candidate → measured seconds (for the shapes timed in this process)."""
+        self.kinds: dict[str, bool] = {}
+        """``auto``: shape (any row count) → whether its kernels take float (exact) activations."""
         self._cache: TimingCache | None = None
 
     @property
@@ -164,7 +168,34 @@ class KernelSelector:
             names = [n for n in names if not CANDIDATES[n][1]] or [n for n in names if CANDIDATES[n][1]]
         if len(names) > 1 and "reference" in names:
             names.remove("reference")  # the fallback only: every other candidate beats it
+        if self.activations == "auto" and self.kernel is None:
+            exact = self._auto_kind(scheme, layer, names)
+            names = [n for n in names if CANDIDATES[n][1] == exact]
         return names
+
+    def _auto_kind(self, scheme: Any, layer: Any, names: list[str]) -> bool:
+        """``auto``: whether ``layer``'s shape takes float (True) or int8 activations, for every row
+        count alike: the kind whose fastest kernel takes least time summed over the timed row counts."""
+        kinds = {CANDIDATES[n][1] for n in names}
+        if len(kinds) == 1:
+            return kinds.pop()
+        shape = self.key(scheme, layer, "any")
+        if shape not in self.kinds:
+            qualified = f"auto-kind|{','.join(names)}|{shape}"
+            cached = self.cache.get(qualified)
+            if cached in ("float", "int8"):
+                exact = cached == "float"
+            else:
+                total = {True: 0.0, False: 0.0}
+                for bucket_name in TIMING_ROWS:
+                    times = self._measure(scheme, layer, bucket_name, names)
+                    for kind in total:
+                        total[kind] += min(t for n, t in times.items() if CANDIDATES[n][1] == kind)
+                exact = total[True] <= total[False]
+                self.cache.put(qualified, "float" if exact else "int8")
+            self.kinds[shape] = exact
+            logger.info("activations for %s: %s", shape, "float" if exact else "int8")
+        return self.kinds[shape]
 
     @staticmethod
     def key(scheme: Any, layer: Any, bucket: str) -> str:
@@ -173,9 +204,12 @@ class KernelSelector:
         return f"int{scheme.bits}:g{scheme.group_size}:{'mins' if scheme.has_mins else 'sym'}:{rows}x{cols}:{bucket}"
 
     def prepare(self, scheme: Any, layer: Any) -> None:
-        """Choose the kernels of ``layer`` for both buckets now (timing them unless cached)."""
-        for name in TIMING_ROWS:
-            self._choice(scheme, layer, name)
+        """Choose the kernels of ``layer`` for both buckets now (timing them unless cached); a losing
+        candidate's prepared state (a packed copy) is not kept."""
+        chosen = {self._choice(scheme, layer, name) for name in TIMING_ROWS}
+        for name in list(scheme.kernel_state):
+            if name not in chosen:
+                scheme.kernel_state.pop(name)
 
     def run(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ`` by the kernel chosen for ``x``'s row count."""
@@ -205,18 +239,22 @@ class KernelSelector:
         logger.info("kernel for %s: %s", key, name)
         return name
 
+    def _measure(self, scheme: Any, layer: Any, bucket_name: str, names: list[str]) -> dict[str, float]:
+        """Seconds of each candidate in ``names`` at ``bucket_name``'s rows (measured once per process)."""
+        key = self.key(scheme, layer, bucket_name)
+        known = self.timings.setdefault(key, {})
+        missing = [n for n in names if n not in known]
+        if missing:
+            cols = layer.weight.logical_shape[1]
+            x = torch.randn(TIMING_ROWS[bucket_name], cols, generator=torch.Generator().manual_seed(0))
+            known.update(time_candidates({n: functools.partial(CANDIDATES[n][0], scheme, layer, x) for n in missing}))
+        return {n: known[n] for n in names if n in known}
+
     def _time(self, scheme: Any, layer: Any, bucket_name: str, key: str, allowed: list[str]) -> str:
-        cols = layer.weight.logical_shape[1]
-        x = torch.randn(TIMING_ROWS[bucket_name], cols, generator=torch.Generator().manual_seed(0))
-        times = time_candidates({name: functools.partial(CANDIDATES[name][0], scheme, layer, x) for name in allowed})
+        times = self._measure(scheme, layer, bucket_name, allowed)
         if not times:
             raise RuntimeError(f"no matmul kernel can run {key} (tried {', '.join(allowed)})")
-        self.timings[key] = times
-        chosen = min(times, key=times.get)
-        for name in list(scheme.kernel_state):
-            if name != chosen:
-                scheme.kernel_state.pop(name)  # a losing candidate's packed copy is not kept
-        return chosen
+        return min(times, key=times.get)
 
 
 __all__ = ["CANDIDATES", "DECODE_ROWS", "PINNED_ONLY", "KernelSelector", "dequantize_planar", "quant_cpu", "usable"]

@@ -103,8 +103,11 @@ class GGUFMethod(_PlanarMethod):
     the planar layout, no loss); other types (K-quants, …) are dequantized at load, with one log
     line naming them. Chosen automatically for ``.gguf`` files.
 
-    Options: ``activations`` — ``float`` (exact: float32 activations), ``int8`` (activations
-    quantized per 32-element block, as llama.cpp does) or ``auto`` (the faster, per shape).
+    Options: ``activations`` — ``float`` (default, exact: float32 activations, the file's weights
+    exactly), ``int8`` (activations quantized per 32-element block, as llama.cpp does) or ``auto``
+    (per shape, the faster of the two). Quantized activations are faster in batches but move a
+    result by a rounding step when float noise upstream differs (another batch composition), so
+    the default stays exact.
     """
 
     name = "gguf"
