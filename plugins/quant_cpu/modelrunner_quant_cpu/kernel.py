@@ -5,13 +5,12 @@ torch.compile graphs, through their fake implementations)."""
 from __future__ import annotations
 
 import functools
-import hashlib
 import os
-import platform
 import warnings
 from pathlib import Path
 
 import torch
+from modelrunner.native import NativeBuildError, build_extension, native_cflags
 
 SOURCE = Path(__file__).with_name("quant_matmul.cpp")
 """The kernels' source, shipped with the package."""
@@ -33,24 +32,10 @@ VNNI). Measured on SmolLM2's shapes (see the README): it wins from 3-4 rows on."
 
 
 def _cflags() -> list[str]:
-    # -march=native: the library is built on the machine that runs it (rebuilt if the flags change).
-    # -ffp-contract=fast: multiply-adds fused (the -std=c++20 that torch passes turns that off).
-    march = os.environ.get(MARCH_ENV) or ("native" if platform.machine() in ("x86_64", "AMD64") else "")
-    return ["-O3", "-fopenmp", "-ffp-contract=fast", *([f"-march={march}"] if march else [])]
+    return native_cflags(os.environ.get(MARCH_ENV) or None)
 
 
-def _cpu_signature() -> bytes:
-    """This CPU's model and feature flags: a -march=native build is only loaded on the same kind of CPU
-    (a cache directory shared with another machine would otherwise hand it instructions it lacks)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines))).encode()
-    except OSError:
-        return (platform.machine() + platform.processor()).encode()
-
-
-class KernelUnavailable(RuntimeError):
+class KernelUnavailable(NativeBuildError):
     """The C++ kernels could not be built or loaded here (no compiler, no ninja, unsupported platform)."""
 
 
@@ -61,18 +46,10 @@ def load() -> None:
 
     :raises KernelUnavailable: the build failed; the message carries the compiler's complaint.
     """
-    from torch.utils import cpp_extension
-
-    flags = _cflags()
-    key = SOURCE.read_bytes() + " ".join(flags).encode() + torch.__version__.encode() + _cpu_signature()
-    name = f"modelrunner_quant_cpu_{hashlib.sha256(key).hexdigest()[:12]}"
-    _put_ninja_on_path()
     try:
-        cpp_extension.load(name=name, sources=[str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
-    except Exception as e:
-        raise KernelUnavailable(f"could not build the quantized-matmul kernels {SOURCE}: {type(e).__name__}: {e}") \
-            from e
+        build_extension("modelrunner_quant_cpu", SOURCE, _cflags(), "the quantized-matmul kernels")
+    except NativeBuildError as e:
+        raise KernelUnavailable(str(e)) from e
     torch.library.register_fake("modelrunner_quant_cpu::dequantize")(_fake_dequantize)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear")(_fake_qlinear)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_q8")(_fake_qlinear_q8)
@@ -103,17 +80,6 @@ def _fake_qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 def _fake_qlinear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                      group_size: int, bits: int, packed_rows: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
-
-
-def _put_ninja_on_path() -> None:
-    # cpp_extension runs `ninja` from PATH; the pip package's binary is not there unless its venv is activated.
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
