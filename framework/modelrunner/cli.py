@@ -11,7 +11,7 @@ import traceback
 from typing import Any
 
 from .engine.input_processor import check_unicode
-from .errors import ModelRunnerError
+from .errors import DEBUG_ENV, error_line
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -162,7 +162,6 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-DEBUG_ENV = "MODELRUNNER_DEBUG"
 """Set to 1 to see the traceback behind a CLI error."""
 
 
@@ -208,11 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # noqa: BLE001 - the CLI's contract: one line, never a raw traceback
         if os.environ.get(DEBUG_ENV):
             traceback.print_exc()
-        expected = isinstance(e, (ModelRunnerError, ValueError, OSError))
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if not expected:
-            message = f"{type(e).__name__}: {message} (unexpected; {DEBUG_ENV}=1 shows the traceback)"
-        print(f"modelrunner: error: {message}", file=sys.stderr)
+        print(f"modelrunner: error: {error_line(e)}", file=sys.stderr)
         return 2
 
 

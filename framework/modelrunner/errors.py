@@ -45,3 +45,18 @@ class FatalError(ModelRunnerError):
 class PluginWarning(UserWarning):
     """Something about the installed plugins that changes what runs (e.g. a broken native adapter
     sends its architecture to the slow generic fallback)."""
+
+
+DEBUG_ENV = "MODELRUNNER_DEBUG"
+"""Set (to anything) to print the traceback behind a one-line error."""
+
+
+def error_line(error: BaseException, hint: bool = True) -> str:
+    """The one-line form of an error the CLI, the server and the bench workers print: its message for
+    the errors modelrunner raises on purpose (and ``ValueError`` / ``OSError``), prefixed with the type
+    name for anything else (with ``hint``, followed by how to see the traceback)."""
+    message = str(error).splitlines()[0] if str(error) else type(error).__name__
+    if isinstance(error, (ModelRunnerError, ValueError, OSError)):
+        return message
+    return f"{type(error).__name__}: {message}" + (f" (unexpected; {DEBUG_ENV}=1 shows the traceback)" if hint else "")
+

@@ -13,7 +13,6 @@ Architectures read natively: ``llama`` (Llama 2/3, SmolLM2; ``mistral`` files na
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -213,6 +212,4 @@ class GGUFCheckpoint:
         """The file every tensor comes from (named in loading errors)."""
         return self.path
 
-    def nbytes(self) -> int:
-        """The file's size in bytes."""
-        return os.path.getsize(self.path)
+

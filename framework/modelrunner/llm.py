@@ -20,11 +20,14 @@ class LLM:
 
     ``LLM(model="smollm2", dtype="float32", max_num_seqs=64, ...)``: every keyword is a flat
     config key of :meth:`RunnerConfig.from_dict` (unknown keys raise ``ValueError``).
+
+    :param plugins: the loaded plugins to route through (default: the process's; worker processes of
+        a parallel configuration load the process's default plugins whatever this is).
     """
 
-    def __init__(self, model: str = "smollm2", **config: Any) -> None:
+    def __init__(self, model: str = "smollm2", *, plugins: Any = None, **config: Any) -> None:
         # One process, or with tensor/pipeline_parallel_size > 1 rank 0 driving the other ranks.
-        executor = create_executor(RunnerConfig.from_dict({"model": model, **config}))
+        executor = create_executor(RunnerConfig.from_dict({"model": model, **config}), plugins)
         try:
             self.engine = LLMEngine(executor)
             """The engine; use its ``add_request`` / ``step`` to interleave requests yourself."""

@@ -39,6 +39,8 @@ class ModelSource:
     """For one part of a composite checkpoint (e.g. the language model inside a LLaVA checkpoint):
     ``(checkpoint prefix, replacement)`` pairs, the first match wins; tensors that match none are
     not this part's and are skipped. Empty: every tensor, named as stored."""
+    cache_dir: str | None = None
+    """The configured ``cache_dir`` (None: the default), where :attr:`directory` converts a GGUF file."""
 
     @property
     def architecture(self) -> str:
@@ -78,7 +80,7 @@ class ModelSource:
         needs one, e.g. the generic transformers adapter; once, cached)."""
         if self.gguf is None:
             return self.path
-        return convert_gguf(self.path, cache_root(None))
+        return convert_gguf(self.path, cache_root(self.cache_dir))
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
@@ -123,7 +125,7 @@ def resolve_source(model: str, cache_dir: str | None = None, trust_remote_code: 
 
         checkpoint = GGUFCheckpoint(path)
         if checkpoint.native:
-            return ModelSource(model, path, checkpoint.hf_config(), origin="gguf", gguf=checkpoint)
+            return ModelSource(model, path, checkpoint.hf_config(), origin="gguf", gguf=checkpoint, cache_dir=cache_dir)
         hf_dir = convert_gguf(path, cache_root(cache_dir))
         return ModelSource(model, hf_dir, _read_config(hf_dir, trust_remote_code), origin="gguf-converted")
     if path.is_dir():

@@ -17,6 +17,8 @@ import json
 import logging
 import os
 import platform
+import shutil
+import subprocess
 import tempfile
 import time
 from collections.abc import Callable
@@ -39,15 +41,25 @@ def bucket(rows: int) -> str:
 
 
 def cpu_model() -> str:
-    """The CPU's model name (``/proc/cpuinfo``), or what :mod:`platform` knows."""
+    """The CPU's model name, from ``/proc/cpuinfo``, else ``lscpu``, else :func:`platform.processor`."""
     try:
-        with open("/proc/cpuinfo") as f:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and value.strip():
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    if shutil.which("lscpu"):
+        try:
+            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
+        except (OSError, subprocess.SubprocessError):
+            out = ""
+        for line in out.splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "Model name" and value.strip():
+                return value.strip()
+    return platform.processor() or platform.machine() or "unknown"
 
 
 def time_candidates(candidates: dict[str, Callable[[], Any]], repeat: int = 3) -> dict[str, float]:

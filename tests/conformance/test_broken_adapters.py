@@ -105,9 +105,18 @@ class NextGroupInt4(Int4Method):
                                quantize_floats=True)
 
 
+class NothingInt4(Int4Method):
+    """Declares int4 but quantizes no layer: every weight stays dense."""
+
+    name = "int4_nothing"
+
+    def prepare(self, model, source):
+        pass
+
+
 @hookimpl
 def register(registry):
-    registry.quantization_methods(NoScaleInt4, NextGroupInt4)
+    registry.quantization_methods(NoScaleInt4, NextGroupInt4, NothingInt4)
 '''
 
 
@@ -187,3 +196,11 @@ def test_a_wrong_int4_matmul_fails_the_tolerance_and_layer_checks(tmp_path, root
     assert "qkv_proj (1 rows): output differs from F.linear with its own dequantized weight" in \
         results["layers"].message
     assert results["batch-independence"].status == "passed"  # wrong, but consistently so
+
+
+def test_a_method_that_quantizes_nothing_fails_covers_layers(tmp_path, root):
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+        checked = suite("quantization_methods", "int4_nothing", plugins=plugins, root=root, tensor_parallel=False)
+        result = _results(checked, {"covers-layers"})["covers-layers"]
+    assert result.status == "failed"
+    assert "quantization 'int4_nothing' gave no layer of" in result.message and "covers_layers=True" in result.message

@@ -206,6 +206,34 @@ def test_logits_processor_depending_on_the_batch(install):
         results["passed"])
 
 
+DOES_NOTHING = """
+from modelrunner import hookimpl
+from modelrunner.sampling import LogitsProcessor
+
+
+class DoesNothing(LogitsProcessor):
+    '''Claims to ban tokens; returns the logits unchanged.'''
+
+    name = "does_nothing"
+    example_args = ({"token_ids": [5]},)
+
+    def apply(self, logits, rows):
+        return logits
+
+
+@hookimpl
+def register(registry):
+    registry.logits_processors(DoesNothing)
+"""
+
+
+def test_logits_processor_that_does_nothing(install):
+    plugins = install("does_nothing", "mr_test_does_nothing", DOES_NOTHING)
+    results = _by_status(suite("logits_processors", "does_nothing", plugins=plugins).run())
+    assert set(results["failed"]) == {"changes-logits"}
+    assert "left all 6 rows of the example requests unchanged" in results["failed"]["changes-logits"]
+
+
 def test_compile_backend_recompiling_every_step(install):
     plugins = install("recompiling", "mr_test_recompiling", RECOMPILING, "llama")
     results = _by_status(suite("compile_backends", "recompiling", plugins=plugins).run())

@@ -66,14 +66,16 @@ def _reference(llm, prompt, params, process):
     for _ in range(params.max_tokens):
         logits = llm.runner.forward(prompt + out)[0, -1]
         logits = process(logits, prompt, out, params)
-        meta = SamplingMetadata.from_rows([params.temperature], [params.top_k], [params.top_p], [generator],
-                                          [params.min_p])
+        # min_p is the reference's own (_min_p), never the sampler's: the sampler gets 0.
+        meta = SamplingMetadata.from_rows([params.temperature], [params.top_k], [params.top_p], [generator], [0.0])
         out.append(int(sample(logits[None], meta)[0]))
     return out
 
 
 def _min_p(logits, prompt, out, p):
-    return logits  # min_p is applied by the sampler: the reference checks it through _reference_min_p
+    """vLLM's min-p: tokens whose probability (after temperature) is below ``min_p`` × the top one's are dropped."""
+    probs = (logits / p.temperature).softmax(-1)
+    return logits.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
 
 
 CASES = {

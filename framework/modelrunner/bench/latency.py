@@ -8,10 +8,6 @@ from typing import Any
 
 from .workload import Workload
 
-PRIMARY_METRIC = "latency_s"
-"""What ``compare`` ranks latency runs by (lower is better)."""
-HIGHER_IS_BETTER = False
-
 
 def measure_latency(llm: Any, workload: Workload) -> tuple[dict[str, float | int | None], list[list[int]]]:
     """Run the workload's prompts as one batch, timing each engine step.

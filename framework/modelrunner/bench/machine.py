@@ -5,35 +5,13 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
-import shutil
-import subprocess
 import sys
 from typing import Any
 
+from ..timing_cache import cpu_model
+
 SPREAD_LIMIT = 0.10
 """Repetitions spanning more than this fraction of their median make a run noisy."""
-
-
-def cpu_model() -> str:
-    """The CPU's model name, from ``/proc/cpuinfo``, else ``lscpu``, else :func:`platform.processor`."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "model name" and value.strip():
-                    return value.strip()
-    except OSError:
-        pass
-    if shutil.which("lscpu"):
-        try:
-            out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10, check=False).stdout
-        except (OSError, subprocess.SubprocessError):
-            out = ""
-        for line in out.splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "Model name" and value.strip():
-                return value.strip()
-    return platform.processor() or platform.machine() or "unknown"
 
 
 def usable_cores() -> int:
@@ -50,13 +28,6 @@ def load_average() -> list[float] | None:
         return [round(x, 2) for x in os.getloadavg()]
     except (AttributeError, OSError):
         return None
-
-
-def torch_threads() -> int:
-    """Threads torch's CPU kernels use in this process."""
-    import torch
-
-    return torch.get_num_threads()
 
 
 def _version(distribution: str) -> str | None:

@@ -8,10 +8,6 @@ from typing import Any
 
 from .workload import Workload
 
-PRIMARY_METRIC = "output_tokens_per_s"
-"""What ``compare`` ranks throughput runs by (higher is better)."""
-HIGHER_IS_BETTER = True
-
 
 def measure_throughput(llm: Any, workload: Workload) -> tuple[dict[str, float | int | None], list[list[int]]]:
     """Generate for every prompt of the workload in one ``LLM.generate`` call (continuous batching

@@ -21,18 +21,8 @@ import sys
 import tempfile
 from typing import IO, Any
 
+from ..errors import error_line
 from .session import BenchSession, BenchSpec
-
-
-def error_line(exc: BaseException) -> str:
-    """One line for an exception: its message for the errors modelrunner raises on purpose (and
-    ``ValueError`` / ``OSError``), prefixed with the type name for anything else."""
-    from ..errors import ModelRunnerError
-
-    message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if isinstance(exc, (ModelRunnerError, ValueError, OSError)):
-        return message
-    return f"{type(exc).__name__}: {message}"
 
 
 def serve(requests: IO[str], replies: IO[str]) -> None:
@@ -54,7 +44,7 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
             else:
                 raise ValueError(f"unknown worker request {op!r}")
         except Exception as exc:  # noqa: BLE001 - reported to the parent, which carries on with the others
-            reply = {"ok": False, "error": error_line(exc)}
+            reply = {"ok": False, "error": error_line(exc, hint=False)}
         replies.write(json.dumps(reply) + "\n")
         replies.flush()
     if session is not None:

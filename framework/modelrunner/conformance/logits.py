@@ -148,6 +148,16 @@ class LogitsProcessorSuite(Suite):
             raise ConformanceError(f"{labels[r]}: finite logit of token {c} became {out[r, c].item()} "
                                    "(only -inf masking may make logits non-finite)")
 
+    def check_changes_logits(self) -> str:
+        """The processor does something: its example requests change some logit (a processor that
+        returns its input unchanged would pass every other check)."""
+        logits, rows, _ = self._batch()
+        out = self._apply(logits, rows)
+        changed = int((out != logits).any(dim=1).sum())
+        expect(changed > 0, f"apply left all {len(rows)} rows of the example requests unchanged: the processor does "
+                            "nothing for them (check apply, or give example_args that use it)")
+        return f"{changed} of {len(rows)} rows changed"
+
     def check_batch_independence(self) -> None:
         """Each row's result is the same alone as in a batch with other rows, in either order."""
         logits, rows, labels = self._batch()
@@ -227,6 +237,7 @@ class LogitsProcessorSuite(Suite):
     def checks(self) -> list[Check]:
         """Output, batch independence, determinism, default requests, bad arguments, end to end."""
         return [Check("output-shape-dtype-finite", self.check_output),
+                Check("changes-logits", self.check_changes_logits),
                 Check("batch-independence", self.check_batch_independence),
                 Check("determinism", self.check_determinism),
                 Check("default-requests-untouched", self.check_default_requests),

@@ -187,26 +187,10 @@ def reference_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list
 
 
 def make_llm(model: str | Path, plugins: Any = None, **config: Any) -> Any:
-    """``LLM(model, **config)`` whose runner routes through ``plugins`` (None: the process's plugins).
-
-    Worker processes of a parallel configuration load the process's default plugins whatever
-    ``plugins`` is.
-    """
-    from ..config import RunnerConfig
-    from ..engine.llm_engine import LLMEngine
-    from ..executor import create_executor
+    """``LLM(model, **config)`` whose runner routes through ``plugins`` (None: the process's plugins)."""
     from ..llm import LLM
 
-    if plugins is None:
-        return LLM(str(model), **config)
-    llm = LLM.__new__(LLM)
-    executor = create_executor(RunnerConfig.from_dict({"model": str(model), **config}), plugins)
-    try:
-        llm.engine = LLMEngine(executor)
-    except BaseException:
-        executor.shutdown()
-        raise
-    return llm
+    return LLM(str(model), plugins=plugins, **config)
 
 
 def checkpoint_config(path: str | Path) -> dict[str, Any]:

@@ -215,9 +215,10 @@ class QuantizationMethodSuite(Suite):
     # -- the checks ------------------------------------------------------------------------------------
 
     def checks(self) -> list[Check]:
-        """``logits``, ``logits/moe``, ``layers``, ``layers/moe``, ``batch-independence``, ``determinism``,
+        """``covers-layers``, ``logits``, ``logits/moe``, ``layers``, ``layers/moe``, ``batch-independence``, ``determinism``,
         ``tensor-parallel=2``, ``weight-bytes`` and ``options``."""
         return [
+            Check("covers-layers", self.check_covers_layers),
             Check("logits", self.check_logits),
             Check("logits/moe", self.check_moe_logits),
             Check("layers", self.check_layers),
@@ -229,7 +230,23 @@ class QuantizationMethodSuite(Suite):
             Check("options", self.check_options),
         ]
 
+    def check_covers_layers(self) -> str:
+        """The method gives the tiny Llama's layers quantized storage (``covers_layers``), or, for a
+        dense method, none; returns how many."""
+        covered = self.covered(self.quantized(self.subject))
+        if self.method_class.covers_layers:
+            expect(bool(covered), f"quantization {self.name!r} gave no layer of {self.subject.name} quantized storage "
+                                  "(it declares covers_layers=True): prepare() must set the quant_scheme of each "
+                                  "layer it covers")
+        elif covered:
+            raise ConformanceError(f"quantization {self.name!r} declares covers_layers=False but gave "
+                                   f"{len(covered)} layers quantized storage ({covered[0][0]}, …)")
+        return f"{len(covered)} layers covered"
+
     def _expect_within_tolerance(self, path: Path, quantized: Any, what: str) -> str:
+        if not self.method_class.covers_layers:
+            raise NotApplicable(f"quantization {self.name!r} keeps dense weights: its logits are the adapter "
+                                "suite's (against transformers)")
         try:
             dense_model = self.model(path, "none")
         except ValueError as e:

@@ -53,7 +53,6 @@ def fused_experts(
     topk_ids: torch.Tensor,
     expert_start: int = 0,
     expert_counts: list[int] | None = None,
-    packed: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     quantized: Any = None,
 ) -> torch.Tensor:
     """``Σ_k weight_k · expert_{id_k}(x)`` for every token, over the experts held in ``w13``/``w2``.
@@ -67,15 +66,12 @@ def fused_experts(
         ``[expert_start, expert_start + local_experts)`` contribute nothing here (another rank's).
     :param expert_counts: assignments per global expert id (at least up to the last local expert),
         when the caller already counted them.
-    :param packed: each local expert's ``w13`` and ``w2`` matrices prepacked for oneDNN (see
-        :func:`~modelrunner.layers.dense.prepack_weights`), to use in place of ``w13``/``w2``.
     :param quantized: the layer's :class:`~modelrunner.quantization.experts.QuantizedExperts` when its
         stacks are quantized (``w13``/``w2`` are then its storage, multiplied through it).
     :returns: ``[num_tokens, hidden]`` in ``hidden``'s dtype.
     """
     num_tokens, top_k = topk_ids.shape
     num_local = w13.shape[0]
-    plan13, plan2 = dense_plan(w13), dense_plan(w2)
     flat_ids = topk_ids.reshape(-1)
     # Stable, so each expert's slice keeps token order (deterministic results).
     order = torch.argsort(flat_ids, stable=True)
@@ -89,10 +85,10 @@ def fused_experts(
     x = hidden.index_select(0, torch.div(rows, top_k, rounding_mode="floor"))
     out = torch.empty_like(x)
     act = SiluAndMul()
-    packed13, packed2 = packed if packed is not None else (
-        plan13.packed if plan13 is not None else None, plan2.packed if plan2 is not None else None)
-    packed13 = packed13 if packed13 is not None else [None] * num_local
-    packed2 = packed2 if packed2 is not None else [None] * num_local
+    if quantized is None:  # float stacks: each expert's matrices through the plans prepacking attached
+        plan13, plan2 = dense_plan(w13), dense_plan(w2)
+        packed13 = plan13.packed if plan13 is not None and plan13.packed is not None else [None] * num_local
+        packed2 = plan2.packed if plan2 is not None and plan2.packed is not None else [None] * num_local
     start = 0
     for expert, count in enumerate(local_counts):
         if count == 0:

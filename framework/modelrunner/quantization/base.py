@@ -17,7 +17,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
-import torch
 from torch import nn
 
 from ..errors import did_you_mean
@@ -57,6 +56,9 @@ class QuantizationMethod(abc.ABC):
     """Device types the method runs on (None: not declared; a configuration on another is refused)."""
     tensor_parallel: ClassVar[bool | None] = None
     """Whether its storage splits across tensor-parallel ranks (False: refused with tensor_parallel_size > 1)."""
+    covers_layers: ClassVar[bool] = True
+    """Whether the method gives layers quantized storage (False only for a method that keeps dense
+    weights, like ``none``); the conformance suite fails a method that declares it and covers none."""
     conformance_tolerance: ClassVar[float] = 0.1
     """The conformance suite's bound on a tiny model's max |logits − float logits| relative to max |float
     logits| (a lossless method declares 1e-4)."""
@@ -108,19 +110,4 @@ def weight_bytes(model: nn.Module) -> int:
             continue
         seen.add(id(tensor))
         total += tensor.numel() * tensor.element_size()
-    return total
-
-
-def dense_float_bytes(model: nn.Module) -> int:
-    """Bytes the model would take with every covered weight in float32 (for the ratio in stats)."""
-    total = 0
-    seen: set[int] = set()
-    for param in model.parameters():
-        if id(param) in seen:
-            continue
-        seen.add(id(param))
-        shape = getattr(param, "logical_shape", None)
-        if getattr(param, "loaded_with", None):
-            continue
-        total += (int(torch.Size(shape).numel()) * 4) if shape is not None else param.numel() * param.element_size()
     return total

@@ -41,8 +41,8 @@ class QuantizedExperts:
     def __init__(self, template: PlanarScheme) -> None:
         self.template = template
         """The format each expert matrix has."""
-        self.schemes: dict[str, list[PlanarScheme]] = {}
-        """Stack name → one scheme per local expert (kernel state of its own)."""
+        self.schemes: dict[str, PlanarScheme] = {}
+        """Stack name → the scheme of its expert matrices (a stack's group size is its own)."""
         self.views: dict[str, list[ExpertView]] = {}
         """Stack name → one storage view per local expert."""
 
@@ -52,38 +52,28 @@ class QuantizedExperts:
             experts, rows, cols = getattr(moe, name).shape
             scheme = self.template.clone()
             scheme.create_storage(moe, rows, cols, prefix=name, experts=experts)
-            self.schemes[name] = [scheme]
+            self.schemes[name] = scheme
         moe.quant_scheme = self
 
     def process_after_loading(self, moe: nn.Module) -> None:
         """Build the per-expert views and choose each stack's kernels (once per shape)."""
         for name in STACKS:
-            first = self.schemes[name][0]
+            scheme = self.schemes[name]
             qweight, scales, mins = (getattr(moe, name), getattr(moe, f"{name}_scales"),
                                      getattr(moe, f"{name}_mins"))
             logical = tuple(qweight.logical_shape[1:])
             self.views[name] = [ExpertView(qweight[e], scales[e], None if mins is None else mins[e], logical)
                                 for e in range(qweight.shape[0])]
-            self.schemes[name] = [first] + [first.clone() for _ in range(qweight.shape[0] - 1)]
-            first.kernels.prepare(first, self.views[name][0])
+            scheme.kernels.prepare(scheme, self.views[name][0])
 
     def matmul(self, name: str, expert: int, x: torch.Tensor) -> torch.Tensor:
         """``x Wᵀ`` for local expert ``expert`` of stack ``name``."""
-        return self.schemes[name][expert].apply(self.views[name][expert], x, None)
+        return self.schemes[name].apply(self.views[name][expert], x, None)
 
     def dequantized(self, moe: nn.Module, name: str) -> torch.Tensor:
         """The whole float stack ``name`` (tests)."""
-        return torch.stack([s.dequantized(v) for s, v in zip(self.schemes[name], self.views[name])])
-
-    def nbytes(self, moe: nn.Module) -> int:
-        """Bytes of the quantized stacks."""
-        total = 0
-        for name in STACKS:
-            for suffix in ("", "_scales", "_mins"):
-                t = getattr(moe, name + suffix, None)
-                if t is not None:
-                    total += t.numel() * t.element_size()
-        return total
+        scheme = self.schemes[name]
+        return torch.stack([scheme.dequantized(v) for v in self.views[name]])
 
     def __repr__(self) -> str:
         return f"experts {self.template!r}"

@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,7 +34,6 @@ from ..timing_cache import (
     DECODE_ROWS,
     TIMING_ROWS,
     TimingCache,
-    bucket,
     time_candidates,
 )
 from .planar import dequantize_planar
@@ -81,6 +81,21 @@ def _cpu(mode: str) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
         return quant_cpu().qlinear(x.float().contiguous(), qweight, scales, mins, scheme.group_size, scheme.bits,
                                    mode=mode)
     return run
+
+
+def _bind_cpu(mode: str) -> Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]:
+    def bind(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        run = quant_cpu().bind_qlinear(*scheme.storage(layer), scheme.group_size, scheme.bits, mode=mode)
+        return lambda x: run(x.float().contiguous())
+    return bind
+
+
+BINDERS: dict[str, Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]] = {
+    "cpu_exact": _bind_cpu("exact"),
+    "cpu_q8": _bind_cpu("q8"),
+}
+"""Candidate → ``bind(scheme, layer)``: the candidate for one layer's storage as a callable of ``x``
+(looked up once; the others are bound with :func:`functools.partial`)."""
 
 
 def _int8_rowwise(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
@@ -152,6 +167,7 @@ class KernelSelector:
         self.kinds: dict[str, bool] = {}
         """``auto``: shape (any row count) → whether its kernels take float (exact) activations."""
         self._cache: TimingCache | None = None
+        self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable, Callable]] = weakref.WeakKeyDictionary()
 
     @property
     def cache(self) -> TimingCache:
@@ -204,17 +220,23 @@ class KernelSelector:
         return f"int{scheme.bits}:g{scheme.group_size}:{'mins' if scheme.has_mins else 'sym'}:{rows}x{cols}:{bucket}"
 
     def prepare(self, scheme: Any, layer: Any) -> None:
-        """Choose the kernels of ``layer`` for both buckets now (timing them unless cached); a losing
-        candidate's prepared state (a packed copy) is not kept."""
-        chosen = {self._choice(scheme, layer, name) for name in TIMING_ROWS}
-        for name in list(scheme.kernel_state):
-            if name not in chosen:
-                scheme.kernel_state.pop(name)
+        """Choose the kernels of ``layer`` for both buckets now (timing them unless cached)."""
+        for name in TIMING_ROWS:
+            self._choice(scheme, layer, name)
 
     def run(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        """``x Wᵀ`` by the kernel chosen for ``x``'s row count."""
-        kernel = CANDIDATES[self._choice(scheme, layer, bucket(x.shape[0]))][0]
-        return kernel(scheme, layer, x)
+        """``x Wᵀ`` by the kernel chosen for ``x``'s row count (bound to the layer's storage on first use,
+        so a step pays no lookups: storage is written in place, never replaced, once loaded)."""
+        bound = self._bound.get(layer)
+        if bound is None or bound[0] is not scheme:
+            bound = (scheme, *(self._bind(scheme, layer, name) for name in ("decode", "batch")))
+            self._bound[layer] = bound
+        return (bound[1] if x.shape[0] <= DECODE_ROWS else bound[2])(x)
+
+    def _bind(self, scheme: Any, layer: Any, bucket_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+        name = self._choice(scheme, layer, bucket_name)
+        binder = BINDERS.get(name)
+        return binder(scheme, layer) if binder is not None else functools.partial(CANDIDATES[name][0], scheme, layer)
 
     def _choice(self, scheme: Any, layer: Any, bucket_name: str) -> str:
         key = self.key(scheme, layer, bucket_name)

@@ -12,7 +12,7 @@ from torch import nn
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.fused_moe import FusedMoE
 from .base import QuantizationMethod, quantizable_layers
-from .blocks import PLANAR_TYPES, Q4_0, Q8_0, ggml_type_name
+from .blocks import FLOAT_TYPES, PLANAR_TYPES, Q4_0, Q8_0, ggml_type_name
 from .experts import QuantizedExperts
 from .kernels import KernelSelector
 from .planar import PlanarScheme
@@ -64,6 +64,7 @@ class NoQuantization(QuantizationMethod):
 
     name = "none"
     tensor_parallel = True
+    covers_layers = False
     conformance_tolerance = 1e-4
 
     def prepare(self, model: nn.Module, source: Any) -> None:
@@ -139,13 +140,11 @@ class GGUFMethod(_PlanarMethod):
                 dequantized[f"mixed {'+'.join(sorted({ggml_type_name(types[n]) for n in names}))}"] += len(names)
             else:
                 for n in names:
-                    if types[n] not in PLANAR_TYPES and types[n] not in (0, 1, 30):
+                    if types[n] not in PLANAR_TYPES and types[n] not in FLOAT_TYPES:
                         dequantized[ggml_type_name(types[n])] += 1
         if dequantized:
             logger.warning("gguf: dequantizing %s at load (no kernel runs them as stored)",
                            ", ".join(f"{count} {kind} tensor(s)" for kind, count in sorted(dequantized.items())))
-        self.dequantized_types = dict(dequantized)
-        """ggml type → tensors of it dequantized at load."""
         _prepare_layers(self, model, schemes)
 
 

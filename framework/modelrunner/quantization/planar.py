@@ -103,8 +103,6 @@ class PlanarScheme:
         """8 bits without minimums."""
         self.source_type = source_type
         """What the weights were stored as (``Q4_1``, ``float``) — shown in stats."""
-        self.kernel_state: dict[Any, Any] = {}
-        """Per-kernel prepared state (e.g. a packed copy a kernel made), by kernel name."""
         self.per_row = group_size == 0
         """One scale per output row (``group_size`` 0: the group is the whole row, per-channel int8)."""
 
@@ -170,7 +168,6 @@ class PlanarScheme:
                 select(getattr(layer, f"{prefix}_scales").data).copy_(scales)
                 if stored_mins is not None:
                     select(stored_mins.data).copy_(mins)
-            self.kernel_state.clear()
         return load
 
     def _quantized_part(self, tensor: Any, src: tuple[int, int, int] | None
@@ -202,29 +199,24 @@ class PlanarScheme:
                 None if mins is None else mins.narrow(1, start // group, length // group))
 
     def clone(self) -> PlanarScheme:
-        """A scheme of the same format and kernel selector, with its own kernel state (one per expert)."""
-        twin = copy.copy(self)  # keeps a subclass (and its apply) for every expert
-        twin.kernel_state = {}
-        return twin
+        """A scheme of the same format and kernel selector (a subclass stays one, its ``apply`` kept)."""
+        return copy.copy(self)
 
     def storage(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(qweight, scales, mins)`` of ``layer``."""
         return layer.weight, layer.weight_scales, layer.weight_mins
-
-    def nbytes(self, layer: nn.Module) -> int:
-        """Bytes of the layer's quantized storage."""
-        return sum(t.numel() * t.element_size() for t in self.storage(layer) if t is not None)
 
     # -- compute -----------------------------------------------------------------------------------
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` by the kernel chosen for this shape and row count."""
         shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        out = self.kernels.run(self, layer, flat)
+        out = self.kernels.run(self, layer, x if x.dim() == 2 else x.reshape(-1, shape[-1]))
         if bias is not None:
             out = out + bias
-        return out.reshape(*shape[:-1], out.shape[-1]).to(x.dtype)
+        if x.dim() != 2:
+            out = out.reshape(*shape[:-1], out.shape[-1])
+        return out if out.dtype == x.dtype else out.to(x.dtype)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the stored table, dequantized (an embedding lookup)."""

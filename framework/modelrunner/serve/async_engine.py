@@ -164,11 +164,6 @@ class Generation:
             self._admitted.discard(index)
             self.engine.in_flight -= 1
 
-    @property
-    def done(self) -> bool:
-        """True once every prompt's final output arrived."""
-        return len(self.finals) == len(self.ids)
-
     def __aiter__(self) -> AsyncIterator[tuple[int, RequestOutput]]:
         return self._iterate()
 

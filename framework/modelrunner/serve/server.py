@@ -26,7 +26,7 @@ from collections.abc import Iterator
 import prometheus_client
 import uvicorn
 
-from ..errors import ModelRunnerError
+from ..errors import DEBUG_ENV, error_line
 from .app import build_app
 from .async_engine import AsyncEngine
 from .settings import ServeSettings
@@ -38,14 +38,6 @@ SETTLE_S = 5.0
 """After the grace period: how long aborted requests get to send their last chunk."""
 OWNER_JOIN_S = 60.0
 """How long shutdown waits for the model owner (e.g. a load still in progress) to finish."""
-
-
-def error_line(error: BaseException) -> str:
-    """The CLI's one-line form of an error (unexpected kinds say how to see the traceback)."""
-    message = str(error).splitlines()[0] if str(error) else type(error).__name__
-    if not isinstance(error, (ModelRunnerError, ValueError, OSError)):
-        message = f"{type(error).__name__}: {message} (unexpected; MODELRUNNER_DEBUG=1 shows the traceback)"
-    return message
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -94,7 +86,7 @@ class ModelOwner(threading.Thread):
 
             llm = LLM(settings.model, **settings.config)
         except Exception as e:
-            if os.environ.get("MODELRUNNER_DEBUG"):
+            if os.environ.get(DEBUG_ENV):
                 logger.exception("loading the model failed")
             self.server.load_failed(error_line(e))
             return

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from .kernel import KernelUnavailable, available, dequantize, load, qlinear, simd
+from .kernel import KernelUnavailable, available, bind_qlinear, dequantize, load, qlinear, simd
 from .reference import (
     reference_dequantize,
     reference_qlinear_q8,
@@ -24,6 +24,7 @@ except importlib.metadata.PackageNotFoundError:  # imported from a source tree
 __all__ = [
     "KernelUnavailable",
     "available",
+    "bind_qlinear",
     "dequantize",
     "load",
     "qlinear",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -98,6 +99,24 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
     if not torch.compiler.is_compiling():  # traced graphs are built after an eager call loaded it
         load()
     return torch.ops.modelrunner_quant_cpu.dequantize(qweight, scales, mins, group_size, bits)
+
+
+def bind_qlinear(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                 bits: int, mode: str = "exact") -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`qlinear` of one weight as a callable of ``x`` (``[M, K]`` float32, contiguous), with the
+    checks and lookups done once: what a layer's forward calls on every step."""
+    load()
+    if mode == "exact":
+        op, rows = torch.ops.modelrunner_quant_cpu.qlinear, GEMM_ROWS
+    elif mode == "q8":
+        op, rows = torch.ops.modelrunner_quant_cpu.qlinear_q8, PACKED_ROWS
+    else:
+        raise ValueError(f"mode must be 'exact' or 'q8', got {mode!r}")
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, qweight, scales, mins, group_size, bits, rows)
+
+    return run
 
 
 def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,

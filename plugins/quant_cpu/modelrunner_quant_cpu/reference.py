@@ -3,30 +3,24 @@
 from __future__ import annotations
 
 import torch
+from modelrunner.quantization.planar import dequantize_planar, pack_int4, unpack_int4
 
 
 def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:
     """``[N, K/2]`` uint8 in ggml's order → ``[N, K]`` int64 nibbles 0..15: byte ``j`` of each
     16-byte block holds element ``j`` (low nibble) and element ``j + 16`` (high nibble)."""
-    blocks = qweight.view(qweight.shape[0], -1, 16).long()
-    return torch.cat([blocks & 15, blocks >> 4], dim=2).reshape(qweight.shape[0], -1)
+    return unpack_int4(qweight).long()
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`unpack_nibbles`: ``[N, K]`` integers 0..15 → ``[N, K/2]`` uint8."""
-    blocks = q.reshape(q.shape[0], -1, 2, 16).to(torch.uint8)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(q.shape[0], -1)
+pack_nibbles = pack_int4
+"""The inverse of :func:`unpack_nibbles`: ``[N, K]`` integers 0..15 → ``[N, K/2]`` uint8 (the kernel's planar layout)."""
 
 
 def reference_dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                          bits: int) -> torch.Tensor:
     """``scales[n, k // g] * q[n, k] + mins[n, k // g]`` as float32 ``[N, K]`` (what
     :func:`modelrunner_quant_cpu.dequantize` returns, bit for bit)."""
-    q = unpack_nibbles(qweight) if bits == 4 else qweight.long()
-    w = scales.float().repeat_interleave(group_size, dim=1) * q.float()
-    if mins is not None:
-        w = w + mins.float().repeat_interleave(group_size, dim=1)
-    return w
+    return dequantize_planar(qweight, scales, mins, group_size, bits)
 
 
 def reference_quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
