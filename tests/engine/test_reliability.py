@@ -4,7 +4,6 @@ fails only its request, edge sampling values are exact or refused, outputs reach
 from __future__ import annotations
 
 import pytest
-import torch
 
 from modelrunner import SamplingParams
 from modelrunner.engine import LLMEngine
