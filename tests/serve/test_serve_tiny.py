@@ -340,3 +340,35 @@ def test_a_request_whose_forward_fails_gets_500_and_the_others_finish(server):
     assert json.loads(events[-2])["error"]["code"] == "generation_failed" and events[-1] == "[DONE]"
     assert httpx.get(server.url + "/health").status_code == 200
     _ok(server)
+
+
+def test_the_load_generator_drives_the_real_server(server, tmp_path):
+    """``modelrunner bench serve`` (the real load generator, over HTTP) against this server: every
+    request completes with its tokens, and the JSON holds consistent per-request numbers."""
+    import statistics
+    import subprocess
+    import sys
+
+    from modelrunner.serve.loadgen import percentile
+
+    report = tmp_path / "load.json"
+    result = subprocess.run([sys.executable, "-m", "modelrunner.cli", "bench", "serve", "--base-url", server.url,
+                             "--api-key", API_KEY, "--num-prompts", "6", "--max-concurrency", "3", "--input-len", "8",
+                             "--output-len", "4", "--output-json", str(report)],
+                            capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr
+    record = json.loads(report.read_text())
+    summary, requests = record["summary"], record["requests"]
+    assert summary["completed"] == 6 and summary["failed"] == 0 and summary["total_output_tokens"] == 24
+    assert all(r["ok"] and r["prompt_tokens"] == 8 and r["output_tokens"] == 4 for r in requests)
+    assert all(0 < r["ttft"] <= r["e2e"] and len(r["itls"]) <= 3 for r in requests)
+    ttfts = [r["ttft"] for r in requests]
+    assert summary["p50_ttft_ms"] == pytest.approx(1000 * statistics.median(ttfts))
+    assert summary["p50_ttft_ms"] <= summary["p90_ttft_ms"] <= summary["p99_ttft_ms"] <= 1000 * max(ttfts) + 1e-6
+    assert "p99" in result.stdout and "ITL" in result.stdout
+    # Wrong key: every request fails and the exit status says so.
+    bad = subprocess.run([sys.executable, "-m", "modelrunner.cli", "bench", "serve", "--base-url", server.url,
+                          "--api-key", "wrong", "--num-prompts", "2", "--input-len", "4", "--output-len", "2"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert bad.returncode != 0 and "401" in bad.stderr
+    assert percentile([3.0, 1.0, 2.0, 4.0], 50) == 2.5 and percentile([5.0], 99) == 5.0
