@@ -76,6 +76,7 @@ def _assert_exact(y, x, w_ref):
 def test_qlinear_matches_the_references(bits, mins, group, N):
     qweight, scales, lows = weights(N, K, group, bits, mins)
     w_ref = reference_dequantize(qweight, scales, lows, group, bits)
+    p16 = quant.pack_p16(qweight, scales, lows, group, bits) if quant.p16_supported(bits) else None
     gen = torch.Generator().manual_seed(1)
     for M in (0, 1, 3, 8, 17, 64, 300):
         x = torch.randn(M, K, generator=gen)
@@ -85,6 +86,8 @@ def test_qlinear_matches_the_references(bits, mins, group, N):
         # q8: the default crossover, the per-row kernel for every M, the repacked-tile kernel for every M.
         outs = [quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
                 for packed_rows in (None, 1 << 30, 1)]
+        if p16 is not None:  # the same arithmetic on the weight regrouped in tiles of 16 rows
+            outs.append(quant.bind_qlinear_p16(*p16, N, group, bits)(x))
         assert all(y.dtype == torch.float32 and y.shape == (M, N) for y in outs)
         if M == 0:
             continue
@@ -115,6 +118,41 @@ def test_odd_block_counts(bits, N, K, group):
         for packed_rows in (1, 1 << 30):
             y = quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
             torch.testing.assert_close(y.double(), q8_ref, rtol=1e-5, atol=1e-5 * q8_ref.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("mins", [False, True])
+@pytest.mark.parametrize("N", [16, 37])
+def test_p16_layout_round_trips(bits, mins, N):
+    if not quant.p16_supported(bits):
+        pytest.skip(f"no p16 kernel for {bits}-bit weights in this build ({quant.simd()})")
+    qweight, scales, lows = weights(N, K, 64, bits, mins)
+    data, packed_scales, packed_mins = quant.pack_p16(qweight, scales, lows, 64, bits)
+    # The same bytes regrouped (rows padded to 16): the planar shapes, padded.
+    assert data.shape == (48 if N == 37 else 16, qweight.shape[1]) and packed_scales.shape == (data.shape[0], K // 64)
+    assert (packed_mins is None) == (lows is None)
+    back = quant.unpack_p16(data, packed_scales, packed_mins, N, bits)
+    assert torch.equal(back[0], qweight) and torch.equal(back[1], scales)
+    assert back[2] is None if lows is None else torch.equal(back[2], lows)
+    ids = torch.tensor([N - 1, 0, 5])
+    rows = quant.unpack_p16(data, packed_scales, packed_mins, N, bits, ids)
+    assert torch.equal(rows[0], qweight[ids]) and torch.equal(rows[1], scales[ids])
+    # Padding rows multiply as zero weights: only the N real outputs come back.
+    x = torch.randn(2, K)
+    assert quant.bind_qlinear_p16(data, packed_scales, packed_mins, N, 64, bits)(x).shape == (2, N)
+
+
+def test_p16_bad_input_is_refused_by_name():
+    if not quant.p16_supported(4):
+        pytest.skip(f"no p16 kernel in this build ({quant.simd()})")
+    qweight, scales, lows = weights(37, K, 32, 4, True)
+    data, packed_scales, packed_mins = quant.pack_p16(qweight, scales, lows, 32, 4)
+    with pytest.raises(ValueError, match=r"rows must be in \(32, 48\] .* got 60"):
+        quant.bind_qlinear_p16(data, packed_scales, packed_mins, 60, 32, 4)(torch.randn(1, K))
+    with pytest.raises(ValueError, match="multiple of 16 rows, got 37"):
+        quant.bind_qlinear_p16(qweight, scales, lows, 37, 32, 4)(torch.randn(1, K))
+    with pytest.raises(ValueError, match="x has 32 features"):
+        quant.bind_qlinear_p16(data, packed_scales, packed_mins, 37, 32, 4)(torch.randn(1, 32))
 
 
 def test_qlinear_takes_leading_dimensions():
@@ -248,7 +286,11 @@ _CHECK_BUILD = textwrap.dedent("""
                     for packed_rows in (1, 1 << 30):
                         y = quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
                         torch.testing.assert_close(y.double(), r8, rtol=1e-5, atol=1e-5 * r8.abs().max().item())
-    print("OK")
+                    if quant.p16_supported(bits):
+                        p16 = quant.pack_p16(qweight, scales, lows, group, bits)
+                        y = quant.bind_qlinear_p16(*p16, N, group, bits)(x)
+                        torch.testing.assert_close(y.double(), r8, rtol=1e-5, atol=1e-5 * r8.abs().max().item())
+    print("OK", "p16" if quant.p16_supported(4) else "no-p16")
 """)
 
 
@@ -272,6 +314,7 @@ def test_other_instruction_sets_build_and_agree(march, simd):
                             timeout=600, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"SIMD {simd}" in result.stdout and "OK" in result.stdout
+    assert ("no-p16" in result.stdout) == (simd == "scalar")  # p16 needs AVX2
 
 
 def test_without_a_compiler_it_is_unavailable_with_the_reason(tmp_path):

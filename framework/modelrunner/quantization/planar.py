@@ -203,8 +203,23 @@ class PlanarScheme:
         return copy.copy(self)
 
     def storage(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(qweight, scales, mins)`` of ``layer``."""
+        """``(qweight, scales, mins)`` of ``layer`` as stored: planar, or regrouped by the kernel that
+        runs it (``cpu_p16``; see :meth:`planar_storage`)."""
         return layer.weight, layer.weight_scales, layer.weight_mins
+
+    def planar_storage(self, layer: nn.Module, ids: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(qweight, scales, mins)`` of ``layer`` in the planar layout — rows ``ids`` only when given —
+        whatever layout its kernel keeps them in."""
+        qweight, scales, mins = self.storage(layer)
+        rows = getattr(qweight, "p16_rows", None)
+        if rows is not None:
+            from .kernels import quant_cpu
+            return quant_cpu().unpack_p16(qweight, scales, mins, rows, self.bits, ids)
+        if ids is None:
+            return qweight, scales, mins
+        return qweight.index_select(0, ids), scales.index_select(0, ids), \
+            None if mins is None else mins.index_select(0, ids)
 
     # -- compute -----------------------------------------------------------------------------------
 
@@ -220,15 +235,12 @@ class PlanarScheme:
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the stored table, dequantized (an embedding lookup)."""
-        flat = ids.reshape(-1)
-        qweight, scales, mins = self.storage(layer)
-        rows = dequantize_planar(qweight.index_select(0, flat), scales.index_select(0, flat),
-                                 None if mins is None else mins.index_select(0, flat), self.group_size, self.bits)
+        rows = dequantize_planar(*self.planar_storage(layer, ids.reshape(-1)), self.group_size, self.bits)
         return rows.reshape(*ids.shape, -1)
 
     def dequantized(self, layer: nn.Module) -> torch.Tensor:
         """The whole float weight (for tests and the reference kernel)."""
-        return dequantize_planar(*self.storage(layer), self.group_size, self.bits)
+        return dequantize_planar(*self.planar_storage(layer), self.group_size, self.bits)
 
     def __repr__(self) -> str:
         kind = f"int{self.bits}" + ("" if self.source_type in ("", "float") else f" from {self.source_type}")

@@ -9,7 +9,20 @@ from __future__ import annotations
 
 import importlib.metadata
 
-from .kernel import KernelUnavailable, available, bind_qlinear, dequantize, load, qlinear, simd
+from .kernel import (
+    P16_ROWS,
+    KernelUnavailable,
+    available,
+    bind_qlinear,
+    bind_qlinear_p16,
+    dequantize,
+    load,
+    p16_supported,
+    pack_p16,
+    qlinear,
+    simd,
+    unpack_p16,
+)
 from .reference import (
     reference_dequantize,
     reference_qlinear_q8,
@@ -22,14 +35,19 @@ except importlib.metadata.PackageNotFoundError:  # imported from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "P16_ROWS",
     "KernelUnavailable",
     "available",
     "bind_qlinear",
+    "bind_qlinear_p16",
     "dequantize",
     "load",
+    "p16_supported",
+    "pack_p16",
     "qlinear",
     "reference_dequantize",
     "reference_qlinear_q8",
     "reference_quantize_activations",
     "simd",
+    "unpack_p16",
 ]

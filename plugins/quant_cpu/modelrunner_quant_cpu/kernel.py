@@ -1,6 +1,6 @@
 """The C++ kernels: built once per machine on first use, then loaded as the torch operators
-``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8}`` (callable from eager code and from
-torch.compile graphs, through their fake implementations)."""
+``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16}`` (callable from
+eager code and from torch.compile graphs, through their fake implementations)."""
 
 from __future__ import annotations
 
@@ -54,6 +54,8 @@ def load() -> None:
     torch.library.register_fake("modelrunner_quant_cpu::dequantize")(_fake_dequantize)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear")(_fake_qlinear)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_q8")(_fake_qlinear_q8)
+    torch.library.register_fake("modelrunner_quant_cpu::pack_p16")(_fake_pack_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16")(_fake_qlinear_p16)
 
 
 @functools.cache
@@ -81,6 +83,18 @@ def _fake_qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
 def _fake_qlinear_q8(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
                      group_size: int, bits: int, packed_rows: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], qweight.shape[0]), dtype=torch.float32)
+
+
+def _fake_pack_p16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                   bits: int) -> list[torch.Tensor]:
+    rows = -(-qweight.shape[0] // P16_ROWS) * P16_ROWS
+    grid = scales.new_empty((rows, scales.shape[1]))
+    return [qweight.new_empty((rows, qweight.shape[1])), grid, grid.new_empty(grid.shape if mins is not None else (0,))]
+
+
+def _fake_qlinear_p16(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
+                      group_size: int, bits: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], rows), dtype=torch.float32)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
@@ -152,6 +166,62 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     else:
         raise ValueError(f"mode must be 'exact' or 'q8', got {mode!r}")
     return y.view(*shape[:-1], y.shape[-1]) if flatten else y
+
+
+P16_ROWS = 16
+"""Rows per tile of the p16 layout (and the multiple its row count is padded to)."""
+
+
+@functools.cache
+def p16_supported(bits: int) -> bool:
+    """Whether this build has the p16 kernel for ``bits``-bit weights (4: any AVX2 CPU; 8: with VNNI)."""
+    load()
+    return bool(torch.ops.modelrunner_quant_cpu.p16_supported(bits))
+
+
+def pack_p16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+             bits: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A planar weight (see :func:`dequantize`) in the p16 layout :func:`bind_qlinear_p16` multiplies:
+    the same bytes regrouped in tiles of 16 rows (rows padded to a multiple of 16 with zero weights),
+    so that one instruction takes 4 weights of each of 16 rows. Shapes stay planar, padded:
+    ``[N16, K*bits/8]`` and ``[N16, K/group_size]``; :func:`unpack_p16` is the inverse."""
+    load()
+    data, packed_scales, packed_mins = torch.ops.modelrunner_quant_cpu.pack_p16(qweight, scales, mins, group_size, bits)
+    return data, packed_scales, packed_mins if mins is not None else None
+
+
+def unpack_p16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int, bits: int,
+               ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The planar rows ``ids`` (default: all ``rows``) of a p16 weight: ``(qweight, scales, mins)``.
+    Plain tensor indexing, no kernel: cheap for a few rows (an embedding lookup)."""
+    ids = torch.arange(rows) if ids is None else ids.reshape(-1)
+    tiles, lanes = ids // P16_ROWS, ids % P16_ROWS
+    words = 4 if bits == 4 else 8  # 4-byte words per row and 32-element block
+    count, row_bytes = data.shape[0] // P16_ROWS, data.shape[1]
+    blocks = row_bytes // (4 * words)
+    q = data.view(torch.uint8).view(count, blocks, words, P16_ROWS, 4)[tiles, :, :, lanes, :].reshape(-1, row_bytes)
+    if bits == 8:
+        q = (q ^ 0x80).view(torch.int8)
+
+    def grid(t: torch.Tensor) -> torch.Tensor:
+        return t.view(count, -1, P16_ROWS)[tiles, :, lanes]
+
+    return q, grid(scales), None if mins is None else grid(mins)
+
+
+def bind_qlinear_p16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int, group_size: int,
+                     bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x`` (float32 ``[M, K]``, contiguous) → ``[M, rows]``: q8 mode's arithmetic (activations
+    quantized per 32-element block, integer dot products; the same results up to float summation
+    order) on a weight in the p16 layout (:func:`pack_p16`). Nothing is repacked per call, so it is
+    the fast path at every ``M``, one row included."""
+    load()
+    op = torch.ops.modelrunner_quant_cpu.qlinear_p16
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, data, scales, mins, rows, group_size, bits)
+
+    return run
 
 
 def simd() -> str:

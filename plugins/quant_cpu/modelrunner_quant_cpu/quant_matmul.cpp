@@ -1088,6 +1088,263 @@ void exact_gemm(const QuantWeight& w, const at::Tensor& x, at::Tensor& y) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// "p16": the q8 arithmetic on weights stored pre-interleaved in tiles of 16 rows, so that one u8 x s8
+// instruction multiplies four activation bytes (broadcast) by four weights of each of 16 rows and
+// a block's 16 results land in 16 lanes, scaled together. Nothing is repacked per call (the q8
+// packed kernel above repacks each tile on every call, which costs more than it saves at one row
+// of x), so it serves every M, one row included. Layout, rows padded to a multiple of 16 with zeros:
+//   4-bit: data[tile][block][p = 0..3][row 0..15][4 bytes] = bytes 4p..4p+3 of the row's block
+//          (low nibbles: elements 4p..4p+3; high nibbles: elements 16+4p..16+4p+3);
+//   8-bit: data[tile][block][kk = 0..7][row][4 bytes] = q + 128 (unsigned) of elements 4kk..4kk+3;
+//   scales, mins: [tile][group][16] float16.
+// The tensors keep the planar shapes ([N16, K*bits/8] and [N16, groups]): the same bytes, reordered.
+
+constexpr int64_t kP16 = 16;
+
+bool p16_supported_bits(int64_t bits) {
+#if defined(MRQ_AVX2) && defined(MRQ_VNNI)
+  return bits == 4 || bits == 8;
+#elif defined(MRQ_AVX2)
+  return bits == 4;  // q + 128 up to 255 times 127 overflows maddubs' int16 pairs
+#else
+  (void)bits;
+  return false;
+#endif
+}
+
+// The pieces of one p16 weight, validated (shapes as the planar ones with rows padded to 16).
+struct P16Weight {
+  const uint8_t* data = nullptr;
+  const at::Half* scales = nullptr;
+  const at::Half* mins = nullptr;
+  int64_t rows = 0, rows16 = 0, cols = 0, group = 0, groups = 0, bits = 0, tile_bytes = 0;
+};
+
+P16Weight check_p16(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
+                    int64_t rows, int64_t group_size, int64_t bits) {
+  // The planar checks apply to the padded tensors as they are.
+  const QuantWeight q = check_weight(data, scales, mins, group_size, bits);
+  TORCH_CHECK_VALUE(q.rows % kP16 == 0, "p16 weights have a multiple of 16 rows, got ", q.rows);
+  TORCH_CHECK_VALUE(rows > q.rows - kP16 && rows <= q.rows, "rows must be in (", q.rows - kP16, ", ", q.rows,
+                    "] for p16 weights of ", q.rows, " padded rows, got ", rows);
+  TORCH_CHECK_VALUE(p16_supported_bits(bits), "this build of the kernels has no p16 kernel for ", bits,
+                    "-bit weights (", (bits == 8 ? "8-bit needs VNNI" : "needs AVX2"), ")");
+  P16Weight w;
+  w.data = q.data, w.scales = q.scales, w.mins = q.mins;
+  w.rows = rows, w.rows16 = q.rows, w.cols = q.cols, w.group = q.group, w.groups = q.groups, w.bits = bits;
+  w.tile_bytes = kP16 * q.row_bytes;
+  return w;
+}
+
+// Planar [N, ...] -> p16 [N16, ...].
+std::vector<at::Tensor> pack_p16(const at::Tensor& qweight, const at::Tensor& scales,
+                                 const std::optional<at::Tensor>& mins, int64_t group_size, int64_t bits) {
+  const QuantWeight w = check_weight(qweight, scales, mins, group_size, bits);
+  const int64_t rows16 = (w.rows + kP16 - 1) / kP16 * kP16, tiles = rows16 / kP16, blocks = w.cols / kBlock;
+  at::Tensor data = at::zeros({rows16, w.row_bytes}, qweight.options());
+  at::Tensor sc = at::zeros({rows16, w.groups}, scales.options());
+  at::Tensor mn = mins.has_value() ? at::zeros({rows16, w.groups}, scales.options()) : at::Tensor();
+  uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
+  at::Half* so = sc.data_ptr<at::Half>();
+  at::Half* mo = mins.has_value() ? mn.data_ptr<at::Half>() : nullptr;
+  const int64_t words = bits == 4 ? 4 : 8;  // 4-byte words per row and block
+  at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t) {
+      uint8_t* tile = out + t * kP16 * w.row_bytes;
+      for (int64_t r = 0; r < kP16; ++r) {
+        const int64_t n = t * kP16 + r;
+        if (n >= w.rows) {
+          if (bits == 8)  // a zero weight is 128 unsigned
+            for (int64_t b = 0; b < blocks; ++b)
+              for (int64_t j = 0; j < words; ++j) std::memset(tile + ((b * words + j) * kP16 + r) * 4, 0x80, 4);
+          continue;
+        }
+        const uint8_t* src = w.row(n);
+        for (int64_t b = 0; b < blocks; ++b)
+          for (int64_t j = 0; j < words; ++j) {
+            uint8_t* dst = tile + ((b * words + j) * kP16 + r) * 4;
+            const uint8_t* from = src + b * words * 4 + j * 4;
+            for (int i = 0; i < 4; ++i) dst[i] = bits == 8 ? static_cast<uint8_t>(from[i] ^ 0x80) : from[i];
+          }
+        for (int64_t g = 0; g < w.groups; ++g) {
+          so[(t * w.groups + g) * kP16 + r] = w.scales[n * w.groups + g];
+          if (mo) mo[(t * w.groups + g) * kP16 + r] = w.mins[n * w.groups + g];
+        }
+      }
+    }
+  });
+  return {data, sc, mn};
+}
+
+#ifdef MRQ_AVX2
+inline int32_t load_word(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+#if defined(MRQ_AVX512) && MRQ_VNNI == 1
+constexpr int kP16MaxRows = 4;
+// Rows [m0, m0 + MT) of x against tile t: 16 outputs per row of x.
+template <int kBits, int MT>
+void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
+  const uint8_t* tile = w.data + t * w.tile_bytes;
+  const at::Half* ts = w.scales + t * w.groups * kP16;
+  const at::Half* tm = w.mins ? w.mins + t * w.groups * kP16 : nullptr;
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 acc[MT];
+#pragma GCC unroll 4
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + g * kP16)));
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      const uint8_t* p = tile + b * kBlockBytes;
+      if constexpr (kBits == 8) {
+              }
+      __m512i isum[MT];
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r)
+        isum[r] = kBits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * in.qsum[(m0 + r) * blocks + b]);
+      if constexpr (kBits == 4) {
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; ++j) {
+          const __m512i bytes = _mm512_loadu_si512(p + j * 64);
+          const __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r) {
+            const int8_t* xq = in.q.get() + (m0 + r) * K + b * kBlock;
+            isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(load_word(xq + 4 * j)));
+            isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(load_word(xq + 16 + 4 * j)));
+          }
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; ++j) {
+          const __m512i bytes = _mm512_loadu_si512(p + j * 64);
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r) {
+            const int8_t* xq = in.q.get() + (m0 + r) * K + b * kBlock;
+            isum[r] = _mm512_dpbusd_epi32(isum[r], bytes, _mm512_set1_epi32(load_word(xq + 4 * j)));
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r)
+        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
+                                 _mm512_mul_ps(s, _mm512_set1_ps(in.d[(m0 + r) * blocks + b])), acc[r]);
+    }
+    if (tm) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm + g * kP16)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in.sum[(m0 + r) * w.groups + g]), acc[r]);
+    }
+  }
+  const int64_t n0 = t * kP16, valid = std::min(kP16, w.rows - n0);
+  const __mmask16 mask = valid == kP16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+#pragma GCC unroll 4
+  for (int r = 0; r < MT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, mask, acc[r]);
+}
+#else
+constexpr int kP16MaxRows = 2;
+// The same with 256-bit registers: each 64-byte word row holds rows 0-7, then rows 8-15.
+template <int kBits, int MT>
+void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
+  const uint8_t* tile = w.data + t * w.tile_bytes;
+  const at::Half* ts = w.scales + t * w.groups * kP16;
+  const at::Half* tm = w.mins ? w.mins + t * w.groups * kP16 : nullptr;
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  const __m256i low = _mm256_set1_epi8(0x0f);
+  __m256 acc[MT][2];
+  for (int r = 0; r < MT; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    __m256 s[2];
+    for (int h = 0; h < 2; ++h)
+      s[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ts + g * kP16 + 8 * h)));
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      const uint8_t* p = tile + b * kBlockBytes;
+      __m256i isum[MT][2];
+      for (int r = 0; r < MT; ++r)
+        isum[r][0] = isum[r][1] =
+            kBits == 4 ? _mm256_setzero_si256() : _mm256_set1_epi32(-128 * in.qsum[(m0 + r) * blocks + b]);
+      for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j)
+        for (int h = 0; h < 2; ++h) {
+          const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + j * 64 + 32 * h));
+          for (int r = 0; r < MT; ++r) {
+            const int8_t* xq = in.q.get() + (m0 + r) * K + b * kBlock;
+            if constexpr (kBits == 4) {
+              const __m256i lo = _mm256_and_si256(bytes, low), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low);
+              isum[r][h] = dot_u8s8_add(isum[r][h], lo, _mm256_set1_epi32(load_word(xq + 4 * j)));
+              isum[r][h] = dot_u8s8_add(isum[r][h], hi, _mm256_set1_epi32(load_word(xq + 16 + 4 * j)));
+            } else {
+              isum[r][h] = dot_u8s8_add(isum[r][h], bytes, _mm256_set1_epi32(load_word(xq + 4 * j)));
+            }
+          }
+        }
+      for (int r = 0; r < MT; ++r) {
+        const __m256 d = _mm256_set1_ps(in.d[(m0 + r) * blocks + b]);
+        for (int h = 0; h < 2; ++h)
+          acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][h]), _mm256_mul_ps(s[h], d), acc[r][h]);
+      }
+    }
+    if (tm) {
+      for (int h = 0; h < 2; ++h) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + g * kP16 + 8 * h)));
+        for (int r = 0; r < MT; ++r)
+          acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(in.sum[(m0 + r) * w.groups + g]), acc[r][h]);
+      }
+    }
+  }
+  const int64_t n0 = t * kP16, valid = std::min(kP16, w.rows - n0);
+  for (int r = 0; r < MT; ++r) {
+    alignas(32) float lanes[16];
+    _mm256_store_ps(lanes, acc[r][0]);
+    _mm256_store_ps(lanes + 8, acc[r][1]);
+    std::copy(lanes, lanes + valid, y + r * ldy + n0);
+  }
+}
+#endif
+#endif  // MRQ_AVX2
+
+at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
+  const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be a CPU tensor, got device ", x.device());
+  TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous (strides ", x.strides(), ")");
+  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [M, K], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(x.size(1) == w.cols, "x has ", x.size(1), " features (x.size(1)) but the weight has K = ", w.cols);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, w.rows}, x.options());
+  if (M == 0 || w.rows == 0) return y;
+#ifdef MRQ_AVX2
+  // quantize_input reads cols, group, groups and whether there are mins.
+  QuantWeight shape;
+  shape.cols = w.cols, shape.group = w.group, shape.groups = w.groups, shape.mins = w.mins;
+  const QuantizedInput in = quantize_input(x.const_data_ptr<float>(), M, shape, bits == 8, false);
+  float* yp = y.data_ptr<float>();
+  const int64_t count = (M + kP16MaxRows - 1) / kP16MaxRows;
+  parallel_rows(w.rows16, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
+    for (int64_t t = n0 / kP16; t < n1 / kP16; ++t)
+      for (int64_t i = 0, m0 = 0; i < count; ++i) {
+        const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
+        with_mt(mt, [&]<int MT>() {
+          if constexpr (MT <= kP16MaxRows)
+            bits == 4 ? p16_tile<4, MT>(w, t, in, m0, yp + m0 * w.rows, w.rows)
+                      : p16_tile<8, MT>(w, t, in, m0, yp + m0 * w.rows, w.rows);
+        });
+        m0 += mt;
+      }
+  });
+#endif
+  return y;
+}
+
+bool p16_supported(int64_t bits) { return p16_supported_bits(bits); }
+
+// ---------------------------------------------------------------------------------------------
 // The operators.
 
 at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
@@ -1167,6 +1424,10 @@ TORCH_LIBRARY(modelrunner_quant_cpu, m) {
         "-> Tensor");
   m.def("qlinear_q8(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits, "
         "int packed_rows) -> Tensor");
+  m.def("pack_p16(Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits) -> Tensor[]");
+  m.def("qlinear_p16(Tensor x, Tensor data, Tensor scales, Tensor? mins, int rows, int group_size, int bits) "
+        "-> Tensor");
+  m.def("p16_supported(int bits) -> bool");
   m.def("simd() -> str");
 }
 
@@ -1174,9 +1435,12 @@ TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CPU, m) {
   m.impl("dequantize", &dequantize);
   m.impl("qlinear", &qlinear);
   m.impl("qlinear_q8", &qlinear_q8);
+  m.impl("pack_p16", &pack_p16);
+  m.impl("qlinear_p16", &qlinear_p16);
 }
 
 // simd() takes no tensor, so it has no dispatch key to route by: registered for every backend.
 TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CompositeExplicitAutograd, m) {
   m.impl("simd", &simd);
+  m.impl("p16_supported", &p16_supported);
 }
