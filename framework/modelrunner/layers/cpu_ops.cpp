@@ -1,0 +1,129 @@
+// Fused elementwise layer ops for CPUs: RMSNorm (with the residual add before it) and rotary
+// embeddings, each one pass over its rows in one operator call. A decode step of a small model runs
+// them ~100 times per token on a few hundred floats each: torch's CPU versions are 5-8 operator
+// calls apiece (pow, mean, add, rsqrt, mul, ...; index_select, chunk, mul, sub, cat, ...), so their
+// dispatch, not their arithmetic, is what the step pays. Float32, on the CPU; the Python side
+// (cpu_ops.py) checks dtypes and devices and keeps torch's versions for everything else.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+
+namespace {
+
+constexpr int kLanes = 16;  // independent partial sums: the compiler vectorises them
+
+inline float sum_of_squares(const float* x, int64_t n) {
+  float part[kLanes] = {};
+  int64_t k = 0;
+  for (; k + kLanes <= n; k += kLanes)
+    for (int j = 0; j < kLanes; ++j) part[j] += x[k + j] * x[k + j];
+  float total = 0.f;
+  for (int j = 0; j < kLanes; ++j) total += part[j];
+  for (; k < n; ++k) total += x[k] * x[k];
+  return total;
+}
+
+inline void norm_row(const float* x, const float* w, double eps, int64_t n, float* out) {
+  const float r = 1.f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t k = 0; k < n; ++k) out[k] = x[k] * r * w[k];
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(), name, " must be a float32 CPU tensor");
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous(), name, " must be contiguous, got strides ", x.strides());
+  TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1),
+                    "weight must be float32 [", x.size(-1), "], got ", w.scalar_type(), " ", w.sizes());
+}
+
+template <typename F>
+void for_rows(int64_t rows, int64_t width, F&& body) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, width)), [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) body(r);
+  });
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "x");
+  at::Tensor out = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const float *xp = x.const_data_ptr<float>(), *wp = weight.const_data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  for_rows(rows, n, [&](int64_t r) { norm_row(xp + r * n, wp, eps, n, op + r * n); });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "x");
+  check_rows(residual, weight, "residual");
+  TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
+                    residual.sizes());
+  at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const float *xp = x.const_data_ptr<float>(), *rp = residual.const_data_ptr<float>(),
+              *wp = weight.const_data_ptr<float>();
+  float *op = out.data_ptr<float>(), *sp = sum.data_ptr<float>();
+  for_rows(rows, n, [&](int64_t r) {
+    float* s = sp + r * n;
+    for (int64_t k = 0; k < n; ++k) s[k] = xp[r * n + k] + rp[r * n + k];
+    norm_row(s, wp, eps, n, op + r * n);
+  });
+  return {out, sum};
+}
+
+// x [tokens, heads, head_dim] (any strides but a contiguous last dimension) rotated by the
+// cos/sin table's rows `positions` (table [max_position, head_dim]: cos half, then sin half), into a
+// new contiguous tensor: out = cat(x1 cos - x2 sin, x2 cos + x1 sin), x1/x2 the halves of x.
+at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& table) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1,
+                    "x must be a float32 CPU tensor [tokens, heads, head_dim] with a contiguous last dimension");
+  TORCH_CHECK_VALUE(table.scalar_type() == at::kFloat && table.dim() == 2 && table.is_contiguous() &&
+                        table.size(1) == x.size(2) && x.size(2) % 2 == 0,
+                    "table must be contiguous float32 [max_position, ", x.size(2), "], got ", table.sizes());
+  TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == x.size(0),
+                    "positions must be int64 [", x.size(0), "], got ", positions.scalar_type(), " ", positions.sizes());
+  const at::Tensor pos = positions.contiguous();
+  const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
+  const int64_t limit = table.size(0);
+  const int64_t* pp = pos.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK_VALUE(pp[t] >= 0 && pp[t] < limit, "position ", pp[t], " of token ", t, " is outside the table's [0, ",
+                      limit, ")");
+  at::Tensor out = at::empty({tokens, heads, dim}, x.options());
+  const float *xp = x.const_data_ptr<float>(), *tp = table.const_data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  const int64_t st = x.stride(0), sh = x.stride(1);
+  for_rows(tokens, heads * dim, [&](int64_t t) {
+    const float* cs = tp + pp[t] * dim;
+    const float* sn = cs + half;
+    for (int64_t h = 0; h < heads; ++h) {
+      const float* in = xp + t * st + h * sh;
+      float* o = op + (t * heads + h) * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = in[i], x2 = in[i + half];
+        o[i] = x1 * cs[i] - x2 * sn[i];
+        o[i + half] = x2 * cs[i] + x1 * sn[i];
+      }
+    }
+  });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY(modelrunner_cpu_ops, m) {
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
+  m.def("rotary(Tensor positions, Tensor x, Tensor table) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(modelrunner_cpu_ops, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rotary", &rotary);
+}

@@ -1,0 +1,79 @@
+"""The fused CPU layer ops (RMSNorm with its residual add, rotary embeddings) against torch's
+versions of the same layers, and their refusals of bad input."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from modelrunner.layers import RMSNorm, RotaryEmbedding, cpu_ops
+
+pytestmark = pytest.mark.skipif(cpu_ops.ops() is None, reason="the fused CPU ops cannot be built here")
+
+
+def _torch_version(monkeypatch: pytest.MonkeyPatch, fn, *args):
+    """``fn(*args)`` with the layers on torch's ops."""
+    with monkeypatch.context() as m:
+        m.setattr("modelrunner.layers.norm.fused", lambda x: None)
+        m.setattr("modelrunner.layers.rotary.fused", lambda x: None)
+        return fn(*args)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("width", [576, 100])
+def test_rms_norm_matches_torch(monkeypatch, rows, width):
+    gen = torch.Generator().manual_seed(rows)
+    norm = RMSNorm(width, 1e-5)
+    norm.weight.data = torch.randn(width, generator=gen)
+    x, residual = torch.randn(rows, width, generator=gen) * 3, torch.randn(rows, width, generator=gen)
+    torch.testing.assert_close(norm(x), _torch_version(monkeypatch, norm, x), rtol=1e-5, atol=1e-5)
+    out, summed = norm(x, residual)
+    want_out, want_sum = _torch_version(monkeypatch, norm, x, residual)
+    assert torch.equal(summed, want_sum)  # the residual stream is exact
+    torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
+    assert norm(torch.zeros(0, width)).shape == (0, width)
+
+
+def test_rotary_matches_torch_on_a_strided_view(monkeypatch):
+    rope = RotaryEmbedding(64, 4096, {"rope_type": "default", "rope_theta": 100000.0})
+    qkv = torch.randn(5, 15 * 64)
+    qk = qkv[:, : 12 * 64].view(5, 12, 64)  # q and k heads of a fused projection: not contiguous
+    positions = torch.tensor([0, 3, 100, 4095, 7])
+    got = rope.rotate(positions, qk)
+    assert got.is_contiguous() and got.shape == (5, 12, 64)
+    torch.testing.assert_close(got, _torch_version(monkeypatch, rope.rotate, positions, qk), rtol=1e-6, atol=1e-6)
+
+
+def test_bad_input_is_refused_by_name():
+    ops = cpu_ops.ops()
+    table = torch.randn(16, 8)
+    with pytest.raises(ValueError, match=r"position 16 of token 1 is outside the table's \[0, 16\)"):
+        ops.rotary(torch.tensor([0, 16]), torch.randn(2, 1, 8), table)
+    with pytest.raises(ValueError, match=r"weight must be float32 \[8\]"):
+        ops.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-6)
+    with pytest.raises(ValueError, match="residual must have x's shape"):
+        ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
+
+
+def test_other_dtypes_and_autograd_keep_torchs_ops():
+    assert cpu_ops.fused(torch.randn(2, 8, dtype=torch.bfloat16)) is None
+    assert cpu_ops.fused(torch.randn(2, 8, requires_grad=True)) is None
+    norm = RMSNorm(8)
+    x = torch.randn(2, 8, requires_grad=True)
+    norm(x).sum().backward()  # torch's version: differentiable
+    assert x.grad is not None
+
+
+def test_turned_off_by_the_environment():
+    script = textwrap.dedent("""
+        from modelrunner.layers import cpu_ops
+        print("ops", cpu_ops.ops())
+    """)
+    env = {**os.environ, cpu_ops.DISABLE_ENV: "0"}
+    result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True, env=env,
+                            timeout=120)
+    assert "ops None" in result.stdout, result.stderr[-2000:]
