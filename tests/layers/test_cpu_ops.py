@@ -10,7 +10,13 @@ import textwrap
 
 import pytest
 import torch
-from modelrunner.layers import RMSNorm, RotaryEmbedding, cpu_ops
+from modelrunner.layers import (
+    RMSNorm,
+    RotaryEmbedding,
+    SiluAndMul,
+    cpu_ops,
+    sdpa_attention,
+)
 
 pytestmark = pytest.mark.skipif(cpu_ops.ops() is None, reason="the fused CPU ops cannot be built here")
 
@@ -20,6 +26,8 @@ def _torch_version(monkeypatch: pytest.MonkeyPatch, fn, *args):
     with monkeypatch.context() as m:
         m.setattr("modelrunner.layers.norm.fused", lambda x: None)
         m.setattr("modelrunner.layers.rotary.fused", lambda x: None)
+        m.setattr("modelrunner.layers.activation.fused", lambda x: None)
+        m.setattr("modelrunner.layers.sdpa_attention.fused", lambda x: None)
         return fn(*args)
 
 
@@ -48,6 +56,24 @@ def test_rotary_matches_torch_on_a_strided_view(monkeypatch):
     torch.testing.assert_close(got, _torch_version(monkeypatch, rope.rotate, positions, qk), rtol=1e-6, atol=1e-6)
 
 
+def test_silu_and_mul_matches_torch(monkeypatch):
+    x = torch.randn(3, 2 * 96) * 4
+    torch.testing.assert_close(SiluAndMul()(x), _torch_version(monkeypatch, SiluAndMul(), x), rtol=0, atol=0)
+
+
+def test_kv_write_matches_torch(monkeypatch):
+    kv_heads, head_dim = 3, 8
+    kv = torch.zeros(2, 4, 2, kv_heads, head_dim)  # 4 blocks of 2 slots
+    qkv = torch.randn(3, (2 + 2 * kv_heads) * head_dim)
+    key = qkv[:, 2 * head_dim:(2 + kv_heads) * head_dim].view(3, kv_heads, head_dim)  # strided views, as in the layer
+    value = qkv[:, (2 + kv_heads) * head_dim:].view(3, kv_heads, head_dim)
+    slots = torch.tensor([5, 0, 7])
+    want = kv.clone()
+    _torch_version(monkeypatch, sdpa_attention._store_kv, want, slots, key, value)
+    sdpa_attention._store_kv(kv, slots, key, value)
+    assert torch.equal(kv, want) and torch.equal(kv[0].view(-1, kv_heads, head_dim)[5], key[0])
+
+
 def test_bad_input_is_refused_by_name():
     ops = cpu_ops.ops()
     table = torch.randn(16, 8)
@@ -55,6 +81,8 @@ def test_bad_input_is_refused_by_name():
         ops.rotary(torch.tensor([0, 16]), torch.randn(2, 1, 8), table)
     with pytest.raises(ValueError, match=r"weight must be float32 \[8\]"):
         ops.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-6)
+    with pytest.raises(ValueError, match=r"slot 8 of token 0 is outside the cache's \[0, 8\)"):
+        ops.store_kv(torch.zeros(2, 4, 2, 1, 8), torch.tensor([8]), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
     with pytest.raises(ValueError, match="residual must have x's shape"):
         ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
 

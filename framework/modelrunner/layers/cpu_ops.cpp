@@ -1,5 +1,5 @@
-// Fused elementwise layer ops for CPUs: RMSNorm (with the residual add before it) and rotary
-// embeddings, each one pass over its rows in one operator call. A decode step of a small model runs
+// Fused elementwise layer ops for CPUs: RMSNorm (with the residual add before it), rotary
+// embeddings, the gated MLP's silu(gate) * up and the KV-cache write, each one operator call. A decode step of a small model runs
 // them ~100 times per token on a few hundred floats each: torch's CPU versions are 5-8 operator
 // calls apiece (pow, mean, add, rsqrt, mul, ...; index_select, chunk, mul, sub, cat, ...), so their
 // dispatch, not their arithmetic, is what the step pays. Float32, on the CPU; the Python side
@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <tuple>
 
 namespace {
@@ -114,16 +115,68 @@ at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Te
   return out;
 }
 
+// silu(gate) * up of x = [..., gate | up]: torch's two kernels, called from here (the Python side's
+// chunk, silu and mul are three dispatches).
+at::Tensor silu_and_mul(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.dim() >= 1 && x.size(-1) % 2 == 0, "x must end in an even dimension [..., 2 * d], got ",
+                    x.sizes());
+  const int64_t d = x.size(-1) / 2;
+  at::Tensor out = at::silu(x.narrow(-1, 0, d));
+  out.mul_(x.narrow(-1, d, d));
+  return out;
+}
+
+// key/value [tokens, kv_heads, head_dim] (a contiguous last dimension; e.g. views of a fused qkv
+// projection) into kv_cache [2, blocks, block_size, kv_heads, head_dim] (contiguous, same dtype) at
+// the flat slots slot_mapping [tokens], in place: one copy per token and head (index_copy_ through
+// Python views costs ~15 us per layer here).
+void store_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Tensor& key, const at::Tensor& value) {
+  TORCH_CHECK_VALUE(key.dim() == 3 && value.sizes() == key.sizes(), "key and value must be [tokens, kv_heads, ",
+                    "head_dim] alike, got ", key.sizes(), " and ", value.sizes());
+  const int64_t tokens = key.size(0), heads = key.size(1), dim = key.size(2);
+  TORCH_CHECK_VALUE(kv_cache.is_contiguous() && kv_cache.dim() >= 3 && kv_cache.size(0) == 2 &&
+                        kv_cache.size(-1) == dim && kv_cache.size(-2) == heads,
+                    "kv_cache must be contiguous [2, ..., ", heads, ", ", dim, "], got ", kv_cache.sizes());
+  TORCH_CHECK_VALUE(key.scalar_type() == kv_cache.scalar_type() && value.scalar_type() == kv_cache.scalar_type(),
+                    "key, value and kv_cache must have one dtype, got ", key.scalar_type(), ", ", value.scalar_type(),
+                    " and ", kv_cache.scalar_type());
+  TORCH_CHECK_VALUE(key.stride(2) == 1 && value.stride(2) == 1, "key and value need a contiguous last dimension");
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 && slot_mapping.size(0) == tokens,
+                    "slot_mapping must be int64 [", tokens, "], got ", slot_mapping.scalar_type(), " ",
+                    slot_mapping.sizes());
+  const at::Tensor slots = slot_mapping.contiguous();
+  const int64_t* sp = slots.const_data_ptr<int64_t>();
+  const int64_t slots_per_half = kv_cache.numel() / (2 * heads * dim), item = kv_cache.element_size();
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK_VALUE(sp[t] >= 0 && sp[t] < slots_per_half, "slot ", sp[t], " of token ", t,
+                      " is outside the cache's [0, ", slots_per_half, ")");
+  char* cache = static_cast<char*>(kv_cache.data_ptr());
+  const char* sources[2] = {static_cast<const char*>(key.const_data_ptr()),
+                            static_cast<const char*>(value.const_data_ptr())};
+  const int64_t strides[2][2] = {{key.stride(0), key.stride(1)}, {value.stride(0), value.stride(1)}};
+  for (int half = 0; half < 2; ++half) {
+    char* base = cache + half * slots_per_half * heads * dim * item;
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t h = 0; h < heads; ++h)
+        std::memcpy(base + ((sp[t] * heads + h) * dim) * item,
+                    sources[half] + (t * strides[half][0] + h * strides[half][1]) * item, dim * item);
+  }
+}
+
 }  // namespace
 
 TORCH_LIBRARY(modelrunner_cpu_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor positions, Tensor x, Tensor table) -> Tensor");
+  m.def("silu_and_mul(Tensor x) -> Tensor");
+  m.def("store_kv(Tensor(a!) kv_cache, Tensor slot_mapping, Tensor key, Tensor value) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(modelrunner_cpu_ops, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rotary", &rotary);
+  m.impl("silu_and_mul", &silu_and_mul);
+  m.impl("store_kv", &store_kv);
 }

@@ -1,5 +1,6 @@
 """Fused CPU versions of the kernel's elementwise layer ops — RMSNorm (with the residual add before
-it) and rotary embeddings — built from ``cpu_ops.cpp`` on first use (once per machine, like a
+it), rotary embeddings, the gated MLP's ``silu(gate) * up`` and the paged KV-cache write — built
+from ``cpu_ops.cpp`` on first use (once per machine, like a
 plugin's kernels: :func:`modelrunner.native.build_extension`).
 
 A decode step of a small model calls these ~100 times per token on a few hundred floats each;
@@ -31,7 +32,8 @@ DISABLE_ENV = "MODELRUNNER_FUSED_CPU_OPS"
 
 @functools.cache
 def ops() -> Any:
-    """``torch.ops.modelrunner_cpu_ops`` (``rms_norm``, ``add_rms_norm``, ``rotary``) once built and
+    """``torch.ops.modelrunner_cpu_ops`` (``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_and_mul``,
+    ``store_kv``) once built and
     loaded here; None where they are turned off or cannot be built (one warning with the reason)."""
     if os.environ.get(DISABLE_ENV, "1").strip() == "0":
         return None

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from .attention_backend import AttentionBackend
+from .cpu_ops import fused
 
 if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch
@@ -43,6 +44,10 @@ if TYPE_CHECKING:
 
 
 def _store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
+    ops = fused(key)
+    if ops is not None and kv_cache.is_contiguous() and slot_mapping.dtype is torch.int64:
+        ops.store_kv(kv_cache, slot_mapping, key, value)
+        return
     kv_heads, head_dim = key.shape[1], key.shape[2]
     kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
