@@ -228,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         print(ratio_line("decode", results["decode"]))
         auto = statistics.median(values["ours auto"]) / statistics.median(values["llama.cpp"])
         print(f"   with activations=auto: {auto:.2f}×")
-        for label, source, v in (("ours", gguf, values["ours"]), ("llama.cpp", peer, values["llama.cpp"])):
+        for label, source, v in (("ours", gguf, values["ours"]), ("ours auto", fast, values["ours auto"]),
+                                 ("llama.cpp", peer, values["llama.cpp"])):
             reached = source.weight_bytes * statistics.median(v) / 1e9
             print(f"   {label}: reads {source.weight_bytes / 1e6:.0f} MB of weights per token → {reached:.1f} GB/s "
                   f"= {reached / rate:.0%} of the streaming rate")
