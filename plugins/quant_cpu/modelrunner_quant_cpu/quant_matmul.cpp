@@ -26,6 +26,7 @@
 #include <cstring>
 #include <memory>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -1183,15 +1184,18 @@ inline int32_t load_word(const int8_t* p) {
   return v;
 }
 
+// Tile t's weight bytes, scales and mins (nullptr without mins).
+inline std::tuple<const uint8_t*, const at::Half*, const at::Half*> p16_tile_parts(const P16Weight& w, int64_t t) {
+  return {w.data + t * w.tile_bytes, w.scales + t * w.groups * kP16, w.mins ? w.mins + t * w.groups * kP16 : nullptr};
+}
+
 #if defined(MRQ_AVX512) && MRQ_VNNI == 1
 constexpr int kP16MaxRows = 4;
 // Rows [m0, m0 + MT) of x against tile t: 16 outputs per row of x.
 template <int kBits, int MT>
 void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
   const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
-  const uint8_t* tile = w.data + t * w.tile_bytes;
-  const at::Half* ts = w.scales + t * w.groups * kP16;
-  const at::Half* tm = w.mins ? w.mins + t * w.groups * kP16 : nullptr;
+  const auto [tile, ts, tm] = p16_tile_parts(w, t);
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[MT];
@@ -1252,9 +1256,7 @@ constexpr int kP16MaxRows = 2;
 template <int kBits, int MT>
 void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
   const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
-  const uint8_t* tile = w.data + t * w.tile_bytes;
-  const at::Half* ts = w.scales + t * w.groups * kP16;
-  const at::Half* tm = w.mins ? w.mins + t * w.groups * kP16 : nullptr;
+  const auto [tile, ts, tm] = p16_tile_parts(w, t);
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
   const __m256i low = _mm256_set1_epi8(0x0f);
   __m256 acc[MT][2];
