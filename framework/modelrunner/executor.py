@@ -22,10 +22,12 @@ import abc
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import time
 import weakref
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -237,7 +239,15 @@ def _join_torchrun(config: RunnerConfig, launch: LaunchInfo) -> Executor:
         return MultiprocExecutor(config, ctx, workers=None)
     Worker(ctx, config).run()
     destroy_distributed()
-    sys.exit(0)
+    try:
+        ctx.store.set(f"closed/{launch.rank}", str(os.getpid()))  # rank 0 exits after this rank
+    except Exception:  # noqa: BLE001 - rank 0 is gone already: nothing waits
+        pass
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # As a spawned worker does: skip interpreter teardown, which gloo's threads can abort ("terminate
+    # called without an active exception") after a clean stop.
+    os._exit(0)
 
 
 def describe_exit(exitcode: int | None) -> str:
@@ -347,6 +357,8 @@ class _Group:
         """A rank failed: the others cannot be told to stop, only killed."""
         self.closed = False
         """:meth:`close` ran."""
+        self.ranks: list[dict[str, Any]] = []
+        """What every rank reported once loaded (for the pids of the ranks to wait for at close)."""
 
     def close(self) -> None:
         """Tell the other ranks to stop (or kill the started ones when broken), then leave the group."""
@@ -361,6 +373,27 @@ class _Group:
         if self.workers is not None:
             self.workers.join(0.0 if self.broken else STOP_GRACE_S)
         destroy_distributed()
+        if self.workers is None and not self.broken:
+            self._wait_for_torchrun_peers()
+
+    def _wait_for_torchrun_peers(self) -> None:
+        """Under torchrun, return once the other ranks have left the group and (those on this host)
+        exited, for at most :data:`STOP_GRACE_S`: rank 0 is the user's process, and its interpreter
+        teardown must not overlap the peers' closing their gloo connections to it (gloo's threads
+        reporting the closed sockets then abort it: "terminate called without an active exception")."""
+        deadline = time.monotonic() + STOP_GRACE_S
+        keys = [f"closed/{r}" for r in range(1, self.ctx.world_size)]
+        try:
+            self.ctx.store.wait(keys, timedelta(seconds=STOP_GRACE_S))
+            pids = [int(self.ctx.store.get(k)) for k in keys]
+        except Exception:  # noqa: BLE001 - a peer that never says so: stop waiting
+            return
+        host = socket.gethostname()
+        local = [pid for pid, rank in zip(pids, self.ranks[1:], strict=False) if rank.get("host") == host]
+        while local and time.monotonic() < deadline:
+            local = [pid for pid in local if process_state(pid) not in (None, "Z", "X")]
+            if local:
+                time.sleep(0.01)
 
 
 class MultiprocExecutor(Executor):
@@ -393,6 +426,7 @@ class MultiprocExecutor(Executor):
         """Load every rank's shard (in step); the KV cache has the same number of blocks on every rank."""
         if self.runner.loaded is None:
             self.ranks = self._guarded("loading the model", load_rank, self.ctx, self.runner)
+            self._group.ranks = self.ranks
         return self.runner.loaded
 
     def execute_model(self, batch: ForwardBatch) -> ForwardOutput:

@@ -397,8 +397,10 @@ class LLMEngine:
     def _choose(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[_Chosen]:
         """Tokens for ``raw`` logits rows (one per sequence): check them, apply the logits processors,
         sample, and compute the asked log-probabilities from the raw logits."""
-        broken = torch.isnan(raw).any(1) | torch.isposinf(raw).any(1) | torch.isneginf(raw).all(1)
-        if bool(broken.any()):
+        # All finite (the common case) is one check; only then the per-row reasons.
+        broken = None if bool(torch.isfinite(raw).all()) else (
+            torch.isnan(raw).any(1) | torch.isposinf(raw).any(1) | torch.isneginf(raw).all(1))
+        if broken is not None and bool(broken.any()):
             seq = seqs[int(broken.nonzero()[0])]
             raise BrokenLogits(f"the model's logits for request {seq.request.request_id!r} contain NaN or +inf (or "
                                "are all -inf): a broken model or plugin; nothing was sampled")
