@@ -1114,11 +1114,9 @@ bool p16_supported_bits(int64_t bits) {
 }
 
 // The pieces of one p16 weight, validated (shapes as the planar ones with rows padded to 16).
-struct P16Weight {
-  const uint8_t* data = nullptr;
-  const at::Half* scales = nullptr;
-  const at::Half* mins = nullptr;
-  int64_t rows = 0, rows16 = 0, cols = 0, group = 0, groups = 0, bits = 0, tile_bytes = 0;
+struct P16Weight : QuantWeight {
+  int64_t valid_rows = 0;  // the real rows (QuantWeight::rows counts the padded ones)
+  int64_t tile_bytes = 0;
 };
 
 P16Weight check_p16(const at::Tensor& data, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
@@ -1131,8 +1129,8 @@ P16Weight check_p16(const at::Tensor& data, const at::Tensor& scales, const std:
   TORCH_CHECK_VALUE(p16_supported_bits(bits), "this build of the kernels has no p16 kernel for ", bits,
                     "-bit weights (", (bits == 8 ? "8-bit needs VNNI" : "needs AVX2"), ")");
   P16Weight w;
-  w.data = q.data, w.scales = q.scales, w.mins = q.mins;
-  w.rows = rows, w.rows16 = q.rows, w.cols = q.cols, w.group = q.group, w.groups = q.groups, w.bits = bits;
+  static_cast<QuantWeight&>(w) = q;
+  w.valid_rows = rows;
   w.tile_bytes = kP16 * q.row_bytes;
   return w;
 }
@@ -1245,7 +1243,7 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
       for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in.sum[(m0 + r) * w.groups + g]), acc[r]);
     }
   }
-  const int64_t n0 = t * kP16, valid = std::min(kP16, w.rows - n0);
+  const int64_t n0 = t * kP16, valid = std::min(kP16, w.valid_rows - n0);
   const __mmask16 mask = valid == kP16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
 #pragma GCC unroll 4
   for (int r = 0; r < MT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, mask, acc[r]);
@@ -1299,7 +1297,7 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
       }
     }
   }
-  const int64_t n0 = t * kP16, valid = std::min(kP16, w.rows - n0);
+  const int64_t n0 = t * kP16, valid = std::min(kP16, w.valid_rows - n0);
   for (int r = 0; r < MT; ++r) {
     alignas(32) float lanes[16];
     _mm256_store_ps(lanes, acc[r][0]);
@@ -1313,29 +1311,22 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
 at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
   const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
-  TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be a CPU tensor, got device ", x.device());
-  TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous (strides ", x.strides(), ")");
-  TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [M, K], got shape ", x.sizes());
-  TORCH_CHECK_VALUE(x.size(1) == w.cols, "x has ", x.size(1), " features (x.size(1)) but the weight has K = ", w.cols);
+  check_input(x, w);
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, w.rows}, x.options());
-  if (M == 0 || w.rows == 0) return y;
+  at::Tensor y = at::empty({M, w.valid_rows}, x.options());
+  if (M == 0 || w.valid_rows == 0) return y;
 #ifdef MRQ_AVX2
-  // quantize_input reads cols, group, groups and whether there are mins.
-  QuantWeight shape;
-  shape.cols = w.cols, shape.group = w.group, shape.groups = w.groups, shape.mins = w.mins;
-  const QuantizedInput in = quantize_input(x.const_data_ptr<float>(), M, shape, bits == 8, false);
+  const QuantizedInput in = quantize_input(x.const_data_ptr<float>(), M, w, bits == 8, false);
   float* yp = y.data_ptr<float>();
   const int64_t count = (M + kP16MaxRows - 1) / kP16MaxRows;
-  parallel_rows(w.rows16, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
+  parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
     for (int64_t t = n0 / kP16; t < n1 / kP16; ++t)
       for (int64_t i = 0, m0 = 0; i < count; ++i) {
         const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
         with_mt(mt, [&]<int MT>() {
           if constexpr (MT <= kP16MaxRows)
-            bits == 4 ? p16_tile<4, MT>(w, t, in, m0, yp + m0 * w.rows, w.rows)
-                      : p16_tile<8, MT>(w, t, in, m0, yp + m0 * w.rows, w.rows);
+            bits == 4 ? p16_tile<4, MT>(w, t, in, m0, yp + m0 * w.valid_rows, w.valid_rows)
+                      : p16_tile<8, MT>(w, t, in, m0, yp + m0 * w.valid_rows, w.valid_rows);
         });
         m0 += mt;
       }
