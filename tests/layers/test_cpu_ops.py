@@ -1,9 +1,10 @@
-"""The fused CPU layer ops (RMSNorm with its residual add, rotary embeddings) against torch's
-versions of the same layers, and their refusals of bad input."""
+"""The fused CPU layer ops (RMSNorm with its residual add, rotary embeddings, the logits scans)
+against torch's versions of the same layers, and their refusals of bad input."""
 
 from __future__ import annotations
 
 import os
+import platform
 import subprocess
 import sys
 import textwrap
@@ -74,6 +75,33 @@ def test_kv_write_matches_torch(monkeypatch):
     assert torch.equal(kv, want) and torch.equal(kv[0].view(-1, kv_heads, head_dim)[5], key[0])
 
 
+@pytest.mark.parametrize("vocab", [1, 15, 49152, 49157])
+def test_argmax_rows_is_torchs_argmax(vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(6, vocab, generator=gen)
+    logits[1] = float("-inf")                   # all -inf: index 0, like torch
+    logits[2, vocab // 2:] = logits[2].max() + 1  # ties: the first maximum
+    logits[3, -1] = float("inf")
+    logits[4, vocab // 3] = float("nan")        # torch ranks NaN highest
+    logits[5, 0], logits[5, -1] = float("inf"), float("nan")
+    assert torch.equal(cpu_ops.argmax_rows(logits), logits.argmax(-1))
+    assert cpu_ops.argmax_rows(torch.zeros(0, vocab)).shape == (0,)
+
+
+def test_broken_rows_finds_nan_inf_and_all_masked_rows():
+    logits = torch.randn(6, 1000)
+    logits[1, 7] = float("nan")
+    logits[2, 999] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, :999] = float("-inf")  # one token left: fine
+    logits[5, 500] = float("-inf")
+    assert cpu_ops.broken_rows(logits).tolist() == [False, True, True, True, False, False]
+    want = torch.isnan(logits).any(1) | torch.isposinf(logits).any(1) | torch.isneginf(logits).all(1)
+    assert torch.equal(cpu_ops.broken_rows(logits), want)
+    strided = logits.t()  # not contiguous: torch's version, the same answer
+    assert torch.equal(cpu_ops.broken_rows(strided.t()), want)
+
+
 def test_bad_input_is_refused_by_name():
     ops = cpu_ops.ops()
     table = torch.randn(16, 8)
@@ -85,6 +113,10 @@ def test_bad_input_is_refused_by_name():
         ops.store_kv(torch.zeros(2, 4, 2, 1, 8), torch.tensor([8]), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
     with pytest.raises(ValueError, match="residual must have x's shape"):
         ops.add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.randn(8), 1e-6)
+    with pytest.raises(ValueError, match=r"logits must be a contiguous float32 CPU tensor \[rows, vocab\], got Double"):
+        ops.argmax_rows(torch.randn(2, 8, dtype=torch.float64))
+    with pytest.raises(ValueError, match="argmax of an empty row"):
+        ops.argmax_rows(torch.zeros(2, 0))
 
 
 def test_other_dtypes_and_autograd_keep_torchs_ops():
@@ -94,6 +126,33 @@ def test_other_dtypes_and_autograd_keep_torchs_ops():
     x = torch.randn(2, 8, requires_grad=True)
     norm(x).sum().backward()  # torch's version: differentiable
     assert x.grad is not None
+
+
+_CHECK_BUILD = textwrap.dedent("""
+    import torch
+    from modelrunner.layers import cpu_ops
+    ops = cpu_ops.ops()
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49157, generator=gen)
+    logits[1, 40000] = float("nan"); logits[2] = float("-inf"); logits[3, 9] = float("inf")
+    logits[4, 3:] = logits[4].max() + 1
+    assert torch.equal(ops.argmax_rows(logits), logits.argmax(-1))
+    assert ops.broken_rows(logits).tolist() == [False, True, True, True, False]
+    x, w = torch.randn(3, 100, generator=gen), torch.randn(100, generator=gen)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (100,), w, 1e-5))
+    print("OK")
+""")
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 code paths")
+@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
+def test_the_avx2_and_portable_builds_agree(march):
+    if march == "x86-64-v3" and "avx2" not in open("/proc/cpuinfo").read():
+        pytest.skip("this CPU cannot run AVX2 code")
+    env = {**os.environ, cpu_ops.MARCH_ENV: march}
+    result = subprocess.run([sys.executable, "-c", _CHECK_BUILD], check=False, capture_output=True, text=True,
+                            env=env, timeout=600)
+    assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 
 def test_turned_off_by_the_environment():

@@ -27,6 +27,7 @@ from ..config import RunnerConfig
 from ..errors import FatalError
 from ..executor import Executor, UniprocExecutor, create_executor
 from ..kv_cache.allocator import KVCacheError
+from ..layers.cpu_ops import broken_rows
 from ..layers.sampler import Sampler, SamplingMetadata
 from ..runner import ModelRunner
 from ..sampling.logits_processor import ProcessorContext
@@ -397,19 +398,22 @@ class LLMEngine:
     def _choose(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[_Chosen]:
         """Tokens for ``raw`` logits rows (one per sequence): check them, apply the logits processors,
         sample, and compute the asked log-probabilities from the raw logits."""
-        # All finite (the common case) is one check; only then the per-row reasons.
-        broken = None if bool(torch.isfinite(raw).all()) else (
-            torch.isnan(raw).any(1) | torch.isposinf(raw).any(1) | torch.isneginf(raw).all(1))
-        if broken is not None and bool(broken.any()):
+        broken = broken_rows(raw)
+        if bool(broken.any()):
             seq = seqs[int(broken.nonzero()[0])]
             raise BrokenLogits(f"the model's logits for request {seq.request.request_id!r} contain NaN or +inf (or "
                                "are all -inf): a broken model or plugin; nothing was sampled")
-        logits = self.processors.apply(raw.clone(), seqs)
-        masked = torch.isneginf(logits).all(1)
-        if bool(masked.any()):
-            seq = seqs[int(masked.nonzero()[0])]
-            raise BrokenLogits(f"every token is excluded for request {seq.request.request_id!r} (by "
-                               "allowed_token_ids, bad_words, logit_bias or a logits processor); nothing can be sampled")
+        # Without processors the rows are sampled as they are (checked above: not all -inf).
+        if any(seq.request.processor_states for seq in seqs):
+            logits = self.processors.apply(raw.clone(), seqs)
+            masked = torch.isneginf(logits).all(1)
+            if bool(masked.any()):
+                seq = seqs[int(masked.nonzero()[0])]
+                raise BrokenLogits(f"every token is excluded for request {seq.request.request_id!r} (by "
+                                   "allowed_token_ids, bad_words, logit_bias or a logits processor); nothing can be "
+                                   "sampled")
+        else:
+            logits = raw
         params = [s.params for s in seqs]
         metadata = SamplingMetadata.from_rows([p.temperature for p in params], [p.top_k for p in params],
                                               [p.top_p for p in params], [s.generator for s in seqs],

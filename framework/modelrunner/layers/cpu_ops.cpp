@@ -1,5 +1,6 @@
 // Fused elementwise layer ops for CPUs: RMSNorm (with the residual add before it), rotary
-// embeddings, the gated MLP's silu(gate) * up and the KV-cache write, each one operator call. A decode step of a small model runs
+// embeddings, the gated MLP's silu(gate) * up, the KV-cache write, and the sampler's scans of the
+// logits (argmax, and the finite check), each one operator call. A decode step of a small model runs
 // them ~100 times per token on a few hundred floats each: torch's CPU versions are 5-8 operator
 // calls apiece (pow, mean, add, rsqrt, mul, ...; index_select, chunk, mul, sub, cat, ...), so their
 // dispatch, not their arithmetic, is what the step pays. Float32, on the CPU; the Python side
@@ -10,6 +11,9 @@
 #include <torch/library.h>
 
 #include <cmath>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
 #include <cstdint>
 #include <cstring>
 #include <tuple>
@@ -165,12 +169,115 @@ void store_kv(at::Tensor kv_cache, const at::Tensor& slot_mapping, const at::Ten
 
 }  // namespace
 
+// Logits rows [S, V] (float32, contiguous): torch's argmax and isfinite/all/any take 45-65 us each
+// on one 49k-token row here, where a vectorised pass takes a few.
+void check_logits(const at::Tensor& x) {
+  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
+                    "logits must be a contiguous float32 CPU tensor [rows, vocab], got ", x.scalar_type(), " ",
+                    x.sizes(), " on ", x.device());
+}
+
+struct RowScan {
+  float max;     // the largest non-NaN value (-inf if none)
+  bool bad;      // a NaN or +inf somewhere
+};
+
+// The compilers here do not vectorise this max-with-flags reduction by themselves: intrinsics where
+// the build has them (-march=native), plain code otherwise.
+inline RowScan scan_row(const float* x, int64_t n) {
+  RowScan r{-INFINITY, false};
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  __m512 m = _mm512_set1_ps(-INFINITY);
+  const __m512 inf = _mm512_set1_ps(INFINITY);
+  __mmask16 bad = 0;
+  for (; k + 16 <= n; k += 16) {
+    const __m512 v = _mm512_loadu_ps(x + k);
+    m = _mm512_max_ps(v, m);                             // a NaN in v keeps m
+    bad |= _mm512_cmp_ps_mask(v, inf, _CMP_NLT_UQ);      // NaN or +inf
+  }
+  r.max = _mm512_reduce_max_ps(m);
+  r.bad = bad != 0;
+#elif defined(__AVX2__)
+  __m256 m = _mm256_set1_ps(-INFINITY), bad = _mm256_setzero_ps();
+  const __m256 inf = _mm256_set1_ps(INFINITY);
+  for (; k + 8 <= n; k += 8) {
+    const __m256 v = _mm256_loadu_ps(x + k);
+    m = _mm256_max_ps(v, m);
+    bad = _mm256_or_ps(bad, _mm256_cmp_ps(v, inf, _CMP_NLT_UQ));
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  for (float v : lanes) r.max = v > r.max ? v : r.max;
+  r.bad = _mm256_movemask_ps(bad) != 0;
+#endif
+  for (; k < n; ++k) {
+    r.max = x[k] > r.max ? x[k] : r.max;
+    r.bad |= !(x[k] < INFINITY);
+  }
+  return r;
+}
+
+// The first index of row [n] holding value (n - 1 when none does).
+inline int64_t first_equal(const float* row, int64_t n, float value) {
+  int64_t k = 0;
+#if defined(__AVX512F__)
+  const __m512 target = _mm512_set1_ps(value);
+  for (; k + 16 <= n; k += 16) {
+    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(row + k), target, _CMP_EQ_OQ);
+    if (hit) return k + __builtin_ctz(hit);
+  }
+#endif
+  for (; k < n - 1 && row[k] != value; ++k) {}
+  return k;
+}
+
+// Per row, the index torch.argmax gives: the first maximum, or the first NaN (argmax ranks NaN highest).
+at::Tensor argmax_rows(const at::Tensor& x) {
+  check_logits(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  TORCH_CHECK_VALUE(n > 0, "argmax of an empty row (logits ", x.sizes(), ")");
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kLong));
+  const float* xp = x.const_data_ptr<float>();
+  int64_t* op = out.data_ptr<int64_t>();
+  for_rows(rows, n, [&](int64_t r) {
+    const float* row = xp + r * n;
+    const RowScan s = scan_row(row, n);
+    if (s.bad) {  // the first NaN if there is one; else the +inf is the maximum below
+      int64_t k = 0;
+      for (; k < n && row[k] == row[k]; ++k) {}
+      if (k < n) {
+        op[r] = k;
+        return;
+      }
+    }
+    op[r] = first_equal(row, n, s.max);
+  });
+  return out;
+}
+
+// Per row: whether it holds a NaN or +inf, or is all -inf (no token can be sampled from it).
+at::Tensor broken_rows(const at::Tensor& x) {
+  check_logits(x);
+  const int64_t rows = x.size(0), n = x.size(1);
+  at::Tensor out = at::empty({rows}, x.options().dtype(at::kBool));
+  const float* xp = x.const_data_ptr<float>();
+  bool* op = out.data_ptr<bool>();
+  for_rows(rows, n, [&](int64_t r) {
+    const RowScan s = scan_row(xp + r * n, n);
+    op[r] = s.bad || s.max == -INFINITY;
+  });
+  return out;
+}
+
 TORCH_LIBRARY(modelrunner_cpu_ops, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("rotary(Tensor positions, Tensor x, Tensor table) -> Tensor");
   m.def("silu_and_mul(Tensor x) -> Tensor");
   m.def("store_kv(Tensor(a!) kv_cache, Tensor slot_mapping, Tensor key, Tensor value) -> ()");
+  m.def("argmax_rows(Tensor logits) -> Tensor");
+  m.def("broken_rows(Tensor logits) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelrunner_cpu_ops, CPU, m) {
@@ -179,4 +286,6 @@ TORCH_LIBRARY_IMPL(modelrunner_cpu_ops, CPU, m) {
   m.impl("rotary", &rotary);
   m.impl("silu_and_mul", &silu_and_mul);
   m.impl("store_kv", &store_kv);
+  m.impl("argmax_rows", &argmax_rows);
+  m.impl("broken_rows", &broken_rows);
 }

@@ -1,5 +1,6 @@
 """Fused CPU versions of the kernel's elementwise layer ops — RMSNorm (with the residual add before
-it), rotary embeddings, the gated MLP's ``silu(gate) * up`` and the paged KV-cache write — built
+it), rotary embeddings, the gated MLP's ``silu(gate) * up``, the paged KV-cache write, and the
+sampler's scans of the logits (:func:`argmax_rows`, :func:`broken_rows`) — built
 from ``cpu_ops.cpp`` on first use (once per machine, like a plugin's kernels:
 :func:`modelrunner.native.build_extension`).
 
@@ -29,16 +30,21 @@ SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 DISABLE_ENV = "MODELRUNNER_FUSED_CPU_OPS"
 """Set to ``0`` to keep torch's versions of the ops."""
 
+MARCH_ENV = "MODELRUNNER_FUSED_CPU_OPS_MARCH"
+"""Overrides ``-march=native`` (``x86-64-v3``: the AVX2 code, ``x86-64``: the portable code), to test
+the other code paths or build for an older CPU than this one."""
+
 
 @functools.cache
 def ops() -> Any:
     """``torch.ops.modelrunner_cpu_ops`` (``rms_norm``, ``add_rms_norm``, ``rotary``, ``silu_and_mul``,
-    ``store_kv``) once built and loaded here; None where they are turned off or cannot be built (one
+    ``store_kv``, ``argmax_rows``, ``broken_rows``) once built and loaded here; None where they are turned off or cannot be built (one
     warning with the reason)."""
     if os.environ.get(DISABLE_ENV, "1").strip() == "0":
         return None
     try:
-        build_extension("modelrunner_cpu_ops", SOURCE, native_cflags(), "the fused CPU layer ops")
+        build_extension("modelrunner_cpu_ops", SOURCE, native_cflags(os.environ.get(MARCH_ENV) or None),
+                        "the fused CPU layer ops")
     except NativeBuildError as e:
         warnings.warn(f"fused CPU layer ops unavailable, using torch's: {e}", stacklevel=2)
         return None
@@ -47,9 +53,27 @@ def ops() -> Any:
 
 def fused(x: torch.Tensor) -> Any:
     """The fused ops when they should run on ``x``, else None."""
-    if x.dtype is not torch.float32 or x.device.type != "cpu" or x.requires_grad or torch.compiler.is_compiling():
-        return None
-    return ops()
+    if x.dtype is torch.float32 and x.is_cpu and not x.requires_grad and not torch.compiler.is_compiling():
+        return ops()
+    return None
 
 
-__all__ = ["DISABLE_ENV", "SOURCE", "fused", "ops"]
+def argmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)`` of ``[rows, vocab]`` logits (the same index: the first maximum, or the
+    first NaN), in one vectorised pass where the fused ops run."""
+    ops = fused(logits)
+    if ops is not None and logits.dim() == 2 and logits.is_contiguous() and logits.shape[1] > 0:
+        return ops.argmax_rows(logits)
+    return logits.argmax(dim=-1)
+
+
+def broken_rows(logits: torch.Tensor) -> torch.Tensor:
+    """``[rows]`` bool: which rows of ``[rows, vocab]`` logits hold a NaN or +inf, or are all -inf
+    (nothing can be sampled from them)."""
+    ops = fused(logits)
+    if ops is not None and logits.dim() == 2 and logits.is_contiguous():
+        return ops.broken_rows(logits)
+    return torch.isnan(logits).any(1) | torch.isposinf(logits).any(1) | torch.isneginf(logits).all(1)
+
+
+__all__ = ["DISABLE_ENV", "MARCH_ENV", "SOURCE", "argmax_rows", "broken_rows", "fused", "ops"]

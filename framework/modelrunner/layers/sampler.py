@@ -8,6 +8,7 @@ import attrs
 import torch
 
 from ..sampling.params import SAMPLING_EPS
+from .cpu_ops import argmax_rows
 
 _TINY = torch.finfo(torch.float32).tiny
 _TOP_K_CAP = 2**31 - 1  # any top_k at least the vocabulary means "all tokens"
@@ -136,8 +137,8 @@ def sample(
         )
     logits = logits.float()
     if metadata.all_greedy:
-        return logits.argmax(dim=-1)
-    greedy_ids = logits.argmax(dim=-1) if metadata.any_greedy else None
+        return argmax_rows(logits)
+    greedy_ids = argmax_rows(logits) if metadata.any_greedy else None
     temperature = metadata.temperature.to(logits.device)
     is_greedy = temperature == 0.0
     scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
@@ -148,7 +149,7 @@ def sample(
         floor = probs.amax(dim=-1, keepdim=True) * metadata.min_p.to(probs.device).unsqueeze(1)
         probs = probs.masked_fill_(probs < floor, 0.0)
     noise = _exponential_noise(tuple(probs.shape), metadata.generators, generator, probs.device)
-    sampled = probs.div_(noise).argmax(dim=-1)
+    sampled = argmax_rows(probs.div_(noise))
     if greedy_ids is None:
         return sampled
     return torch.where(is_greedy, greedy_ids, sampled)

@@ -242,7 +242,8 @@ class DecoderForCausalLM(nn.Module):
         :param stage_inputs: on a stage after the first, what the previous stage returned; when
             absent there (a dummy step, e.g. the runner's memory profile) the stage starts from zeros.
         """
-        layers = self.model.layers[self.model.start_layer:self.model.end_layer]
+        # A list, not a ModuleList slice: slicing builds a new ModuleList (tens of µs) every step.
+        layers = list(self.model.layers)[self.model.start_layer:self.model.end_layer]
         if len(kv_caches) != len(layers):
             raise ValueError(f"expected {len(layers)} KV-cache tensors (one per layer), got {len(kv_caches)}")
         metadata = self.attn_backend.build_metadata(batch, self.sliding_windows)

@@ -82,15 +82,13 @@ def _reference(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
 def _cpu(mode: str) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
     def run(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
         qweight, scales, mins = scheme.planar_storage(layer)
-        return quant_cpu().qlinear(x.float().contiguous(), qweight, scales, mins, scheme.group_size, scheme.bits,
-                                   mode=mode)
+        return quant_cpu().qlinear(x, qweight, scales, mins, scheme.group_size, scheme.bits, mode=mode)
     return run
 
 
 def _bind_cpu(mode: str) -> Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]:
     def bind(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        run = quant_cpu().bind_qlinear(*scheme.planar_storage(layer), scheme.group_size, scheme.bits, mode=mode)
-        return lambda x: run(x.float().contiguous())
+        return quant_cpu().bind_qlinear(*scheme.planar_storage(layer), scheme.group_size, scheme.bits, mode=mode)
     return bind
 
 
@@ -116,14 +114,14 @@ def _p16_storage(scheme: Any, layer: Any) -> tuple[torch.Tensor, torch.Tensor, t
 
 def _bind_p16(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
     to_p16(scheme, layer)
-    run = quant_cpu().bind_qlinear_p16(*scheme.storage(layer), layer.weight.p16_rows, scheme.group_size, scheme.bits)
-    return lambda x: run(x.float().contiguous())
+    return quant_cpu().bind_qlinear_p16(*scheme.storage(layer), layer.weight.p16_rows, scheme.group_size,
+                                        scheme.bits)
 
 
 def _p16(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
     rows = layer.weight.logical_shape[0]
     return quant_cpu().bind_qlinear_p16(*_p16_storage(scheme, layer), rows, scheme.group_size,
-                                        scheme.bits)(x.float().contiguous())
+                                        scheme.bits)(x)
 
 
 def to_p16(scheme: Any, layer: Any) -> None:
@@ -227,7 +225,7 @@ class KernelSelector:
         self.kinds: dict[str, bool] = {}
         """``auto``: shape (any row count) → whether its kernels take float (exact) activations."""
         self._cache: TimingCache | None = None
-        self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable, Callable]] = weakref.WeakKeyDictionary()
+        self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable]] = weakref.WeakKeyDictionary()
 
     @property
     def cache(self) -> TimingCache:
@@ -289,13 +287,28 @@ class KernelSelector:
         _P16_COPIES.pop(layer, None)
 
     def run(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        """``x Wᵀ`` by the kernel chosen for ``x``'s row count (bound to the layer's storage on first use,
-        so a step pays no lookups: storage is written in place, never replaced, once loaded)."""
+        """``x Wᵀ`` by the kernel chosen for ``x``'s row count (see :meth:`bound`)."""
+        return self.bound(scheme, layer)(x.float().contiguous())
+
+    def bound(self, scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        """``layer``'s matmul as one callable of a 2-D, contiguous float32 ``x``, bound to its storage on first use (storage
+        is written in place, never replaced, once loaded), so a step pays no lookups. Where both
+        buckets chose the same kernel it is that kernel alone: no branch on the row count (so
+        ``torch.export`` sees no guard on it)."""
         bound = self._bound.get(layer)
         if bound is None or bound[0] is not scheme:
-            bound = (scheme, *(self._bind(scheme, layer, name) for name in ("decode", "batch")))
+            names = {name: self._choice(scheme, layer, name) for name in ("decode", "batch")}
+            decode = self._bind(scheme, layer, "decode")
+            if names["decode"] == names["batch"]:
+                run = decode
+            else:
+                batch = self._bind(scheme, layer, "batch")
+
+                def run(x: torch.Tensor) -> torch.Tensor:
+                    return (decode if x.shape[0] <= DECODE_ROWS else batch)(x)
+            bound = (scheme, run)
             self._bound[layer] = bound
-        return (bound[1] if x.shape[0] <= DECODE_ROWS else bound[2])(x)
+        return bound[1]
 
     def _bind(self, scheme: Any, layer: Any, bucket_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         name = self._choice(scheme, layer, bucket_name)

@@ -225,13 +225,18 @@ class PlanarScheme:
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """``x Wᵀ + bias`` by the kernel chosen for this shape and row count."""
-        shape = x.shape
-        out = self.kernels.run(self, layer, x if x.dim() == 2 else x.reshape(-1, shape[-1]))
+        shape, dtype = x.shape, x.dtype
+        if len(shape) != 2:
+            x = x.reshape(-1, shape[-1])
+        if dtype is not torch.float32 or not x.is_contiguous():
+            x = x.float().contiguous()  # what every kernel takes
+        bound = self.kernels._bound.get(layer)  # what kernels.bound returns, without its call
+        out = (bound[1] if bound is not None and bound[0] is self else self.kernels.bound(self, layer))(x)
         if bias is not None:
             out = out + bias
-        if x.dim() != 2:
+        if len(shape) != 2:
             out = out.reshape(*shape[:-1], out.shape[-1])
-        return out if out.dtype == x.dtype else out.to(x.dtype)
+        return out if dtype is torch.float32 else out.to(dtype)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the stored table, dequantized (an embedding lookup)."""
