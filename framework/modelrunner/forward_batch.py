@@ -64,7 +64,11 @@ class ForwardBatch:
         num_seqs = len(seq_ids)
         query_lens = [len(t) for t in new_tokens]
         max_blocks = max(len(t) for t in block_tables)
-        tables = torch.tensor([list(t) + [0] * (max_blocks - len(t)) for t in block_tables], dtype=torch.long)
+        padded = [list(t) + [0] * (max_blocks - len(t)) for t in block_tables]
+        if min(query_lens) == max(query_lens) == 1:
+            return cls._build_decode(seq_ids, new_tokens, starts, padded, block_size, logits_rows,
+                                     finished_seq_ids, extra)
+        tables = torch.tensor(padded, dtype=torch.long)
         q_lens = torch.tensor(query_lens, dtype=torch.long)
         context_lens = torch.tensor(list(starts), dtype=torch.long)
         query_start_loc = torch.zeros(num_seqs + 1, dtype=torch.long)
@@ -94,6 +98,37 @@ class ForwardBatch:
             block_size=block_size,
             max_query_len=max_query_len,
             max_seq_len=int(seq_lens.max()),
+            finished_seq_ids=tuple(finished_seq_ids),
+            extra=extra or {},
+        )
+
+    @classmethod
+    def _build_decode(cls, seq_ids: Sequence[int], new_tokens: Sequence[Sequence[int]], starts: Sequence[int],
+                      tables: list[list[int]], block_size: int, logits_rows: Sequence[Sequence[int]],
+                      finished_seq_ids: tuple[int, ...], extra: dict[str, Any] | None) -> ForwardBatch:
+        """:meth:`build` of a decode step (one new token per sequence): the same batch from Python
+        lists, a tensor apiece (a single-sequence decode step spent ~70 µs in tensor ops here)."""
+        positions = [int(p) for p in starts]
+        for i, p in enumerate(positions):
+            if not 0 <= p // block_size < len(tables[i]):
+                raise ValueError(f"sequence {seq_ids[i]}'s position {p} is past its block table "
+                                 f"({len(tables[i])} blocks of {block_size})")
+        long = torch.long
+        lengths = [p + 1 for p in positions]
+        return cls(
+            input_ids=torch.tensor([tokens[0] for tokens in new_tokens], dtype=long),
+            positions=torch.tensor(positions, dtype=long),
+            seq_ids=tuple(seq_ids),
+            query_start_loc=torch.arange(len(positions) + 1),
+            seq_lens=torch.tensor(lengths, dtype=long),
+            context_lens=torch.tensor(positions, dtype=long),
+            slot_mapping=torch.tensor([table[p // block_size] * block_size + p % block_size
+                                       for table, p in zip(tables, positions)], dtype=long),
+            block_tables=torch.tensor(tables, dtype=long),
+            logits_indices=torch.tensor([i + r for i, rows in enumerate(logits_rows) for r in rows], dtype=long),
+            block_size=block_size,
+            max_query_len=1,
+            max_seq_len=max(lengths),
             finished_seq_ids=tuple(finished_seq_ids),
             extra=extra or {},
         )

@@ -69,6 +69,24 @@ class _Chosen:
     """Its and the top tokens' log-probabilities, when asked."""
 
 
+class _Rewind:
+    """Restores ``generators`` to their states at entry if the body raises."""
+
+    __slots__ = ("saved",)
+
+    def __init__(self, generators: list[torch.Generator]) -> None:
+        self.saved = [(g, g.get_state()) for g in generators]
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
+        if kind is not None:
+            for g, state in self.saved:
+                g.set_state(state)
+        return False
+
+
 class LLMEngine:
     """Continuous batching over one loaded executor.
 
@@ -442,25 +460,13 @@ class LLMEngine:
     def _decode_one(self, token: int) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode([token])
 
-    def _rewind_on_failure(self, seqs: list[Sequence]) -> Any:
+    def _rewind_on_failure(self, seqs: list[Sequence]) -> _Rewind:
         """A context that restores the random generators ``seqs`` draw from if its body raises, so a
         retry draws exactly what a run without the failure would have."""
-        engine = self
-
-        class _Rewind:
-            def __enter__(self) -> None:
-                gens = [s.generator for s in seqs if s.generator is not None]
-                if engine.sampler.generator is not None:
-                    gens.append(engine.sampler.generator)
-                self.saved = [(g, g.get_state()) for g in gens]
-
-            def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
-                if kind is not None:
-                    for g, state in self.saved:
-                        g.set_state(state)
-                return False
-
-        return _Rewind()
+        gens = [s.generator for s in seqs if s.generator is not None]
+        if self.sampler.generator is not None:
+            gens.append(self.sampler.generator)
+        return _Rewind(gens)
 
     def _record_prompt_logprobs(self, logits: torch.Tensor, owners: list[LogitsRowOwner],
                                 scheduled: list[ScheduledSequence]) -> None:
