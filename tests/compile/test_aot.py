@@ -1,4 +1,5 @@
-"""The aot backend: its package binds the live model's weights (tied ones too); options fail clearly."""
+"""The aot backend: its package binds the live model's weights (tied ones too); options and quantized
+models fail clearly, at load."""
 
 from __future__ import annotations
 
@@ -49,3 +50,12 @@ def test_aot_options_name_the_bad_value():
     with pytest.raises(ValueError, match="'max_autotun', which is not a torch._inductor.config setting"):
         inductor_settings("default", {"inductor": {"max_autotun": True}})
     assert inductor_settings("max-autotune", {}) == {"max_autotune": True, "coordinate_descent_tuning": True}
+
+
+def test_a_quantized_model_is_refused_at_load_naming_a_layer(tiny_llama_dir):
+    from modelrunner import LLM
+
+    with pytest.raises(ValueError, match=r"the aot compile backend does not compile quantized layers \(\d+ here, "
+                                         r"e\.g\. 'model\..*'\); use quantization='none'"):
+        LLM(model=str(tiny_llama_dir), quantization="int8", compile=True, compile_backend="aot",
+            kv_cache_memory=8 * 2**20)

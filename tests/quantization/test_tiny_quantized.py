@@ -102,6 +102,21 @@ def test_int8_activations_are_quantized_per_token(checkpoints):
     assert (approx - exact[: approx.shape[0]]).abs().max().item() < 0.05 * exact.abs().max().item()
 
 
+@pytest.mark.parametrize("activations", ["float", "int8"])
+def test_traced_layers_read_their_storage_and_match_eager(checkpoints, activations):
+    # Under torch.compile a layer calls its kernel with its own parameters (no closure of the bound
+    # storage), and computes what the eager call does.
+    model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4,
+                                                "quantization_options": {"activations": activations}})
+    mlp = model.loaded.model.model.layers[0].mlp
+    x = torch.randn(3, mlp.gate_up_proj.input_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        eager = mlp(x)
+        torch._dynamo.reset()
+        traced = torch.compile(mlp, backend="eager")(x)
+    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+
+
 def test_bad_quantization_settings_are_refused_by_name(checkpoints):
     with pytest.raises(ValueError, match=r"int4 group_size must be 32, 64 or 128, got 48"):
         LLM(checkpoints["llama"], quantization="int4", quantization_options={"group_size": 48})

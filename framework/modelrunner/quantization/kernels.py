@@ -310,6 +310,15 @@ class KernelSelector:
             self._bound[layer] = bound
         return bound[1]
 
+    def traced(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`run` for compilers (torch.compile, torch.export): the chosen candidate reads the
+        layer's storage through its attributes on every call, so a tracer sees the layer's parameters
+        (not tensors captured in a closure, which an exported program would hold as constants) and
+        guards on no per-layer state. Branches on the row count only where the buckets' choices differ."""
+        decode, batch = self._choice(scheme, layer, "decode"), self._choice(scheme, layer, "batch")
+        name = decode if decode == batch or x.shape[0] <= DECODE_ROWS else batch
+        return CANDIDATES[name][0](scheme, layer, x)
+
     def _bind(self, scheme: Any, layer: Any, bucket_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         name = self._choice(scheme, layer, bucket_name)
         binder = BINDERS.get(name)

@@ -230,8 +230,11 @@ class PlanarScheme:
             x = x.reshape(-1, shape[-1])
         if dtype is not torch.float32 or not x.is_contiguous():
             x = x.float().contiguous()  # what every kernel takes
-        bound = self.kernels._bound.get(layer)  # what kernels.bound returns, without its call
-        out = (bound[1] if bound is not None and bound[0] is self else self.kernels.bound(self, layer))(x)
+        if torch.compiler.is_compiling():
+            out = self.kernels.traced(self, layer, x)
+        else:
+            bound = self.kernels._bound.get(layer)  # what kernels.bound returns, without its call
+            out = (bound[1] if bound is not None and bound[0] is self else self.kernels.bound(self, layer))(x)
         if bias is not None:
             out = out + bias
         if len(shape) != 2:

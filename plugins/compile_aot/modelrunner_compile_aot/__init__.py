@@ -46,12 +46,18 @@ def register(registry: Any) -> None:
 def compile(name: str, loaded: Any, config: Any) -> Callable[..., Any] | None:
     """Wrap the model of ``loaded`` so its decode steps run an AOTInductor package.
 
-    :raises ValueError: the mode or options are invalid, or the model keeps its own KV cache (the
-        exported step reads and writes the kernel's paged cache).
+    :raises ValueError: the mode or options are invalid, the model keeps its own KV cache (the
+        exported step reads and writes the kernel's paged cache), or it has quantized layers.
     """
     if loaded.kv_cache_spec is None:
         raise ValueError(f"the aot compile backend needs a model on the kernel's paged KV cache; adapter "
                          f"{loaded.adapter!r} keeps its own cache. Use compile_backend='inductor' or 'eager'")
+    quantized = sorted({name for name, m in loaded.model.named_modules() if getattr(m, "quant_scheme", None) is not None})
+    if quantized:
+        # The quantized matmuls are custom operators on weights regrouped at load: AOTInductor would
+        # call each through its proxy executor and hold their storage as constants.
+        raise ValueError(f"the aot compile backend does not compile quantized layers ({len(quantized)} here, e.g. "
+                         f"{quantized[0]!r}); use quantization='none', or compile_backend='inductor' or 'eager'")
     settings = inductor_settings(config.mode, config.options)
     root = config.cache_dir
     if root is None:  # nowhere to persist: compile into a directory of this process only
