@@ -197,13 +197,14 @@ class ForwardBatch:
         )
 
     def to(self, device: torch.device) -> ForwardBatch:
-        """The same batch with its tensors on ``device``."""
-        tensors = {
-            f.name: getattr(self, f.name).to(device, non_blocking=True)
-            for f in attrs.fields(type(self))
-            if isinstance(getattr(self, f.name), torch.Tensor)
-        }
-        return attrs.evolve(self, **tensors)
+        """The same batch with its tensors on ``device`` (this batch itself when they all are)."""
+        device = torch.device(device)
+        tensors = {}
+        for f in attrs.fields(type(self)):
+            value = getattr(self, f.name)
+            if isinstance(value, torch.Tensor) and value.device != device:
+                tensors[f.name] = value.to(device, non_blocking=True)
+        return attrs.evolve(self, **tensors) if tensors else self
 
 
 @attrs.frozen

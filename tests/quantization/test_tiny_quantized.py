@@ -117,6 +117,25 @@ def test_traced_layers_read_their_storage_and_match_eager(checkpoints, activatio
     torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
 
 
+def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoints):
+    model = load_adapter(checkpoints["llama"], {"quantization": "int4", "block_size": 4, "quantization_options":
+                                                {"group_size": 32, "activations": "int8"}})
+    mlp = model.loaded.model.model.layers[0].mlp
+    kernels = mlp.gate_up_proj.quant_scheme.kernels
+    if not {kernels._choice(layer.quant_scheme, layer, b) for layer in (mlp.gate_up_proj, mlp.down_proj)
+            for b in ("decode", "batch")} == {"cpu_p16"}:
+        pytest.skip("no p16 kernel here")
+    for rows in (1, 40):
+        x = torch.randn(rows, mlp.gate_up_proj.input_size, generator=torch.Generator().manual_seed(rows))
+        assert mlp.fused_path(x) is not None
+        with torch.no_grad():
+            assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x))))
+    handle = mlp.down_proj.register_forward_hook(lambda *args: None)  # a hook on a part: it must run
+    assert mlp.fused_path(x) is None
+    handle.remove()
+    assert mlp.fused_path(x.t().contiguous().t()) is None  # not contiguous: the layers one by one
+
+
 def test_bad_quantization_settings_are_refused_by_name(checkpoints):
     with pytest.raises(ValueError, match=r"int4 group_size must be 32, 64 or 128, got 48"):
         LLM(checkpoints["llama"], quantization="int4", quantization_options={"group_size": 48})

@@ -37,11 +37,12 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given."""
         ops = fused(x)
-        if ops is not None and self.weight.dtype is torch.float32 and x.is_contiguous():
+        weight = self.weight
+        if ops is not None and weight.dtype is torch.float32 and x.is_contiguous():
             if residual is None:
-                return ops.rms_norm(x, self.weight, self.eps)
+                return ops.rms_norm(x, weight, self.eps)
             if residual.dtype is torch.float32 and residual.is_contiguous() and residual.shape == x.shape:
-                return ops.add_rms_norm(x, residual, self.weight, self.eps)
+                return ops.add_rms_norm(x, residual, weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -89,10 +89,11 @@ class DecoderAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         tokens, heads, kv_heads, head_dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk_width = (heads + kv_heads) * head_dim
-        # q and k sit side by side in the fused output: rotate them in one go.
-        qk = self.rotary_emb.rotate(positions, qkv[:, :qk_width].view(tokens, heads + kv_heads, head_dim))
-        q, k = qk.split((heads, kv_heads), dim=1)
-        v = qkv[:, qk_width:].view(tokens, kv_heads, head_dim)
+        # q and k sit side by side in the fused output: rotate them in one go. (narrow, not slicing or
+        # split: a decode step runs this once per layer, and those cost a few µs more each.)
+        qk = self.rotary_emb.rotate(positions, qkv.narrow(1, 0, qk_width).view(tokens, heads + kv_heads, head_dim))
+        q, k = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
+        v = qkv.narrow(1, qk_width, kv_heads * head_dim).view(tokens, kv_heads, head_dim)
         return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
 
@@ -118,7 +119,32 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[tokens, hidden]`` → ``[tokens, hidden]``."""
+        fused = self.fused_path(x)
+        if fused is not None:
+            return fused(x)
         return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+    def fused_path(self, x: torch.Tensor) -> Any:
+        """The quantization scheme's one-call form of this block for ``x`` (see
+        :meth:`~modelrunner.quantization.planar.PlanarScheme.gated_mlp`), or None: only for a 2-D
+        contiguous float32 ``x`` outside compilers, one tensor-parallel rank, no biases, the kernel's
+        ``SiluAndMul``, and no forward hooks on the three parts (they would not run)."""
+        gate_up, down = self.gate_up_proj, self.down_proj
+        scheme = gate_up.quant_scheme
+        if (scheme is None or down.quant_scheme is None or x.dtype is not torch.float32 or x.dim() != 2
+                or not x.is_contiguous() or torch.compiler.is_compiling()):
+            return None
+        if not self.__dict__.get("_fusable", True):
+            return None
+        if "_fusable" not in self.__dict__:
+            self._fusable = (hasattr(scheme, "gated_mlp") and type(self.act_fn) is SiluAndMul and down.tp_size == 1
+                             and gate_up.tp_size == 1 and gate_up.bias is None and down.bias is None)
+            if not self._fusable:
+                return None
+        for m in (self, gate_up, self.act_fn, down):
+            if m._forward_hooks or m._forward_pre_hooks:
+                return None
+        return scheme.gated_mlp(gate_up, down)
 
 
 class DecoderLayer(nn.Module):

@@ -226,6 +226,7 @@ class KernelSelector:
         """``auto``: shape (any row count) → whether its kernels take float (exact) activations."""
         self._cache: TimingCache | None = None
         self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable]] = weakref.WeakKeyDictionary()
+        self._fused: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Callable | None]] = weakref.WeakKeyDictionary()
 
     @property
     def cache(self) -> TimingCache:
@@ -309,6 +310,25 @@ class KernelSelector:
             bound = (scheme, run)
             self._bound[layer] = bound
         return bound[1]
+
+    def gated_mlp(self, gu_scheme: Any, gate_up: Any, down_scheme: Any, down: Any
+                  ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``down(silu(gate(x)) * up(x))`` as one kernel call of a 2-D, contiguous float32 ``x`` where
+        both projections run ``cpu_p16`` at every row count (the same numbers as the three calls it
+        replaces); None elsewhere. Bound on first use, like :meth:`bound`."""
+        entry = self._fused.get(gate_up)
+        if entry is None or entry[0] is not gu_scheme or entry[1] is not down_scheme:
+            run = None
+            layers = ((gu_scheme, gate_up), (down_scheme, down))
+            plugin = quant_cpu()
+            if (down_scheme.kernels is self and hasattr(plugin, "bind_gated_mlp_p16")
+                    and all(self._choice(s, layer, b) == "cpu_p16" and is_p16(layer)
+                            for s, layer in layers for b in TIMING_ROWS)):
+                run = plugin.bind_gated_mlp_p16(*((*s.storage(layer), layer.weight.p16_rows, s.group_size, s.bits)
+                                                  for s, layer in layers))
+            entry = (gu_scheme, down_scheme, run)
+            self._fused[gate_up] = entry
+        return entry[2]
 
     def traced(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """:meth:`run` for compilers (torch.compile, torch.export): the chosen candidate reads the

@@ -14,6 +14,8 @@ the checkpoint streams in — float weights are never materialised.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import copy
 from typing import Any
 
@@ -240,6 +242,12 @@ class PlanarScheme:
         if len(shape) != 2:
             out = out.reshape(*shape[:-1], out.shape[-1])
         return out if dtype is torch.float32 else out.to(dtype)
+
+    def gated_mlp(self, gate_up: nn.Module, down: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """A gated MLP's ``down(silu(gate(x)) * up(x))`` as one kernel call (its gate/up projection
+        quantized by this scheme, ``down`` by another of the same method), or None where the kernels
+        chosen for the two have no fused form (:meth:`~.kernels.KernelSelector.gated_mlp`)."""
+        return self.kernels.gated_mlp(self, gate_up, down.quant_scheme, down)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of the stored table, dequantized (an embedding lookup)."""

@@ -56,6 +56,7 @@ def load() -> None:
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_q8")(_fake_qlinear_q8)
     torch.library.register_fake("modelrunner_quant_cpu::pack_p16")(_fake_pack_p16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16")(_fake_qlinear_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::gated_mlp_p16")(_fake_gated_mlp_p16)
 
 
 @functools.cache
@@ -90,6 +91,11 @@ def _fake_pack_p16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tens
     rows = -(-qweight.shape[0] // P16_ROWS) * P16_ROWS
     grid = scales.new_empty((rows, scales.shape[1]))
     return [qweight.new_empty((rows, qweight.shape[1])), grid, grid.new_empty(grid.shape if mins is not None else (0,))]
+
+
+def _fake_gated_mlp_p16(x: torch.Tensor, *args: object) -> torch.Tensor:
+    down_rows = args[9]
+    return x.new_empty((x.shape[0], down_rows), dtype=torch.float32)
 
 
 def _fake_qlinear_p16(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
@@ -220,6 +226,25 @@ def bind_qlinear_p16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return op(x, data, scales, mins, rows, group_size, bits)
+
+    return run
+
+
+P16Part = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int, int]
+"""A p16 weight as :func:`bind_gated_mlp_p16` takes it: ``(data, scales, mins, rows, group_size, bits)``."""
+
+
+def bind_gated_mlp_p16(gate_up: P16Part, down: P16Part) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gated MLP, ``down(silu(gate(x)) * up(x))``, on p16 weights (:func:`pack_p16`) as one call of
+    ``x`` (float32 ``[M, K]``, contiguous) → ``[M, down rows]``: what :func:`bind_qlinear_p16` of
+    each projection and torch's ``silu`` and ``mul`` between them compute, the same numbers, in one
+    operator call. ``gate_up`` holds the gate rows, then the up rows."""
+    load()
+    op = torch.ops.modelrunner_quant_cpu.gated_mlp_p16
+    args = (*gate_up, *down)
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, *args)
 
     return run
 
