@@ -96,3 +96,28 @@ def test_bfloat16_weights_and_cache(tmp_path):
     assert logits.dtype == torch.float32
     expected = _reference(reference, prompt + [79])
     assert (logits - expected).abs().max().item() < 0.1 * expected.abs().max().item()
+
+
+def test_forward_hooks_on_any_part_still_run(tmp_path):
+    # The decoder calls its parts' forward directly when nothing hooks them; a hook (on a part, or
+    # global) must still run, and may change the output.
+    _checkpoint("llama-gqa-tied", tmp_path)
+    model = _load(tmp_path)
+    driver = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=8)
+    plain = driver.step({0: [1, 2, 3]})
+    layer = model.loaded.model.model.layers[1]
+    seen: list[str] = []
+    handles = [layer.self_attn.qkv_proj.register_forward_hook(lambda m, a, out: seen.append("qkv")),
+               layer.mlp.register_forward_pre_hook(lambda m, a: seen.append("mlp")),
+               layer.register_forward_hook(lambda m, a, out: (out[0] * 0, out[1]))]
+    zeroed = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=8).step({0: [1, 2, 3]})
+    assert seen == ["qkv", "mlp"] and not torch.equal(zeroed, plain)
+    for h in handles:
+        h.remove()
+    counted: list[str] = []
+    handle = torch.nn.modules.module.register_module_forward_hook(lambda m, a, out: counted.append(type(m).__name__))
+    try:
+        again = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=8).step({0: [1, 2, 3]})
+    finally:
+        handle.remove()
+    assert torch.equal(again, plain) and "RMSNorm" in counted and "GatedMLP" in counted

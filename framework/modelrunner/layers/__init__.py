@@ -14,6 +14,7 @@ import torch
 from .activation import SiluAndMul
 from .attention import Attention
 from .attention_backend import AttentionBackend
+from .direct import direct
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     ColumnParallelLinear,
@@ -47,6 +48,7 @@ __all__ = [
     "TorchSDPABackend",
     "VocabParallelEmbedding",
     "default_weight_loader",
+    "direct",
     "rope_parameters",
 ]
 

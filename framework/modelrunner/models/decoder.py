@@ -34,6 +34,7 @@ from ..layers import (
     TorchSDPABackend,
     VocabParallelEmbedding,
 )
+from ..layers.direct import direct
 from ..parallel_state import ParallelState
 from .stages import StageMissingLayer
 
@@ -86,7 +87,7 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: Any) -> torch.Tensor:
         """``[tokens, hidden]`` → ``[tokens, hidden]``; stores the tokens' K/V in ``kv_cache``."""
-        qkv = self.qkv_proj(hidden)
+        qkv = direct(self.qkv_proj)(hidden)
         tokens, heads, kv_heads, head_dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk_width = (heads + kv_heads) * head_dim
         # q and k sit side by side in the fused output: rotate them in one go. (narrow, not slicing or
@@ -94,7 +95,7 @@ class DecoderAttention(nn.Module):
         qk = self.rotary_emb.rotate(positions, qkv.narrow(1, 0, qk_width).view(tokens, heads + kv_heads, head_dim))
         q, k = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
         v = qkv.narrow(1, qk_width, kv_heads * head_dim).view(tokens, kv_heads, head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
+        return direct(self.o_proj)(direct(self.attn)(q, k, v, kv_cache, metadata))
 
 
 class GatedMLP(nn.Module):
@@ -122,7 +123,7 @@ class GatedMLP(nn.Module):
         fused = self.fused_path(x)
         if fused is not None:
             return fused(x)
-        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+        return direct(self.down_proj)(direct(self.act_fn)(direct(self.gate_up_proj)(x)))
 
     def fused_path(self, x: torch.Tensor) -> Any:
         """The quantization scheme's one-call form of this block for ``x`` (see
@@ -141,9 +142,8 @@ class GatedMLP(nn.Module):
                              and gate_up.tp_size == 1 and gate_up.bias is None and down.bias is None)
             if not self._fusable:
                 return None
-        for m in (self, gate_up, self.act_fn, down):
-            if m._forward_hooks or m._forward_pre_hooks:
-                return None
+        if any(direct(m) is m for m in (gate_up, self.act_fn, down)):
+            return None
         return scheme.gated_mlp(gate_up, down)
 
 
@@ -163,13 +163,14 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``; the next layer's input norm adds the two."""
+        norm = direct(self.input_layernorm)
         if residual is None:
-            residual, hidden = hidden, self.input_layernorm(hidden)
+            residual, hidden = hidden, norm(hidden)
         else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+            hidden, residual = norm(hidden, residual)
+        hidden = direct(self.self_attn)(positions, hidden, kv_cache, metadata)
+        hidden, residual = direct(self.post_attention_layernorm)(hidden, residual)
+        return direct(self.mlp)(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -275,7 +276,7 @@ class DecoderForCausalLM(nn.Module):
         metadata = self.attn_backend.build_metadata(batch, self.sliding_windows)
         positions = batch.positions
         if self.parallel.is_first_stage:
-            hidden = self.model.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
+            hidden = direct(self.model.embed_tokens)(batch.input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         elif stage_inputs is not None:
             hidden, residual = stage_inputs["hidden_states"], stage_inputs["residual"]
@@ -285,12 +286,12 @@ class DecoderForCausalLM(nn.Module):
                                  device=weight.device)
             residual = torch.zeros_like(hidden)
         for layer, kv_cache in zip(layers, kv_caches):
-            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
+            hidden, residual = direct(layer)(positions, hidden, residual, kv_cache, metadata)
         if not self.parallel.is_last_stage:
             return {"hidden_states": hidden, "residual": residual}
-        hidden, _ = self.model.norm(hidden, residual)
+        hidden, _ = direct(self.model.norm)(hidden, residual)
         return hidden
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[rows, vocab_size]`` for final hidden states ``[rows, hidden]``."""
-        return self.lm_head(hidden)
+        return direct(self.lm_head)(hidden)
