@@ -26,4 +26,14 @@ def direct(part: nn.Module) -> Callable[..., Any]:
     return part.forward
 
 
-__all__ = ["direct"]
+def hooked(*parts: nn.Module) -> bool:
+    """Whether a forward hook or pre-hook would run on any of ``parts`` (its own or a global one)."""
+    if _module._global_forward_hooks or _module._global_forward_pre_hooks:
+        return True
+    for part in parts:
+        if part._forward_hooks or part._forward_pre_hooks:
+            return True
+    return False
+
+
+__all__ = ["direct", "hooked"]

@@ -34,7 +34,7 @@ from ..layers import (
     TorchSDPABackend,
     VocabParallelEmbedding,
 )
-from ..layers.direct import direct
+from ..layers.direct import direct, hooked
 from ..parallel_state import ParallelState
 from .stages import StageMissingLayer
 
@@ -130,21 +130,21 @@ class GatedMLP(nn.Module):
         :meth:`~modelrunner.quantization.planar.PlanarScheme.gated_mlp`), or None: only for a 2-D
         contiguous float32 ``x`` outside compilers, one tensor-parallel rank, no biases, the kernel's
         ``SiluAndMul``, and no forward hooks on the three parts (they would not run)."""
+        fusable = self.__dict__.get("_fusable")
+        if fusable is None:  # what cannot change once the model is built
+            gate_up, down = self.gate_up_proj, self.down_proj
+            scheme = gate_up.quant_scheme
+            fusable = self._fusable = (
+                scheme is not None and down.quant_scheme is not None and hasattr(scheme, "gated_mlp")
+                and type(self.act_fn) is SiluAndMul and down.tp_size == 1 and gate_up.tp_size == 1
+                and gate_up.bias is None and down.bias is None)
+        if (not fusable or x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous()
+                or torch.compiler.is_compiling()):
+            return None
         gate_up, down = self.gate_up_proj, self.down_proj
-        scheme = gate_up.quant_scheme
-        if (scheme is None or down.quant_scheme is None or x.dtype is not torch.float32 or x.dim() != 2
-                or not x.is_contiguous() or torch.compiler.is_compiling()):
+        if hooked(gate_up, self.act_fn, down):
             return None
-        if not self.__dict__.get("_fusable", True):
-            return None
-        if "_fusable" not in self.__dict__:
-            self._fusable = (hasattr(scheme, "gated_mlp") and type(self.act_fn) is SiluAndMul and down.tp_size == 1
-                             and gate_up.tp_size == 1 and gate_up.bias is None and down.bias is None)
-            if not self._fusable:
-                return None
-        if any(direct(m) is m for m in (gate_up, self.act_fn, down)):
-            return None
-        return scheme.gated_mlp(gate_up, down)
+        return gate_up.quant_scheme.gated_mlp(gate_up, down)
 
 
 class DecoderLayer(nn.Module):

@@ -318,6 +318,11 @@ void parallel_rows(int64_t N, int64_t unit, double work_per_row, F&& body) {
 // "exact": float activations times float weights, unpacked in registers (small M).
 
 #ifdef MRQ_AVX2
+// Weight bytes are read once per token: prefetched this far ahead with the non-temporal hint, so that
+// streaming them does not evict what the rest of the step uses from the caches (measured on SmolLM2's
+// decode: the torch and Python work after the forward ran ~25% faster, decode +10-20%).
+constexpr int64_t kStreamAhead = 512;
+
 // MT activation rows times NT weight rows over all of K, each weight block unpacked once for the
 // MT rows; acc[r][t] stay in registers. kPerGroup: blocks per group when known at compile time
 // (1: groups of 32, one flat loop), 0: w.group / 32.
@@ -358,6 +363,8 @@ void exact_tile(const QuantWeight& w, const uint8_t* const* rows, const float* c
 #pragma GCC unroll 4
     for (int t = 0; t < NT; ++t) {
       V wv[Exact::kVecs];
+      if ((b * bb) % 64 == 0)  // each row's bytes are read once per token: see kStreamAhead
+        _mm_prefetch(reinterpret_cast<const char*>(q[t] + b * bb) + kStreamAhead, _MM_HINT_NTA);
       Exact::unpack<kBits>(q[t] + b * bb, grp[t], wv);
 #pragma GCC unroll 4
       for (int v = 0; v < Exact::kVecs; ++v)
@@ -1187,6 +1194,8 @@ inline std::tuple<const uint8_t*, const at::Half*, const at::Half*> p16_tile_par
   return {w.data + t * w.tile_bytes, w.scales + t * w.groups * kP16, w.mins ? w.mins + t * w.groups * kP16 : nullptr};
 }
 
+constexpr int64_t kP16Ahead = 1024;  // see kStreamAhead (a p16 tile is one stream, read faster)
+
 #if defined(MRQ_AVX512) && MRQ_VNNI == 1
 constexpr int kP16MaxRows = 4;
 // Rows [m0, m0 + MT) of x against tile t: 16 outputs per row of x.
@@ -1203,8 +1212,9 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + g * kP16)));
     for (const int64_t end = b + per_group; b < end; ++b) {
       const uint8_t* p = tile + b * kBlockBytes;
-      if constexpr (kBits == 8) {
-              }
+#pragma GCC unroll 8
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
       __m512i isum[MT];
 #pragma GCC unroll 4
       for (int r = 0; r < MT; ++r)
@@ -1265,6 +1275,8 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
       s[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ts + g * kP16 + 8 * h)));
     for (const int64_t end = b + per_group; b < end; ++b) {
       const uint8_t* p = tile + b * kBlockBytes;
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
       __m256i isum[MT][2];
       for (int r = 0; r < MT; ++r)
         isum[r][0] = isum[r][1] =
