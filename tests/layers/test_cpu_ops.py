@@ -147,8 +147,9 @@ _CHECK_BUILD = textwrap.dedent("""
 @pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 code paths")
 @pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
 def test_the_avx2_and_portable_builds_agree(march):
-    if march == "x86-64-v3" and "avx2" not in open("/proc/cpuinfo").read():
-        pytest.skip("this CPU cannot run AVX2 code")
+    with open("/proc/cpuinfo") as f:
+        if march == "x86-64-v3" and "avx2" not in f.read():
+            pytest.skip("this CPU cannot run AVX2 code")
     env = {**os.environ, cpu_ops.MARCH_ENV: march}
     result = subprocess.run([sys.executable, "-c", _CHECK_BUILD], check=False, capture_output=True, text=True,
                             env=env, timeout=600)

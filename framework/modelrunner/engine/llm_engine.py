@@ -80,7 +80,7 @@ class _Rewind:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, value: Any, tb: Any) -> bool:
+    def __exit__(self, kind: object, value: object, tb: object) -> bool:
         if kind is not None:
             for g, state in self.saved:
                 g.set_state(state)

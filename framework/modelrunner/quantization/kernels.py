@@ -292,10 +292,10 @@ class KernelSelector:
         return self.bound(scheme, layer)(x.float().contiguous())
 
     def bound(self, scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``layer``'s matmul as one callable of a 2-D, contiguous float32 ``x``, bound to its storage on first use (storage
-        is written in place, never replaced, once loaded), so a step pays no lookups. Where both
-        buckets chose the same kernel it is that kernel alone: no branch on the row count (so
-        ``torch.export`` sees no guard on it)."""
+        """``layer``'s matmul as one callable of a 2-D, contiguous float32 ``x``, bound to its storage on
+        first use (storage is written in place, never replaced, once loaded), so a step pays no
+        lookups. Where both buckets chose the same kernel it is that kernel alone: no branch on the
+        row count."""
         bound = self._bound.get(layer)
         if bound is None or bound[0] is not scheme:
             names = {name: self._choice(scheme, layer, name) for name in ("decode", "batch")}

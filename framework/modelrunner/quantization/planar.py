@@ -14,9 +14,8 @@ the checkpoint streams in — float weights are never materialised.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
