@@ -103,9 +103,19 @@ def test_int8_activations_are_quantized_per_token(checkpoints):
 
 
 @pytest.mark.parametrize("activations", ["float", "int8"])
-def test_traced_layers_read_their_storage_and_match_eager(checkpoints, activations):
+def test_traced_layers_read_their_storage_and_match_eager(checkpoints, activations, monkeypatch):
     # Under torch.compile a layer calls its kernel with its own parameters (no closure of the bound
     # storage), and computes what the eager call does.
+    from modelrunner.quantization.kernels import KernelSelector
+
+    traced_layers: list[object] = []
+    traced = KernelSelector.traced
+
+    def counting(self, scheme, layer, x):
+        traced_layers.append(layer)
+        return traced(self, scheme, layer, x)
+
+    monkeypatch.setattr(KernelSelector, "traced", counting)
     model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4,
                                                 "quantization_options": {"activations": activations}})
     mlp = model.loaded.model.model.layers[0].mlp
@@ -113,8 +123,9 @@ def test_traced_layers_read_their_storage_and_match_eager(checkpoints, activatio
     with torch.no_grad():
         eager = mlp(x)
         torch._dynamo.reset()
-        traced = torch.compile(mlp, backend="eager")(x)
-    torch.testing.assert_close(traced, eager, rtol=1e-5, atol=1e-5)
+        compiled = torch.compile(mlp, backend="eager")(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    assert {id(m) for m in traced_layers} == {id(mlp.gate_up_proj), id(mlp.down_proj)}  # the traced path ran
 
 
 def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoints):

@@ -287,10 +287,6 @@ class KernelSelector:
             to_p16(scheme, layer)
         _P16_COPIES.pop(layer, None)
 
-    def run(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        """``x Wᵀ`` by the kernel chosen for ``x``'s row count (see :meth:`bound`)."""
-        return self.bound(scheme, layer)(x.float().contiguous())
-
     def bound(self, scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         """``layer``'s matmul as one callable of a 2-D, contiguous float32 ``x``, bound to its storage on
         first use (storage is written in place, never replaced, once loaded), so a step pays no
@@ -298,9 +294,8 @@ class KernelSelector:
         row count."""
         bound = self._bound.get(layer)
         if bound is None or bound[0] is not scheme:
-            names = {name: self._choice(scheme, layer, name) for name in ("decode", "batch")}
             decode = self._bind(scheme, layer, "decode")
-            if names["decode"] == names["batch"]:
+            if self._choice(scheme, layer, "decode") == self._choice(scheme, layer, "batch"):
                 run = decode
             else:
                 batch = self._bind(scheme, layer, "batch")
@@ -331,7 +326,7 @@ class KernelSelector:
         return entry[2]
 
     def traced(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`run` for compilers (torch.compile, torch.export): the chosen candidate reads the
+        """``x Wᵀ`` for compilers (torch.compile, torch.export): the chosen candidate reads the
         layer's storage through its attributes on every call, so a tracer sees the layer's parameters
         (not tensors captured in a closure, which an exported program would hold as constants) and
         guards on no per-layer state. Branches on the row count only where the buckets' choices differ."""
