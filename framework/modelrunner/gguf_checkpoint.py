@@ -1,7 +1,7 @@
 """A GGUF file read as a checkpoint, in place: config, tokenizer and tensors from the file itself.
 
-The header and metadata are parsed with transformers' GGUF reader (no tensor data is touched); the
-tensors are memory-mapped views. :meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face
+The metadata is parsed by :mod:`~modelrunner.gguf_metadata`, the tensor table by transformers' GGUF
+reader (no tensor data is touched); the tensors are memory-mapped views. :meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face
 names, undoing llama.cpp's layout changes (its row permutation of Llama's query/key projections):
 float tensors as float tensors, quantized ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`,
 which a quantization method keeps as stored and any other layer dequantizes exactly.
@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .errors import ModelSourceError
+from .gguf_metadata import read_metadata
 from .quantization.blocks import FLOAT_TYPES, GGML_BLOCK, GGMLBlocks, ggml_type_name
 
 logger = logging.getLogger(__name__)
@@ -35,6 +36,13 @@ _BLOCK = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm"
           "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
           "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+_STRING_ARRAYS = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+"""The metadata's string arrays a tokenizer needs in full."""
+_SPECIAL_TOKENS = {"bos_token": "bos_token_id", "eos_token": "eos_token_id", "unk_token": "unknown_token_id",
+                   "pad_token": "padding_token_id"}
+"""A tokenizer's special-token argument → the metadata key (``tokenizer.ggml.…``) of its id."""
 
 
 def hf_name(gguf_name: str) -> str | None:
@@ -73,7 +81,7 @@ class GGUFCheckpoint:
     """
 
     def __init__(self, path: str | Path) -> None:
-        from transformers.integrations.gguf.reader import GgufHeader, read_gguf_metadata
+        from transformers.integrations.gguf.reader import GgufHeader
 
         self.path = Path(path)
         """The file."""
@@ -81,7 +89,7 @@ class GGUFCheckpoint:
         if size == 0:
             raise ModelSourceError(f"{self.path}: the file is empty, not a GGUF checkpoint")
         try:
-            self.metadata, _ = read_gguf_metadata(str(self.path), string_arrays=())
+            self.metadata = read_metadata(self.path)
             self.header = GgufHeader.from_file(str(self.path))
         except Exception as e:  # struct, numpy and ValueError from a damaged header
             self._refuse_unsupported(_tensor_types(self.path))
@@ -149,15 +157,36 @@ class GGUFCheckpoint:
         if "tokenizer.ggml.tokens" not in self.metadata:
             return None
         from transformers import PreTrainedTokenizerFast
-        from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+        from transformers.integrations.gguf import convert_gguf_tokenizer
 
         try:
-            arch, tokenizer_dict, tokenizer_config = get_gguf_tokenizer(str(self.path))
-            backend, extra = convert_gguf_tokenizer(arch, tokenizer_dict)
+            tokenizer_dict, tokenizer_config = self.tokenizer_fields()
+            backend, extra = convert_gguf_tokenizer(self.architecture, tokenizer_dict)
         except Exception as e:  # noqa: BLE001 - an unknown tokenizer model, a damaged vocabulary
             raise ModelSourceError(f"{self.path}: cannot build the tokenizer its metadata describes "
                                    f"({type(e).__name__}: {e})") from e
         return PreTrainedTokenizerFast(tokenizer_object=backend, **tokenizer_config, **extra)
+
+    def tokenizer_fields(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """``(tokenizer_dict, tokenizer_config)`` as transformers' ``get_gguf_tokenizer`` returns them
+        (its key mapping, its defaults for ``add_bos_token``), from this reader's metadata: the
+        vocabulary and merges read once, with :func:`~modelrunner.gguf_metadata.read_metadata`."""
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
+
+        full = {**self.metadata, **read_metadata(self.path, _STRING_ARRAYS)}
+        tokenizer, config = ({name: full[f"tokenizer.{key}"] for key, name in renames.items()
+                              if f"tokenizer.{key}" in full}
+                             for renames in (GGUF_TOKENIZER_MAPPING["tokenizer"],
+                                             GGUF_TOKENIZER_MAPPING["tokenizer_config"]))
+        kind = tokenizer.get("tokenizer_type")
+        if kind == "llama":  # llama.cpp adds BOS to a sentencepiece vocabulary that does not say otherwise
+            config.setdefault("add_bos_token", True)
+        elif kind == "gemma4":  # its chat template writes <bos> itself
+            config["add_bos_token"] = False
+        for name, key in _SPECIAL_TOKENS.items():
+            token_id = full.get(f"tokenizer.ggml.{key}")
+            config[name] = tokenizer["tokens"][token_id] if token_id is not None else None
+        return tokenizer, config
 
     # -- tensors -----------------------------------------------------------------------------------
 

@@ -47,6 +47,25 @@ def test_blocks_run_as_stored_and_match_transformers_reading_the_same_file(tmp_p
         assert diff < 1e-4, diff
 
 
+def test_metadata_and_tokenizer_fields_read_as_transformers_reads_them():
+    # modelrunner reads the metadata itself (a cold start's vocabulary in a tenth of the time); the
+    # values, and the fields handed to transformers' tokenizer converter, must be transformers' own.
+    from transformers.integrations.gguf import get_gguf_tokenizer
+    from transformers.integrations.gguf.reader import read_gguf_metadata
+
+    from modelrunner.gguf_checkpoint import GGUFCheckpoint
+    from modelrunner.gguf_metadata import read_metadata
+    from modelrunner.source import _alias_file
+
+    path = str(_alias_file("smollm2"))
+    arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
+    assert read_metadata(path, arrays) == read_gguf_metadata(path, arrays)[0]
+    assert read_metadata(path) == read_gguf_metadata(path, ())[0]
+    architecture, *fields = get_gguf_tokenizer(path)
+    checkpoint = GGUFCheckpoint(path)
+    assert (checkpoint.architecture, *checkpoint.tokenizer_fields()) == (architecture, *fields)
+
+
 def test_k_quants_are_dequantized_at_load_with_one_log_line(tmp_path, caplog):
     path = write_llama_gguf(tiny_llama(intermediate=256, tie=True), tmp_path / "k.gguf", types={"ffn_down": T.Q4_K})
     with caplog.at_level(logging.WARNING, logger="modelrunner"):

@@ -40,7 +40,9 @@ def inverse_frequencies(head_dim: int, params: dict[str, Any]) -> torch.Tensor:
     """
     rope_type = params["rope_type"]
     base = float(params["rope_theta"])
-    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    # On the CPU whatever the ambient device: under ``torch.device("meta")`` (model construction) these
+    # ops would go through torch's Python reference implementations, whose import costs a second.
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope_type == "default":
         return inv_freq
     if rope_type == "linear":
