@@ -13,7 +13,7 @@ import torch
 
 from .activation import SiluAndMul
 from .attention import Attention
-from .attention_backend import AttentionBackend
+from .attention_backend import AttentionBackend, GraphInputs
 from .direct import direct
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
@@ -33,6 +33,7 @@ from .sdpa_attention import TorchSDPABackend
 __all__ = [
     "Attention",
     "AttentionBackend",
+    "GraphInputs",
     "ColumnParallelLinear",
     "LinearBase",
     "MergedColumnParallelLinear",

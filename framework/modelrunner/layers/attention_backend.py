@@ -12,14 +12,31 @@ adapter's load hook, so a GPU kernel (flash-attn, FlashInfer) plugs in without t
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
 
 import torch
 
 if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch
     from .attention import Attention
+
+
+class GraphInputs(NamedTuple):
+    """How a step's attention metadata enters a replayed decode graph
+    (:meth:`AttentionBackend.graph_inputs`).
+
+    A graph is recorded once per ``key`` and replayed for every later step with the same key: only
+    ``tensors`` change between those steps; everything else the backend reads from the metadata
+    while attending must be the same for every step with that key.
+    """
+
+    key: Any
+    """Hashable; equal for steps whose metadata differ only in the values of ``tensors``."""
+    tensors: tuple[torch.Tensor, ...]
+    """The metadata's per-step tensors (slot mapping, block table, sequence lengths …)."""
+    rebuild: Callable[..., Any]
+    """``rebuild(*tensors)`` → metadata this backend attends with, made from those tensors."""
 
 
 class AttentionBackend(abc.ABC):
@@ -74,6 +91,13 @@ class AttentionBackend(abc.ABC):
         :param batch: the step's flattened batch.
         :param sliding_windows: the distinct ``sliding_window`` values of the model's layers.
         """
+
+    def graph_inputs(self, metadata: Any) -> GraphInputs | None:
+        """How decode steps with this ``metadata`` may be replayed as a recorded graph (see
+        :mod:`modelrunner.models.decode_graphs`), or None (the default): they run eagerly. A backend
+        returns a :class:`GraphInputs` only where its ``forward`` reads nothing from the metadata but
+        those tensors and what the key fixes."""
+        return None
 
     @abc.abstractmethod
     def forward(

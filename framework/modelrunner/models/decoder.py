@@ -36,6 +36,7 @@ from ..layers import (
 )
 from ..layers.direct import direct, hooked
 from ..parallel_state import ParallelState
+from .decode_graphs import DecodeGraphs
 from .stages import StageMissingLayer
 
 
@@ -285,12 +286,31 @@ class DecoderForCausalLM(nn.Module):
             hidden = torch.zeros(batch.input_ids.shape[0], self.config.hidden_size, dtype=weight.dtype,
                                  device=weight.device)
             residual = torch.zeros_like(hidden)
+        graphs = self.__dict__.get("decode_graphs")
+        if graphs is not None and residual is None and self.parallel.is_last_stage:
+            replayed = graphs.run(positions, hidden, kv_caches, metadata)
+            if replayed is not None:
+                return replayed
         for layer, kv_cache in zip(layers, kv_caches):
             hidden, residual = direct(layer)(positions, hidden, residual, kv_cache, metadata)
         if not self.parallel.is_last_stage:
             return {"hidden_states": hidden, "residual": residual}
         hidden, _ = direct(self.model.norm)(hidden, residual)
         return hidden
+
+    def enable_decode_graphs(self) -> bool:
+        """Replay decode steps from recorded graphs from now on (:mod:`~modelrunner.models.decode_graphs`;
+        the eager compile backend calls this unless its ``decode_graphs`` option is false). Only
+        for one process (no tensor or pipeline parallelism) on the CPU; returns whether it is on."""
+        if self.parallel.tp_size != 1 or self.parallel.pp_size != 1:
+            return False
+        weight = self.model.norm.weight
+        if weight.device.type != "cpu":
+            return False
+        if self.__dict__.get("decode_graphs") is None:
+            layers = list(self.model.layers)[self.model.start_layer:self.model.end_layer]
+            self.decode_graphs = DecodeGraphs(layers, self.model.norm, self.attn_backend)
+        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[rows, vocab_size]`` for final hidden states ``[rows, hidden]``."""

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import warnings
 
 import torch
 from modelrunner.layers import Attention
+from modelrunner.layers.attention_backend import GraphInputs
 from modelrunner.layers.sdpa_attention import SDPAMetadata, TorchSDPABackend
 
 from . import kernel
@@ -30,6 +32,16 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
     def supports(cls, device: torch.device) -> bool:
         """CPU only, and only where the kernel builds (without a compiler ``torch_sdpa`` is chosen)."""
         return torch.device(device).type == "cpu" and _kernel_builds()
+
+    def graph_inputs(self, metadata: object) -> GraphInputs | None:
+        """Decode-only steps replay: their keys/values are stored at ``slot_mapping`` and attention
+        reads only ``block_table`` and ``seq_lens`` (and each layer's own settings)."""
+        if type(metadata) is not SDPAMetadata or not metadata.decode_only:
+            return None
+        def rebuild(slots: torch.Tensor, table: torch.Tensor, lengths: torch.Tensor) -> SDPAMetadata:
+            return dataclasses.replace(metadata, slot_mapping=slots, block_table=table, seq_lens=lengths)
+        return GraphInputs(("cpu_paged decode", metadata.num_seqs),
+                           (metadata.slot_mapping, metadata.block_table, metadata.seq_lens), rebuild)
 
     def attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:

@@ -1,0 +1,76 @@
+"""Decode steps replayed from recorded graphs (the eager backend's ``decode_graphs``, on by default):
+the same tokens as eager steps, hooks still run, and the switch and its errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from modelrunner import LLM, SamplingParams
+
+from .test_llama_parity import _checkpoint
+
+PROMPTS = [[5, 9, 17], [3, 44, 21, 8, 90, 11, 2], [70, 71]]
+KW = dict(dtype="float32", kv_cache_memory=2**20, max_model_len=128, block_size=4)
+
+
+def _generate(llm: LLM, max_tokens: int = 12) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens and their logprobs for :data:`PROMPTS`."""
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], params, use_tqdm=False)
+    return [(o.outputs[0].token_ids,
+             [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]) for o in outs]
+
+
+def _tokens(results: list[tuple[list[int], list[float]]]) -> list[list[int]]:
+    return [tokens for tokens, _ in results]
+
+
+@pytest.mark.parametrize("name", ["llama-gqa-untied-biases", "mistral-sliding-window", "qwen2-sliding-layers"])
+def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs(tmp_path, name):
+    _checkpoint(name, tmp_path)
+    replayed = LLM(str(tmp_path), **KW)
+    eager = LLM(str(tmp_path), compile_options={"decode_graphs": False}, **KW)
+    assert _generate(replayed) == _generate(eager)
+    stats = replayed.runner.stats()["compile"]["decode_graphs"]
+    # Three sequences decode together: one key, recorded at its second step, replayed from the third.
+    assert stats["graphs"] == 1 and stats["replays"] == 12 - 3 and stats["refused"] == {}
+    assert "decode_graphs" not in eager.runner.stats()["compile"]
+
+
+def test_a_hook_added_after_recording_runs_on_every_step(tmp_path):
+    _checkpoint("llama-gqa-tied", tmp_path)
+    llm = LLM(str(tmp_path), **KW)
+    before = _tokens(_generate(llm))  # later runs hit the prefix cache: the same tokens, logprobs ~1e-7 apart
+    graphs = llm.runner.runner.loaded.model.decode_graphs
+    replays = graphs.replays
+    calls = []
+    handle = llm.runner.runner.loaded.model.model.layers[1].mlp.register_forward_hook(
+        lambda module, args, out: calls.append(args[0].shape[0]))
+    try:
+        assert _tokens(_generate(llm)) == before
+    finally:
+        handle.remove()
+    assert graphs.replays == replays  # every step ran eagerly while hooked
+    assert len(calls) == 1 + 11 and calls[1:] == [3] * 11  # the prompts' step, then 11 decode steps
+    assert _tokens(_generate(llm)) == before and graphs.replays > replays  # unhooked: replayed again
+
+
+def test_a_part_not_declared_graph_safe_keeps_every_step_eager(tmp_path):
+    from modelrunner.models.decode_graphs import register_graph_safe, unsafe_part
+    from modelrunner.models.decoder import GatedMLP
+
+    class LoggingMLP(GatedMLP):
+        pass
+
+    mlp = LoggingMLP.__new__(LoggingMLP)
+    torch.nn.Module.__init__(mlp)
+    assert unsafe_part([mlp]).endswith("LoggingMLP")
+    register_graph_safe(LoggingMLP)
+    assert unsafe_part([mlp]) is None
+
+
+def test_the_option_is_checked(tmp_path):
+    _checkpoint("llama-gqa-tied", tmp_path)
+    with pytest.raises(ValueError, match=r"compile option 'decode_graphs' must be true or false, got 'yes'"):
+        LLM(str(tmp_path), compile_options={"decode_graphs": "yes"}, **KW)
