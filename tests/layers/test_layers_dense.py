@@ -125,7 +125,7 @@ def test_eager_backend_plans_by_default_and_reports_it(tiny_llama_dir):
 @pytest.mark.parametrize("options, message", [
     ({"prepack_weights": "yes"}, r"'prepack_weights' must be true or false, got 'yes'"),
     ({"dense_path": "blas"}, r"'dense_path' must be 'auto' or one of mkl, onednn, onednn_packed, got 'blas'"),
-    ({"prepack": True}, r"the eager backend has no option 'prepack' \(options: prepack_weights, dense_path\)"),
+    ({"prepack": True}, r"the eager backend has no option 'prepack' \(options: prepack_weights, dense_path, decode_graphs\)"),
 ])
 def test_eager_options_are_checked(tiny_llama_dir, options, message):
     with pytest.raises(ValueError, match=message):
