@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from modelrunner import LLM, SamplingParams
+from modelrunner.models.decode_graphs import SIGHTINGS
 
 from .test_llama_parity import _checkpoint
 
@@ -33,8 +34,8 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs(tmp_path
     eager = LLM(str(tmp_path), compile_options={"decode_graphs": False}, **KW)
     assert _generate(replayed) == _generate(eager)
     stats = replayed.runner.stats()["compile"]["decode_graphs"]
-    # Three sequences decode together: one key, recorded at its second step, replayed from the third.
-    assert stats["graphs"] == 1 and stats["replays"] == 12 - 3 and stats["refused"] == {}
+    # Three sequences decode together for 11 steps: one key, recorded at its SIGHTINGS-th step.
+    assert stats["graphs"] == 1 and stats["replays"] == 11 - SIGHTINGS and stats["refused"] == {}
     assert "decode_graphs" not in eager.runner.stats()["compile"]
 
 
@@ -68,6 +69,40 @@ def test_a_part_not_declared_graph_safe_keeps_every_step_eager(tmp_path):
     assert unsafe_part([mlp]).endswith("LoggingMLP")
     register_graph_safe(LoggingMLP)
     assert unsafe_part([mlp]) is None
+
+
+class _CountingActivation(torch.nn.Module):
+    """SiluAndMul plus the number of calls so far: Python state a recording would freeze."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.calls = inner, 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.inner(x) + self.calls * 1e-3
+
+
+def test_a_recording_whose_replay_differs_is_refused_and_the_key_stays_eager(tmp_path):
+    from modelrunner.models.decode_graphs import register_graph_safe
+
+    _checkpoint("llama-gqa-tied", tmp_path)
+    llm = LLM(str(tmp_path), **KW)
+    model = llm.runner.runner.loaded.model
+    mlp = model.model.layers[0].mlp
+    mlp.act_fn = _CountingActivation(mlp.act_fn)
+    graphs = model.decode_graphs
+    graphs.clear()
+    assert graphs.stats()["off"].endswith("_CountingActivation is not declared graph-safe")
+    register_graph_safe(_CountingActivation)  # wrongly: its output depends on a Python counter
+    graphs.clear()
+    _generate(llm)
+    stats = graphs.stats()
+    assert stats["graphs"] == 0 and stats["replays"] == 0
+    assert [reason.split(" (")[0] for reason in stats["refused"].values()] == ["replay differs from the eager step"]
+    calls = mlp.act_fn.calls
+    _generate(llm)
+    assert mlp.act_fn.calls == calls + 12  # every step ran the module itself
 
 
 def test_the_option_is_checked(tmp_path):

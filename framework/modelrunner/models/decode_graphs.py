@@ -3,9 +3,9 @@
 A decode step of a small model spends about half of its time in Python: each layer makes ~130
 calls to go through norms, projections, rotary, the cache write and attention, for ~10 kernel
 calls that do the work. Like vLLM's CUDA graphs, :class:`DecodeGraphs` records the layers once per
-batch shape (``torch.jit.trace``: the ops with their arguments) and then replays the record in
-TorchScript's C++ interpreter; a recorded SmolLM2 layer runs in ~70 µs where the eager one takes
-~125 µs on 2 Zen 4 cores.
+batch shape of up to :data:`MAX_ROWS` sequences (``torch.jit.trace``: the ops with their
+arguments) and then replays the record in TorchScript's C++ interpreter; a recorded SmolLM2 layer
+runs in ~70 µs where the eager one takes ~125 µs on 2 Zen 4 cores.
 
 A graph is recorded only where nothing can differ between steps but tensor values:
 
@@ -23,7 +23,7 @@ A graph is recorded only where nothing can differ between steps but tensor value
 
 Writing a step's keys/values twice (eagerly, then by the replay being checked) stores the same
 values at the same slots, so the check changes nothing. Parameters are read by the graph as the
-tensors they are: in-place updates are seen; a parameter *replaced* by another tensor needs
+tensors they are: in-place updates are seen; a parameter or module *replaced* by another needs
 :meth:`DecodeGraphs.clear`.
 """
 
@@ -40,10 +40,14 @@ from torch.nn.modules import module as _module
 
 logger = logging.getLogger(__name__)
 
+MAX_ROWS = 16
+"""Largest decode batch recorded. Python's share of a step is a few ms whatever the batch size: at 16
+sequences that is under a tenth of a SmolLM2 step, while a recording costs ~20 eager steps."""
 MAX_GRAPHS = 16
 """Most recorded keys per model (a batch whose size keeps changing would otherwise record many)."""
-SIGHTINGS = 2
-"""A key is recorded the second time a step has it (a batch size seen once costs no recording)."""
+SIGHTINGS = 4
+"""A key is recorded the fourth time a step has it: a batch size seen for only a step or two (a
+batch draining as its sequences finish) costs no recording (~0.25 s for SmolLM2's 30 layers)."""
 
 
 _SAFE: set[type] = set()
@@ -100,18 +104,21 @@ class DecodeGraphs:
         """The final norm."""
         self.backend = backend
         """The attention backend whose metadata enters the graphs."""
-        self._modules = [m for part in (*self.layers, norm) for m in part.modules()]
         self._graphs: dict[Any, Any] = {}  # key → traced graph, or None where recording failed
         self._seen: dict[Any, int] = {}
         self.replays = 0
         """Steps run from a graph."""
         self.refused: dict[str, str] = {}
         """``repr(key)`` → why that key runs eagerly."""
-        self.unsafe = unsafe_part(self._modules)
+        self.unsafe: str | None = None
         """The first class in the layers not declared graph-safe (then every step runs eagerly), or None."""
+        self.clear()
 
     def clear(self) -> None:
-        """Forget every graph (after replacing a parameter tensor, not after in-place updates)."""
+        """Forget every graph and look at the layers' parts again: call it after replacing a
+        parameter tensor or a module in the layers (not after in-place updates)."""
+        self._modules = [m for part in (*self.layers, self.norm) for m in part.modules()]
+        self.unsafe = unsafe_part(self._modules)
         self._graphs.clear()
         self._seen.clear()
         self.refused.clear()
@@ -129,7 +136,8 @@ class DecodeGraphs:
             metadata: Any) -> torch.Tensor | None:
         """The final hidden states of a first-stage step starting from the embeddings ``hidden``,
         from a graph; None where this step runs eagerly (the caller then runs the layers)."""
-        if self.unsafe is not None or torch.compiler.is_compiling() or torch.jit.is_tracing():
+        if (self.unsafe is not None or hidden.shape[0] > MAX_ROWS or torch.compiler.is_compiling()
+                or torch.jit.is_tracing()):
             return None
         spec = self.backend.graph_inputs(metadata)
         if spec is None or self._hooked():
@@ -141,7 +149,8 @@ class DecodeGraphs:
         inputs = (positions, hidden, *spec.tensors, *kv_caches)
         if graph is not False:
             self.replays += 1
-            return graph(*inputs)
+            with torch.jit.optimized_execution(False):  # its optimising passes cost 0.2 s, and gain nothing here
+                return graph(*inputs)
         seen = self._seen[key] = self._seen.get(key, 0) + 1
         if seen < SIGHTINGS or len(self._graphs) >= MAX_GRAPHS:
             return None
@@ -173,6 +182,7 @@ class DecodeGraphs:
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace's own notice
                 graph = torch.jit.trace(step, inputs, check_trace=False)
+            with torch.jit.optimized_execution(False):
                 got = graph(*inputs)
         except Exception as e:  # noqa: BLE001 - whatever the tracer refuses, the step runs eagerly
             return self._refuse(key, f"recording failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})",
@@ -191,4 +201,4 @@ class DecodeGraphs:
         return out
 
 
-__all__ = ["MAX_GRAPHS", "SIGHTINGS", "DecodeGraphs", "register_graph_safe", "unsafe_part"]
+__all__ = ["MAX_GRAPHS", "MAX_ROWS", "SIGHTINGS", "DecodeGraphs", "register_graph_safe", "unsafe_part"]
