@@ -72,6 +72,38 @@ def _tensor_types(path: Path) -> list[tuple[str, int]]:
         return []
 
 
+LLAMA_DEFAULTS: dict[str, Any] = {
+    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+    "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
+    "eos_token_id": 2, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_parameters": None,
+    "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "head_dim": None,
+}
+"""transformers' ``LlamaConfig`` fields and their defaults (a test checks them against it)."""
+
+
+def llama_config(values: dict[str, Any]) -> Any:
+    """A config equal to ``transformers.LlamaConfig(**values)`` field for field, with ``model_type``
+    ``"llama"`` (so a saved ``config.json`` loads back as a ``LlamaConfig``), built without importing
+    ``LlamaConfig``: its module pulls in ``torch.distributed.tensor`` and sympy, 1-2.5 s of a cold
+    ``LLM("smollm2")`` that otherwise takes under one."""
+    from transformers import PretrainedConfig
+
+    class GGUFLlamaConfig(PretrainedConfig):
+        model_type = "llama"
+
+    fields = {**LLAMA_DEFAULTS, **values}
+    if fields["head_dim"] is None:
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    if fields["num_key_value_heads"] is None:
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
+    if fields["rope_parameters"] is None:
+        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
+    config = GGUFLlamaConfig(**fields)
+    config.use_cache = fields["use_cache"]  # a model field in 5.x: the base class sets none
+    return config
+
+
 class GGUFCheckpoint:
     """One ``.gguf`` file: its metadata, config, tokenizer and tensors.
 
@@ -119,8 +151,24 @@ class GGUFCheckpoint:
     # -- config and tokenizer ----------------------------------------------------------------------
 
     def hf_config(self) -> Any:
-        """The transformers config the metadata describes (transformers' own key mapping)."""
-        from transformers import AutoConfig
+        """The transformers config the metadata describes (transformers' own key mapping); for a
+        ``llama`` file a :func:`llama_config`."""
+        values = self.config_values()
+        if self.architecture == "llama":
+            config = llama_config(values)
+        else:
+            from transformers import AutoConfig
+
+            config = AutoConfig.for_model(self.architecture, **values)
+        config.architectures = [ARCHITECTURES[self.architecture]]
+        config._name_or_path = str(self.path)
+        return config
+
+    def config_values(self) -> dict[str, Any]:
+        """The config fields the metadata gives (transformers' GGUF key mapping; the tokenizer's special
+        ids; tied embeddings when the file has no ``output.weight``).
+
+        :raises ModelSourceError: an architecture not read natively."""
         from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
         arch = self.architecture
@@ -146,10 +194,7 @@ class GGUFCheckpoint:
         values["tie_word_embeddings"] = "output.weight" not in names
         if arch == "qwen2":
             values.setdefault("use_sliding_window", False)
-        config = AutoConfig.for_model(arch, **values)
-        config.architectures = [ARCHITECTURES[arch]]
-        config._name_or_path = str(self.path)
-        return config
+        return values
 
     def tokenizer(self) -> Any:
         """The tokenizer the metadata describes (vocabulary, merges, special tokens, chat template),

@@ -66,6 +66,23 @@ def test_metadata_and_tokenizer_fields_read_as_transformers_reads_them():
     assert (checkpoint.architecture, *checkpoint.tokenizer_fields()) == (architecture, *fields)
 
 
+@pytest.mark.parametrize("values", [{}, {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
+                                         "head_dim": 32, "rope_parameters": {"rope_type": "default",
+                                                                             "rope_theta": 5e5}}, None])
+def test_a_llama_files_config_equals_transformers_llama_config(values):
+    # Built without importing LlamaConfig (a second of a cold start): every field must be its.
+    from transformers import LlamaConfig
+
+    from modelrunner.gguf_checkpoint import GGUFCheckpoint, llama_config
+    from modelrunner.source import _alias_file
+
+    if values is None:
+        values = GGUFCheckpoint(_alias_file("smollm2")).config_values()
+    ours, theirs = llama_config(values).to_dict(), LlamaConfig(**values).to_dict()
+    assert ours.pop("transformers_version") == theirs.pop("transformers_version")
+    assert ours == theirs
+
+
 def test_k_quants_are_dequantized_at_load_with_one_log_line(tmp_path, caplog):
     path = write_llama_gguf(tiny_llama(intermediate=256, tie=True), tmp_path / "k.gguf", types={"ffn_down": T.Q4_K})
     with caplog.at_level(logging.WARNING, logger="modelrunner"):
