@@ -248,11 +248,11 @@ def tiny_model() -> str:
     if (path / "config.json").exists():
         return str(path)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from modelrunner.source import resolve_source
 
-    tok = AutoTokenizer.from_pretrained(str(resolve_source("smollm2").path))
+    tok = resolve_source("smollm2").load_tokenizer()  # built from the GGUF file's metadata
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, vocab_size=len(tok), max_position_embeddings=512,
                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"modelrunner loaded SmolLM2 ({llm.runner.loaded.adapter} adapter) in {time.perf_counter() - t:.1f} s; "
           f"max_num_seqs={llm.runner.config.scheduler.max_num_seqs}, "
           f"max_num_batched_tokens={llm.runner.config.scheduler.max_num_batched_tokens}")
-    hf = AutoModelForCausalLM.from_pretrained(str(source.path), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(source.directory), dtype=torch.float32).eval()
     tokenizer = llm.get_tokenizer()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     bound = MatmulBound(hf.config)
