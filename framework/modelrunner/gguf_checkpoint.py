@@ -1,8 +1,8 @@
 """A GGUF file read as a checkpoint, in place: config, tokenizer and tensors from the file itself.
 
 The metadata is parsed by :mod:`~modelrunner.gguf_metadata`, the tensor table by transformers' GGUF
-reader (no tensor data is touched); the tensors are memory-mapped views. :meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face
-names, undoing llama.cpp's layout changes (its row permutation of Llama's query/key projections):
+reader (no tensor data is touched); the tensors are memory-mapped views.
+:meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face names, undoing llama.cpp's layout changes (its row permutation of Llama's query/key projections):
 float tensors as float tensors, quantized ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`,
 which a quantization method keeps as stored and any other layer dequantizes exactly.
 
@@ -12,6 +12,7 @@ Architectures read natively: ``llama`` (Llama 2/3, SmolLM2; ``mistral`` files na
 
 from __future__ import annotations
 
+import functools
 import logging
 import re
 from collections.abc import Iterator
@@ -87,11 +88,6 @@ def llama_config(values: dict[str, Any]) -> Any:
     ``"llama"`` (so a saved ``config.json`` loads back as a ``LlamaConfig``), built without importing
     ``LlamaConfig``: its module pulls in ``torch.distributed.tensor`` and sympy, 1-2.5 s of a cold
     ``LLM("smollm2")`` that otherwise takes under one."""
-    from transformers import PretrainedConfig
-
-    class GGUFLlamaConfig(PretrainedConfig):
-        model_type = "llama"
-
     fields = {**LLAMA_DEFAULTS, **values}
     if fields["head_dim"] is None:
         fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
@@ -99,9 +95,26 @@ def llama_config(values: dict[str, Any]) -> Any:
         fields["num_key_value_heads"] = fields["num_attention_heads"]
     if fields["rope_parameters"] is None:
         fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-    config = GGUFLlamaConfig(**fields)
+    config = _llama_config_class()(**fields)
     config.use_cache = fields["use_cache"]  # a model field in 5.x: the base class sets none
     return config
+
+
+@functools.cache
+def _llama_config_class() -> type:
+    # Made on first use, so that importing this module does not import transformers' config machinery.
+    from transformers import PretrainedConfig
+
+    return type("GGUFLlamaConfig", (PretrainedConfig,), {
+        "model_type": "llama", "__module__": __name__,
+        "__doc__": "transformers' LlamaConfig fields on a plain PretrainedConfig (see llama_config)."})
+
+
+def __getattr__(name: str) -> Any:
+    # ``GGUFLlamaConfig`` is importable (pickle finds a config's class by name) once asked for.
+    if name == "GGUFLlamaConfig":
+        return _llama_config_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class GGUFCheckpoint:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -78,9 +79,11 @@ def test_a_llama_files_config_equals_transformers_llama_config(values):
 
     if values is None:
         values = GGUFCheckpoint(_alias_file("smollm2")).config_values()
-    ours, theirs = llama_config(values).to_dict(), LlamaConfig(**values).to_dict()
+    config = llama_config(values)
+    ours, theirs = config.to_dict(), LlamaConfig(**values).to_dict()
     assert ours.pop("transformers_version") == theirs.pop("transformers_version")
     assert ours == theirs
+    assert pickle.loads(pickle.dumps(config)).to_dict() == config.to_dict()  # worker processes get it so
 
 
 def test_k_quants_are_dequantized_at_load_with_one_log_line(tmp_path, caplog):
