@@ -83,6 +83,8 @@ def eager_model(loaded: Any, options: dict[str, Any] | None = None) -> EagerMode
     model = loaded.model
     packed = prepack_weights(model, path=path) if prepack and hasattr(model, "modules") else 0
     graphs = options.get(GRAPHS_OPTION, True) and callable(getattr(model, "enable_decode_graphs", None))
+    if not graphs and getattr(model, "decode_graphs", None) is not None:
+        model.decode_graphs = None  # turned on by an earlier call: off means off
     return EagerModel(model, packed, bool(graphs and model.enable_decode_graphs()))
 
 
