@@ -21,6 +21,10 @@ A graph is recorded only where nothing can differ between steps but tensor value
 - the recording's first replay gives exactly the eager step's outputs. A key whose recording
   fails or differs runs eagerly from then on, with one log line.
 
+PyTorch marks ``torch.jit.trace`` deprecated (for ``torch.compile``/``torch.export``, which on this
+path still recompile at every quantized layer's graph break); should it fail or go away, recording
+fails and every step runs eagerly, as before this module.
+
 Writing a step's keys/values twice (eagerly, then by the replay being checked) stores the same
 values at the same slots, so the check changes nothing. Parameters are read by the graph as the
 tensors they are: in-place updates are seen; a parameter or module *replaced* by another needs
