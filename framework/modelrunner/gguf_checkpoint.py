@@ -231,7 +231,7 @@ class GGUFCheckpoint:
         vocabulary and merges read once, with :func:`~modelrunner.gguf_metadata.read_metadata`."""
         from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
-        full = {**self.metadata, **read_metadata(self.path, _STRING_ARRAYS)}
+        full = read_metadata(self.path, _STRING_ARRAYS)  # every key, the string arrays in full
         tokenizer, config = ({name: full[f"tokenizer.{key}"] for key, name in renames.items()
                               if f"tokenizer.{key}" in full}
                              for renames in (GGUF_TOKENIZER_MAPPING["tokenizer"],

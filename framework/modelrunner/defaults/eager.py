@@ -32,13 +32,11 @@ class EagerModel:
     :param prepacked_bytes: bytes of the weights that got a packed copy (0: none).
     """
 
-    def __init__(self, model: Any, prepacked_bytes: int, decode_graphs: bool = False) -> None:
+    def __init__(self, model: Any, prepacked_bytes: int) -> None:
         self.model = model
         """The model the forward hook runs."""
         self.prepacked_bytes = prepacked_bytes
         """Bytes of weights packed for oneDNN (the extra memory the packed copies take)."""
-        self.decode_graphs = decode_graphs
-        """Whether the model replays decode steps from recorded graphs."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.model(*args, **kwargs)
@@ -49,8 +47,8 @@ class EagerModel:
         out: dict[str, Any] = {"backend": "eager", "prepacked_weight_bytes": self.prepacked_bytes}
         if hasattr(self.model, "modules"):
             out["dense"] = plan_summary(self.model)
-        graphs = getattr(self.model, "decode_graphs", None)
-        if self.decode_graphs and graphs is not None:
+        graphs = getattr(self.model, "decode_graphs", None)  # None: decode steps run eagerly
+        if graphs is not None:
             out["decode_graphs"] = graphs.stats()
         return out
 
@@ -82,10 +80,11 @@ def eager_model(loaded: Any, options: dict[str, Any] | None = None) -> EagerMode
         raise ValueError(f"compile option {PATH_OPTION!r} must be 'auto' or one of {', '.join(PATHS)}, got {path!r}")
     model = loaded.model
     packed = prepack_weights(model, path=path) if prepack and hasattr(model, "modules") else 0
-    graphs = options.get(GRAPHS_OPTION, True) and callable(getattr(model, "enable_decode_graphs", None))
-    if not graphs and getattr(model, "decode_graphs", None) is not None:
+    if options.get(GRAPHS_OPTION, True) and callable(getattr(model, "enable_decode_graphs", None)):
+        model.enable_decode_graphs()
+    elif getattr(model, "decode_graphs", None) is not None:
         model.decode_graphs = None  # turned on by an earlier call: off means off
-    return EagerModel(model, packed, bool(graphs and model.enable_decode_graphs()))
+    return EagerModel(model, packed)
 
 
 @hookimpl
