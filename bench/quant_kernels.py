@@ -66,11 +66,14 @@ def methods_for(weights: dict, M: int) -> dict[str, tuple[list, int, callable]]:
         for mode in ("exact", "q8"):
             out[f"w{bits} {mode}"] = (copies, size,
                                       lambda x, w, bits=bits, mode=mode: quant.qlinear(x, *w, 32, bits, mode=mode))
+        rows = copies[0][0].shape[0]
+        packed = [quant.pack_p16(*w, 32, bits) for w in copies]
         if quant.p16_supported(bits):  # q8's arithmetic on the weight regrouped in tiles of 16 rows
-            rows = copies[0][0].shape[0]
-            packed = [quant.pack_p16(*w, 32, bits) for w in copies]
             out[f"w{bits} p16"] = (packed, size, lambda x, w, bits=bits, rows=rows:
                                    quant.bind_qlinear_p16(*w, rows, 32, bits)(x))
+        if quant.p16_exact_supported(bits):  # exact's arithmetic on the same layout
+            out[f"w{bits} p16 exact"] = (packed, size, lambda x, w, bits=bits, rows=rows:
+                                         quant.bind_qlinear_p16_exact(*w, rows, 32, bits)(x))
     dense, size = weights["fp32"]
     out["F.linear fp32"] = (dense, size, lambda x, w: F.linear(x, w))
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, M) for w in dense]

@@ -76,17 +76,20 @@ def _assert_exact(y, x, w_ref):
 def test_qlinear_matches_the_references(bits, mins, group, N):
     qweight, scales, lows = weights(N, K, group, bits, mins)
     w_ref = reference_dequantize(qweight, scales, lows, group, bits)
-    p16 = quant.pack_p16(qweight, scales, lows, group, bits) if quant.p16_supported(bits) else None
+    p16 = (quant.pack_p16(qweight, scales, lows, group, bits)
+           if quant.p16_supported(bits) or quant.p16_exact_supported(bits) else None)
     gen = torch.Generator().manual_seed(1)
     for M in (0, 1, 3, 8, 17, 64, 300):
         x = torch.randn(M, K, generator=gen)
         # Exact: the default crossover, and each path forced (registers for every M, MKL for every M).
         for gemm_rows in (None, 1, 1 << 30):
             _assert_exact(quant.qlinear(x, qweight, scales, lows, group, bits, gemm_rows=gemm_rows), x, w_ref)
+        if p16 is not None and quant.p16_exact_supported(bits):  # exact, on the p16 layout
+            _assert_exact(quant.bind_qlinear_p16_exact(*p16, N, group, bits)(x), x, w_ref)
         # q8: the default crossover, the per-row kernel for every M, the repacked-tile kernel for every M.
         outs = [quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
                 for packed_rows in (None, 1 << 30, 1)]
-        if p16 is not None:  # the same arithmetic on the weight regrouped in tiles of 16 rows
+        if quant.p16_supported(bits):  # the same arithmetic on the weight regrouped in tiles of 16 rows
             outs.append(quant.bind_qlinear_p16(*p16, N, group, bits)(x))
         assert all(y.dtype == torch.float32 and y.shape == (M, N) for y in outs)
         if M == 0:
@@ -114,6 +117,9 @@ def test_odd_block_counts(bits, N, K, group):
         x = torch.randn(M, K)
         for gemm_rows in (1, 1 << 30):
             _assert_exact(quant.qlinear(x, qweight, scales, lows, group, bits, gemm_rows=gemm_rows), x, w_ref)
+        if quant.p16_exact_supported(bits):
+            p16 = quant.pack_p16(qweight, scales, lows, group, bits)
+            _assert_exact(quant.bind_qlinear_p16_exact(*p16, N, group, bits)(x), x, w_ref)
         q8_ref = reference_qlinear_q8(x, qweight, scales, lows, group, bits)
         for packed_rows in (1, 1 << 30):
             y = quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
@@ -140,6 +146,8 @@ def test_p16_layout_round_trips(bits, mins, N):
     # Padding rows multiply as zero weights: only the N real outputs come back.
     x = torch.randn(2, K)
     assert quant.bind_qlinear_p16(data, packed_scales, packed_mins, N, 64, bits)(x).shape == (2, N)
+    if quant.p16_exact_supported(bits):
+        assert quant.bind_qlinear_p16_exact(data, packed_scales, packed_mins, N, 64, bits)(x).shape == (2, N)
 
 
 def test_p16_bad_input_is_refused_by_name():
@@ -147,12 +155,14 @@ def test_p16_bad_input_is_refused_by_name():
         pytest.skip(f"no p16 kernel in this build ({quant.simd()})")
     qweight, scales, lows = weights(37, K, 32, 4, True)
     data, packed_scales, packed_mins = quant.pack_p16(qweight, scales, lows, 32, 4)
-    with pytest.raises(ValueError, match=r"rows must be in \(32, 48\] .* got 60"):
-        quant.bind_qlinear_p16(data, packed_scales, packed_mins, 60, 32, 4)(torch.randn(1, K))
-    with pytest.raises(ValueError, match="multiple of 16 rows, got 37"):
-        quant.bind_qlinear_p16(qweight, scales, lows, 37, 32, 4)(torch.randn(1, K))
-    with pytest.raises(ValueError, match="x has 32 features"):
-        quant.bind_qlinear_p16(data, packed_scales, packed_mins, 37, 32, 4)(torch.randn(1, 32))
+    binders = [quant.bind_qlinear_p16] + ([quant.bind_qlinear_p16_exact] if quant.p16_exact_supported(4) else [])
+    for bind in binders:
+        with pytest.raises(ValueError, match=r"rows must be in \(32, 48\] .* got 60"):
+            bind(data, packed_scales, packed_mins, 60, 32, 4)(torch.randn(1, K))
+        with pytest.raises(ValueError, match="multiple of 16 rows, got 37"):
+            bind(qweight, scales, lows, 37, 32, 4)(torch.randn(1, K))
+        with pytest.raises(ValueError, match="x has 32 features"):
+            bind(data, packed_scales, packed_mins, 37, 32, 4)(torch.randn(1, 32))
 
 
 def test_qlinear_takes_leading_dimensions():
@@ -286,11 +296,14 @@ _CHECK_BUILD = textwrap.dedent("""
                     for packed_rows in (1, 1 << 30):
                         y = quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
                         torch.testing.assert_close(y.double(), r8, rtol=1e-5, atol=1e-5 * r8.abs().max().item())
+                    p16 = quant.pack_p16(qweight, scales, lows, group, bits)
                     if quant.p16_supported(bits):
-                        p16 = quant.pack_p16(qweight, scales, lows, group, bits)
                         y = quant.bind_qlinear_p16(*p16, N, group, bits)(x)
                         torch.testing.assert_close(y.double(), r8, rtol=1e-5, atol=1e-5 * r8.abs().max().item())
-    print("OK", "p16" if quant.p16_supported(4) else "no-p16")
+                    if quant.p16_exact_supported(bits):
+                        y = quant.bind_qlinear_p16_exact(*p16, N, group, bits)(x).double()
+                        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    print("OK", "p16" if quant.p16_supported(4) else "no-p16", "p16-exact" if quant.p16_exact_supported(4) else "")
 """)
 
 
@@ -315,6 +328,7 @@ def test_other_instruction_sets_build_and_agree(march, simd):
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"SIMD {simd}" in result.stdout and "OK" in result.stdout
     assert ("no-p16" in result.stdout) == (simd == "scalar")  # p16 needs AVX2
+    assert ("p16-exact" in result.stdout) == (simd == "avx512")  # its exact kernel, AVX-512
 
 
 def test_without_a_compiler_it_is_unavailable_with_the_reason(tmp_path):

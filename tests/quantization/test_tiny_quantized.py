@@ -13,6 +13,7 @@ from modelrunner import LLM, SamplingParams
 from modelrunner.layers.linear import LinearBase
 from modelrunner.parallel_state import ParallelState
 from modelrunner.quantization.experts import QuantizedExperts
+from modelrunner.quantization.kernels import quant_cpu
 from modelrunner.testing import PagedDriver, load_adapter
 
 from gloo_ranks import run_ranks
@@ -128,14 +129,44 @@ def test_traced_layers_read_their_storage_and_match_eager(checkpoints, activatio
     assert {id(m) for m in traced_layers} == {id(mlp.gate_up_proj), id(mlp.down_proj)}  # the traced path ran
 
 
-def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoints):
+def test_exact_kernels_agree_and_each_shape_keeps_one_family(checkpoints, tmp_path):
+    # Float activations have two kernels, on planar and on p16 storage: they compute the same
+    # numbers (up to summation order), and a timed choice gives each shape one family for both row
+    # buckets, with its storage in that family's layout.
+    from modelrunner.quantization.kernels import _family, is_p16
+
+    plugin = quant_cpu()
+    if plugin is None or not plugin.p16_exact_supported(8):
+        pytest.skip("no exact p16 kernel in this build")
+    logits = {}
+    for kernel in ("cpu_exact", "cpu_p16_exact"):
+        model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4, "quantization_options":
+                                                    {"activations": "float", "kernel": kernel}})
+        logits[kernel] = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32).step(
+            PROMPTS, all_logits=True)
+    scale = logits["cpu_exact"].abs().max().item()
+    assert (logits["cpu_exact"] - logits["cpu_p16_exact"]).abs().max().item() <= 1e-5 * scale
+    model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4,
+                                                "quantization_options": {"activations": "float"}})
+    linears = [m for m in model.loaded.model.modules() if isinstance(m, LinearBase)]
+    selector = linears[0].quant_scheme.kernels
+    assert selector.families  # two families could run every shape: one was chosen by timing
+    for layer in linears:
+        chosen = {selector._choice(layer.quant_scheme, layer, b) for b in ("decode", "batch")}
+        family = {_family(name) for name in chosen}
+        assert len(family) == 1 and family.pop().startswith("float"), chosen
+        assert is_p16(layer) == chosen.issubset({"cpu_p16_exact"}), (chosen, layer.weight.shape)
+
+
+@pytest.mark.parametrize("kernel", ["cpu_p16", "cpu_p16_exact"])
+def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoints, kernel):
+    plugin = quant_cpu()
+    if plugin is None or not (plugin.p16_exact_supported if kernel == "cpu_p16_exact" else plugin.p16_supported)(4):
+        pytest.skip(f"no {kernel} kernel in this build")
+    activations = "float" if kernel == "cpu_p16_exact" else "int8"
     model = load_adapter(checkpoints["llama"], {"quantization": "int4", "block_size": 4, "quantization_options":
-                                                {"group_size": 32, "activations": "int8"}})
+                                                {"group_size": 32, "activations": activations, "kernel": kernel}})
     mlp = model.loaded.model.model.layers[0].mlp
-    kernels = mlp.gate_up_proj.quant_scheme.kernels
-    if {kernels._choice(layer.quant_scheme, layer, b) for layer in (mlp.gate_up_proj, mlp.down_proj)
-            for b in ("decode", "batch")} != {"cpu_p16"}:
-        pytest.skip("no p16 kernel here")
     for rows in (1, 40):
         x = torch.randn(rows, mlp.gate_up_proj.input_size, generator=torch.Generator().manual_seed(rows))
         assert mlp.fused_path(x) is not None

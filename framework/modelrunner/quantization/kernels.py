@@ -11,8 +11,15 @@ skip the timing. Candidates:
   activations; or activations quantized to int8 per 32-element block, as llama.cpp does).
 - ``cpu_p16``: ``cpu_q8``'s arithmetic on weights regrouped in tiles of 16 rows (the plugin's p16
   layout), 2-3x faster at every row count. Where it can run it replaces ``cpu_q8`` among the timed
-  candidates; a layer that ends up with it for both buckets has its storage regrouped in place (no
-  second copy), and :meth:`~.planar.PlanarScheme.planar_storage` reads it back as planar rows.
+  candidates.
+- ``cpu_p16_exact``: ``cpu_exact``'s arithmetic (float activations) on the p16 layout (AVX-512),
+  1.3-1.6x ``cpu_exact`` at one row and at 64 on SmolLM2's shapes.
+
+A shape's kernels for both buckets come from one *family* — the kind of activations (float or int8)
+and the layout (planar or p16) — the one whose fastest kernels take least time summed over the timed
+row counts, so that a layer's storage has one layout and a request's numbers do not depend on how
+many rows share its step. A layer on a p16 family has its storage regrouped in place (no second
+copy), and :meth:`~.planar.PlanarScheme.planar_storage` reads it back as planar rows.
 - ``int8_rowwise``: torch's int8 GEMM (``torch._int_mm``) with each activation row quantized to
   int8 on its own (per-channel int8 weights only; no copy of the weight). Per row, so a token's
   result does not depend on the other tokens of its batch (fbgemm's dynamic linear quantizes the
@@ -44,7 +51,7 @@ from .planar import dequantize_planar
 
 logger = logging.getLogger(__name__)
 
-KERNEL_VERSION = 4
+KERNEL_VERSION = 5
 """Bumped when a candidate changes, so cached choices are remade."""
 
 
@@ -112,16 +119,22 @@ def _p16_storage(scheme: Any, layer: Any) -> tuple[torch.Tensor, torch.Tensor, t
     return copy
 
 
-def _bind_p16(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-    to_p16(scheme, layer)
-    return quant_cpu().bind_qlinear_p16(*scheme.storage(layer), layer.weight.p16_rows, scheme.group_size,
-                                        scheme.bits)
+def _bind_p16(exact: bool) -> Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]:
+    def bind(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+        to_p16(scheme, layer)
+        plugin = quant_cpu()
+        binder = plugin.bind_qlinear_p16_exact if exact else plugin.bind_qlinear_p16
+        return binder(*scheme.storage(layer), layer.weight.p16_rows, scheme.group_size, scheme.bits)
+    return bind
 
 
-def _p16(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-    rows = layer.weight.logical_shape[0]
-    return quant_cpu().bind_qlinear_p16(*_p16_storage(scheme, layer), rows, scheme.group_size,
-                                        scheme.bits)(x)
+def _p16(exact: bool) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
+    def run(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
+        rows = layer.weight.logical_shape[0]
+        plugin = quant_cpu()
+        binder = plugin.bind_qlinear_p16_exact if exact else plugin.bind_qlinear_p16
+        return binder(*_p16_storage(scheme, layer), rows, scheme.group_size, scheme.bits)(x)
+    return run
 
 
 def to_p16(scheme: Any, layer: Any) -> None:
@@ -143,7 +156,8 @@ def to_p16(scheme: Any, layer: Any) -> None:
 BINDERS: dict[str, Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]] = {
     "cpu_exact": _bind_cpu("exact"),
     "cpu_q8": _bind_cpu("q8"),
-    "cpu_p16": _bind_p16,
+    "cpu_p16": _bind_p16(False),
+    "cpu_p16_exact": _bind_p16(True),
 }
 """Candidate → ``bind(scheme, layer)``: the candidate for one layer's storage as a callable of ``x``
 (looked up once; the others are bound with :func:`functools.partial`)."""
@@ -162,10 +176,14 @@ CANDIDATES: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {
     "reference": (_reference, True),
     "cpu_exact": (_cpu("exact"), True),
     "cpu_q8": (_cpu("q8"), False),
-    "cpu_p16": (_p16, False),
+    "cpu_p16": (_p16(False), False),
+    "cpu_p16_exact": (_p16(True), True),
     "int8_rowwise": (_int8_rowwise, False),
 }
 """name → (kernel, exact: computes with float activations)."""
+
+P16_KERNELS = frozenset({"cpu_p16", "cpu_p16_exact"})
+"""Candidates that read the p16 layout (the others read planar storage)."""
 
 
 PINNED_ONLY = frozenset({"int8_rowwise"})
@@ -183,10 +201,12 @@ def usable(name: str, scheme: Any, layer: Any = None) -> bool:
         # The C++ kernels work in 32-element blocks.
         if not (quant_cpu() is not None and cols % 32 == 0 and scheme.group_size % 32 == 0):
             return False
-        if name == "cpu_p16":
+        if name in P16_KERNELS:
             # Regrouped in place: only storage a layer owns (not an expert's view of its stack).
             owns = layer is None or getattr(layer, "quant_scheme", None) is scheme
-            return owns and hasattr(quant_cpu(), "p16_supported") and quant_cpu().p16_supported(scheme.bits)
+            supported = getattr(quant_cpu(), "p16_exact_supported" if name == "cpu_p16_exact" else "p16_supported",
+                                None)
+            return owns and supported is not None and supported(scheme.bits)
         return layer is None or not is_p16(layer)  # the other kernels read planar storage
     if name == "int8_rowwise":
         return scheme.bits == 8 and not scheme.has_mins and scheme.per_row and hasattr(torch, "_int_mm")
@@ -201,8 +221,8 @@ class KernelSelector:
 
     :param activations: ``float`` (exact kernels only), ``int8`` (kernels that quantize activations;
         exact ones as fallback), ``auto`` (per shape, the kind whose kernels are fastest over the timed
-        row counts — one kind for every row count, so that a request's numbers never depend on how
-        many rows share its step).
+        row counts). Within what it allows, each shape takes one family (see the module's text) for
+        every row count.
     :param cache_dir: where ``kernels.json`` keeps the choices (None: not kept).
     :param kernel: one candidate for every shape it can run (to measure one against another); None: timed.
     """
@@ -222,8 +242,8 @@ class KernelSelector:
         """Shape key → chosen candidate, for this model."""
         self.timings: dict[str, dict[str, float]] = {}
         """Shape key → candidate → measured seconds (for the shapes timed in this process)."""
-        self.kinds: dict[str, bool] = {}
-        """``auto``: shape (any row count) → whether its kernels take float (exact) activations."""
+        self.families: dict[str, str] = {}
+        """Shape (any row count) → its kernels' family, e.g. ``float-p16`` (where more than one could run)."""
         self._cache: TimingCache | None = None
         self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable]] = weakref.WeakKeyDictionary()
         self._fused: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Callable | None]] = weakref.WeakKeyDictionary()
@@ -245,34 +265,34 @@ class KernelSelector:
             names.remove("reference")  # the fallback only: every other candidate beats it
         if "cpu_p16" in names and "cpu_q8" in names:
             names.remove("cpu_q8")  # the same arithmetic, slower at every row count
-        if self.activations == "auto" and self.kernel is None:
-            exact = self._auto_kind(scheme, layer, names)
-            names = [n for n in names if CANDIDATES[n][1] == exact]
+        if self.kernel is None:
+            family = self._family(scheme, layer, names)
+            names = [n for n in names if _family(n) == family]
         return names
 
-    def _auto_kind(self, scheme: Any, layer: Any, names: list[str]) -> bool:
-        """``auto``: whether ``layer``'s shape takes float (True) or int8 activations, for every row
-        count alike: the kind whose fastest kernel takes least time summed over the timed row counts."""
-        kinds = {CANDIDATES[n][1] for n in names}
-        if len(kinds) == 1:
-            return kinds.pop()
+    def _family(self, scheme: Any, layer: Any, names: list[str]) -> str:
+        """The family of ``layer``'s shape among those of ``names``, for every row count alike: the one
+        whose fastest kernel takes least time summed over the timed row counts."""
+        families = {_family(n) for n in names}
+        if len(families) == 1:
+            return families.pop()
         shape = self.key(scheme, layer, "any")
-        if shape not in self.kinds:
-            qualified = f"auto-kind|{','.join(names)}|{shape}"
+        if shape not in self.families:
+            qualified = f"family|{','.join(names)}|{shape}"
             cached = self.cache.get(qualified)
-            if cached in ("float", "int8"):
-                exact = cached == "float"
+            if cached in families:
+                family = cached
             else:
-                total = {True: 0.0, False: 0.0}
+                total = dict.fromkeys(sorted(families), 0.0)
                 for bucket_name in TIMING_ROWS:
                     times = self._measure(scheme, layer, bucket_name, names)
                     for kind in total:
-                        total[kind] += min(t for n, t in times.items() if CANDIDATES[n][1] == kind)
-                exact = total[True] <= total[False]
-                self.cache.put(qualified, "float" if exact else "int8")
-            self.kinds[shape] = exact
-            logger.info("activations for %s: %s", shape, "float" if exact else "int8")
-        return self.kinds[shape]
+                        total[kind] += min(t for n, t in times.items() if _family(n) == kind)
+                family = min(total, key=total.get)
+                self.cache.put(qualified, family)
+            self.families[shape] = family
+            logger.info("kernels for %s: %s", shape, family)
+        return self.families[shape]
 
     @staticmethod
     def key(scheme: Any, layer: Any, bucket: str) -> str:
@@ -283,7 +303,7 @@ class KernelSelector:
     def prepare(self, scheme: Any, layer: Any) -> None:
         """Choose the kernels of ``layer`` for both buckets now (timing them unless cached)."""
         chosen = {self._choice(scheme, layer, name) for name in TIMING_ROWS}
-        if chosen == {"cpu_p16"}:
+        if chosen <= P16_KERNELS:
             to_p16(scheme, layer)
         _P16_COPIES.pop(layer, None)
 
@@ -309,18 +329,19 @@ class KernelSelector:
     def gated_mlp(self, gu_scheme: Any, gate_up: Any, down_scheme: Any, down: Any
                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``down(silu(gate(x)) * up(x))`` as one kernel call of a 2-D, contiguous float32 ``x`` where
-        both projections run ``cpu_p16`` at every row count (the same numbers as the three calls it
-        replaces); None elsewhere. Bound on first use, like :meth:`bound`."""
+        both projections run the same p16 kernel (``cpu_p16`` or ``cpu_p16_exact``) at every row count
+        (the same numbers as the three calls it replaces); None elsewhere. Bound on first use, like
+        :meth:`bound`."""
         entry = self._fused.get(gate_up)
         if entry is None or entry[0] is not gu_scheme or entry[1] is not down_scheme:
             run = None
             layers = ((gu_scheme, gate_up), (down_scheme, down))
             plugin = quant_cpu()
-            if (down_scheme.kernels is self and hasattr(plugin, "bind_gated_mlp_p16")
-                    and all(self._choice(s, layer, b) == "cpu_p16" and is_p16(layer)
-                            for s, layer in layers for b in TIMING_ROWS)):
+            chosen = {self._choice(s, layer, b) for s, layer in layers for b in TIMING_ROWS}
+            if (down_scheme.kernels is self and hasattr(plugin, "bind_gated_mlp_p16") and len(chosen) == 1
+                    and chosen <= P16_KERNELS and all(is_p16(layer) for _, layer in layers)):
                 run = plugin.bind_gated_mlp_p16(*((*s.storage(layer), layer.weight.p16_rows, s.group_size, s.bits)
-                                                  for s, layer in layers))
+                                                  for s, layer in layers), exact=chosen == {"cpu_p16_exact"})
             entry = (gu_scheme, down_scheme, run)
             self._fused[gate_up] = entry
         return entry[2]
@@ -380,5 +401,10 @@ class KernelSelector:
         return min(times, key=times.get)
 
 
-__all__ = ["CANDIDATES", "DECODE_ROWS", "PINNED_ONLY", "KernelSelector", "dequantize_planar", "is_p16", "quant_cpu",
-           "to_p16", "usable"]
+def _family(name: str) -> str:
+    """A candidate's family: its activations and the layout it reads, e.g. ``float-p16``."""
+    return f"{'float' if CANDIDATES[name][1] else 'int8'}-{'p16' if name in P16_KERNELS else 'planar'}"
+
+
+__all__ = ["CANDIDATES", "DECODE_ROWS", "P16_KERNELS", "PINNED_ONLY", "KernelSelector", "dequantize_planar", "is_p16",
+           "quant_cpu", "to_p16", "usable"]

@@ -205,7 +205,7 @@ class PlanarScheme:
 
     def storage(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(qweight, scales, mins)`` of ``layer`` as stored: planar, or regrouped by the kernel that
-        runs it (``cpu_p16``; see :meth:`planar_storage`)."""
+        runs it (``cpu_p16`` or ``cpu_p16_exact``; see :meth:`planar_storage`)."""
         return layer.weight, layer.weight_scales, layer.weight_mins
 
     def planar_storage(self, layer: nn.Module, ids: torch.Tensor | None = None

@@ -1,5 +1,5 @@
 """The C++ kernels: built once per machine on first use, then loaded as the torch operators
-``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16}`` (callable from
+``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16, qlinear_p16_exact}`` (callable from
 eager code and from torch.compile graphs, through their fake implementations)."""
 
 from __future__ import annotations
@@ -56,6 +56,7 @@ def load() -> None:
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_q8")(_fake_qlinear_q8)
     torch.library.register_fake("modelrunner_quant_cpu::pack_p16")(_fake_pack_p16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16")(_fake_qlinear_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_exact")(_fake_qlinear_p16)
     torch.library.register_fake("modelrunner_quant_cpu::gated_mlp_p16")(_fake_gated_mlp_p16)
 
 
@@ -230,18 +231,42 @@ def bind_qlinear_p16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
     return run
 
 
+@functools.cache
+def p16_exact_supported(bits: int) -> bool:
+    """Whether this build has the exact (float-activation) p16 kernel for ``bits``-bit weights
+    (AVX-512 CPUs)."""
+    load()
+    return bool(torch.ops.modelrunner_quant_cpu.p16_exact_supported(bits))
+
+
+def bind_qlinear_p16_exact(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
+                           group_size: int, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x`` (float32 ``[M, K]``, contiguous) → ``[M, rows]``: exact mode's arithmetic (float
+    activations times the weights' integers, then the groups' scales and mins: the float matmul with
+    the dequantized weight, up to summation order) on a weight in the p16 layout (:func:`pack_p16`),
+    where one converted vector of 16 rows' weights serves every row of ``x``."""
+    load()
+    op = torch.ops.modelrunner_quant_cpu.qlinear_p16_exact
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, data, scales, mins, rows, group_size, bits)
+
+    return run
+
+
 P16Part = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int, int]
 """A p16 weight as :func:`bind_gated_mlp_p16` takes it: ``(data, scales, mins, rows, group_size, bits)``."""
 
 
-def bind_gated_mlp_p16(gate_up: P16Part, down: P16Part) -> Callable[[torch.Tensor], torch.Tensor]:
+def bind_gated_mlp_p16(gate_up: P16Part, down: P16Part, exact: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
     """A gated MLP, ``down(silu(gate(x)) * up(x))``, on p16 weights (:func:`pack_p16`) as one call of
-    ``x`` (float32 ``[M, K]``, contiguous) → ``[M, down rows]``: what :func:`bind_qlinear_p16` of
-    each projection and torch's ``silu`` and ``mul`` between them compute, the same numbers, in one
-    operator call. ``gate_up`` holds the gate rows, then the up rows."""
+    ``x`` (float32 ``[M, K]``, contiguous) → ``[M, down rows]``: what :func:`bind_qlinear_p16` (or,
+    ``exact``, :func:`bind_qlinear_p16_exact`) of each projection and torch's ``silu`` and ``mul``
+    between them compute, the same numbers, in one operator call. ``gate_up`` holds the gate rows,
+    then the up rows."""
     load()
     op = torch.ops.modelrunner_quant_cpu.gated_mlp_p16
-    args = (*gate_up, *down)
+    args = (*gate_up, *down, exact)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return op(x, *args)

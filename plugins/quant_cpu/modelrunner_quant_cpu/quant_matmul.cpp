@@ -1133,8 +1133,6 @@ P16Weight check_p16(const at::Tensor& data, const at::Tensor& scales, const std:
   TORCH_CHECK_VALUE(q.rows % kP16 == 0, "p16 weights have a multiple of 16 rows, got ", q.rows);
   TORCH_CHECK_VALUE(rows > q.rows - kP16 && rows <= q.rows, "rows must be in (", q.rows - kP16, ", ", q.rows,
                     "] for p16 weights of ", q.rows, " padded rows, got ", rows);
-  TORCH_CHECK_VALUE(p16_supported_bits(bits), "this build of the kernels has no p16 kernel for ", bits,
-                    "-bit weights (", (bits == 8 ? "8-bit needs VNNI" : "needs AVX2"), ")");
   P16Weight w;
   static_cast<QuantWeight&>(w) = q;
   w.valid_rows = rows;
@@ -1320,9 +1318,186 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
 #endif
 #endif  // MRQ_AVX2
 
+// ---------------------------------------------------------------------------------------------
+// "p16 exact": float activations on the p16 layout. A 64-byte word row holds 16 rows' words, one
+// dword lane per row, so each integer q of 16 rows becomes 16 float lanes with one shift and one
+// lookup (4-bit: a permute of the table 0..15 reads the low 4 bits of each lane) or a sign
+// extension (8-bit), then one multiply-add with the activation broadcast. Per group:
+//   y += s * sum_k x_k q_k + m * sum_k x_k
+// with float products and sums (the same value as the float matmul with the dequantized weights, up
+// to summation order). No horizontal sums, and a converted weight vector serves every row of x.
+
+bool p16_exact_supported_bits(int64_t bits) {
+#ifdef MRQ_AVX512
+  return bits == 4 || bits == 8;
+#else
+  (void)bits;
+  return false;
+#endif
+}
+
+#ifdef MRQ_AVX512
+constexpr int kP16xMaxRows = 8;
+
+constexpr int p16x_nt(int mt) { return mt == 1 ? 4 : mt <= 4 ? 2 : 1; }
+
+// Rows [m0, m0 + MT) of x against tiles [t0, t0 + NT): 16 outputs per tile and row of x.
+// sums: float [M][groups], the exact sums of x per group.
+template <int kBits, bool kMins, int MT, int NT>
+void p16x_tile(const P16Weight& w, int64_t t0, const float* x, const float* sums, int64_t m0, float* y, int64_t ldy) {
+  const int64_t K = w.cols, per_group = w.group / kBlock;
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  const uint8_t* tile[NT];
+  const at::Half* ts[NT];
+  const at::Half* tm[NT];
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) std::tie(tile[t], ts[t], tm[t]) = p16_tile_parts(w, t0 + t);
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  __m512 acc[MT][NT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) acc[r][t] = _mm512_setzero_ps();
+  const float* xr[MT];
+#pragma GCC unroll 8
+  for (int r = 0; r < MT; ++r) xr[r] = x + (m0 + r) * K;
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    __m512 part[MT][NT];
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_ps();
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      const int64_t k0 = b * kBlock;
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const uint8_t* p = tile[t] + b * kBlockBytes;
+#pragma GCC unroll 8
+        for (int64_t line = 0; line < kBlockBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
+      }
+      // Word row j of the block: 4-bit, bytes 4j..4j+3 of each row (low nibbles: elements 4j..4j+3,
+      // high nibbles: 16+4j..16+4j+3); 8-bit, elements 4j..4j+3 as q + 128.
+#pragma GCC unroll 8
+      for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
+        __m512i v[NT];
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          v[t] = _mm512_loadu_si512(tile[t] + b * kBlockBytes + j * 64);
+          if constexpr (kBits == 8) v[t] = _mm512_xor_si512(v[t], flip);  // back to signed q
+        }
+#pragma GCC unroll 8
+        for (int i = 0; i < 8; ++i) {
+          if (kBits == 8 && i >= 4) break;
+          const int64_t k = kBits == 4 ? k0 + (i & 1 ? 16 : 0) + 4 * j + (i >> 1) : k0 + 4 * j + i;
+#pragma GCC unroll 4
+          for (int t = 0; t < NT; ++t) {
+            __m512 q;
+            if constexpr (kBits == 4) {
+              q = _mm512_permutexvar_ps(i == 0 ? v[t] : _mm512_srli_epi32(v[t], 4 * i), iota);
+            } else {
+              const __m512i lane = i == 3 ? v[t] : _mm512_slli_epi32(v[t], 24 - 8 * i);
+              q = _mm512_cvtepi32_ps(_mm512_srai_epi32(lane, 24));
+            }
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; ++r) part[r][t] = _mm512_fmadd_ps(q, _mm512_set1_ps(xr[r][k]), part[r][t]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < NT; ++t) {
+      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts[t] + g * kP16)));
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r) acc[r][t] = _mm512_fmadd_ps(part[r][t], s, acc[r][t]);
+      if constexpr (kMins) {
+        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm[t] + g * kP16)));
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r)
+          acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][t]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int t = 0; t < NT; ++t) {
+    const int64_t n0 = (t0 + t) * kP16, valid = std::min(kP16, w.valid_rows - n0);
+    const __mmask16 mask = valid == kP16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+#pragma GCC unroll 8
+    for (int r = 0; r < MT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, mask, acc[r][t]);
+  }
+}
+
+// Tiles [u0, u1) for every row of x: NT tiles at a time where the row count allows, each group of
+// tiles (at most 4 * 16 rows of K weights: in L1/L2) passed over by every tile of x rows.
+template <int kBits, bool kMins>
+void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M, float* y, int64_t u0, int64_t u1) {
+  const int64_t count = (M + kP16xMaxRows - 1) / kP16xMaxRows;
+  for (int64_t t = u0; t < u1;) {
+    const int64_t step = std::min<int64_t>(u1 - t, p16x_nt(static_cast<int>(std::min<int64_t>(M, kP16xMaxRows))));
+    for (int64_t i = 0, m0 = 0; i < count; ++i) {
+      const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
+      with_mt(mt, [&]<int MT>() {
+        constexpr int NT = p16x_nt(MT);
+        // A tile group shorter than NT (the end of the rows) goes one tile at a time.
+        for (int64_t s = 0; s < step;) {
+          if (step - s >= NT) {
+            p16x_tile<kBits, kMins, MT, NT>(w, t + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            s += NT;
+          } else {
+            p16x_tile<kBits, kMins, MT, 1>(w, t + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            s += 1;
+          }
+        }
+      });
+      m0 += mt;
+    }
+    t += step;
+  }
+}
+#endif  // MRQ_AVX512
+
+at::Tensor qlinear_p16_exact(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
+  const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
+  TORCH_CHECK_VALUE(p16_exact_supported_bits(bits), "this build of the kernels has no exact p16 kernel for ", bits,
+                    "-bit weights (needs AVX-512)");
+  check_input(x, w);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, w.valid_rows}, x.options());
+  if (M == 0 || w.valid_rows == 0) return y;
+#ifdef MRQ_AVX512
+  const float* xp = x.const_data_ptr<float>();
+  // The mins' term takes the sums of x per group (in 16-lane partial sums: a group is whole blocks).
+  std::vector<float> sums(w.mins ? M * w.groups : 0);
+  for (int64_t r = 0; r < (w.mins ? M : 0); ++r)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float* xg = xp + r * w.cols + g * w.group;
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = 0; k < w.group; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(xg + k));
+      sums[r * w.groups + g] = _mm512_reduce_add_ps(s);
+    }
+  float* yp = y.data_ptr<float>();
+  const auto run = [&]<int kBits, bool kMins>(int64_t n0, int64_t n1) {
+    p16x_rows<kBits, kMins>(w, xp, sums.data(), M, yp, n0 / kP16, n1 / kP16);
+  };
+  parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
+    if (bits == 4)
+      w.mins ? run.template operator()<4, true>(n0, n1) : run.template operator()<4, false>(n0, n1);
+    else
+      w.mins ? run.template operator()<8, true>(n0, n1) : run.template operator()<8, false>(n0, n1);
+  });
+#endif
+  return y;
+}
+
+bool p16_exact_supported(int64_t bits) { return p16_exact_supported_bits(bits); }
+
 at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                        const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
   const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
+  TORCH_CHECK_VALUE(p16_supported_bits(bits), "this build of the kernels has no p16 kernel for ", bits,
+                    "-bit weights (", (bits == 8 ? "8-bit needs VNNI" : "needs AVX2"), ")");
   check_input(x, w);
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, w.valid_rows}, x.options());
@@ -1347,20 +1522,22 @@ at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Te
   return y;
 }
 
-// A gated MLP on p16 weights, down(silu(gate(x)) * up(x)), in one operator call: the two matmuls and
-// the activation between them (torch's silu and mul, as the unfused layers compute it), without the
-// two extra dispatches and the Python between them that a decode step pays per layer.
+// A gated MLP on p16 weights, down(silu(gate(x)) * up(x)), in one operator call (exact: with the exact
+// p16 kernel, else the q8 one): the two matmuls and the activation between them (torch's silu and
+// mul, as the unfused layers compute it), without the two extra dispatches and the Python between
+// them that a decode step pays per layer.
 at::Tensor gated_mlp_p16(const at::Tensor& x, const at::Tensor& gu_data, const at::Tensor& gu_scales,
                          const std::optional<at::Tensor>& gu_mins, int64_t gu_rows, int64_t gu_group, int64_t gu_bits,
                          const at::Tensor& down_data, const at::Tensor& down_scales,
                          const std::optional<at::Tensor>& down_mins, int64_t down_rows, int64_t down_group,
-                         int64_t down_bits) {
+                         int64_t down_bits, bool exact) {
   TORCH_CHECK_VALUE(gu_rows % 2 == 0, "the gate/up projection must have an even number of rows, got ", gu_rows);
-  const at::Tensor gate_up = qlinear_p16(x, gu_data, gu_scales, gu_mins, gu_rows, gu_group, gu_bits);
+  const auto matmul = exact ? qlinear_p16_exact : qlinear_p16;
+  const at::Tensor gate_up = matmul(x, gu_data, gu_scales, gu_mins, gu_rows, gu_group, gu_bits);
   const int64_t inter = gu_rows / 2;
   at::Tensor hidden = at::silu(gate_up.narrow(1, 0, inter));
   hidden.mul_(gate_up.narrow(1, inter, inter));
-  return qlinear_p16(hidden, down_data, down_scales, down_mins, down_rows, down_group, down_bits);
+  return matmul(hidden, down_data, down_scales, down_mins, down_rows, down_group, down_bits);
 }
 
 bool p16_supported(int64_t bits) { return p16_supported_bits(bits); }
@@ -1450,8 +1627,11 @@ TORCH_LIBRARY(modelrunner_quant_cpu, m) {
         "-> Tensor");
   m.def("gated_mlp_p16(Tensor x, Tensor gu_data, Tensor gu_scales, Tensor? gu_mins, int gu_rows, int gu_group, "
         "int gu_bits, Tensor down_data, Tensor down_scales, Tensor? down_mins, int down_rows, int down_group, "
-        "int down_bits) -> Tensor");
+        "int down_bits, bool exact=False) -> Tensor");
+  m.def("qlinear_p16_exact(Tensor x, Tensor data, Tensor scales, Tensor? mins, int rows, int group_size, int bits) "
+        "-> Tensor");
   m.def("p16_supported(int bits) -> bool");
+  m.def("p16_exact_supported(int bits) -> bool");
   m.def("simd() -> str");
 }
 
@@ -1461,6 +1641,7 @@ TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CPU, m) {
   m.impl("qlinear_q8", &qlinear_q8);
   m.impl("pack_p16", &pack_p16);
   m.impl("qlinear_p16", &qlinear_p16);
+  m.impl("qlinear_p16_exact", &qlinear_p16_exact);
   m.impl("gated_mlp_p16", &gated_mlp_p16);
 }
 
@@ -1468,4 +1649,5 @@ TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CPU, m) {
 TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CompositeExplicitAutograd, m) {
   m.impl("simd", &simd);
   m.impl("p16_supported", &p16_supported);
+  m.impl("p16_exact_supported", &p16_exact_supported);
 }
