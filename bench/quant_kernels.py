@@ -74,6 +74,9 @@ def methods_for(weights: dict, M: int) -> dict[str, tuple[list, int, callable]]:
         if quant.p16_exact_supported(bits):  # exact's arithmetic on the same layout
             out[f"w{bits} p16 exact"] = (packed, size, lambda x, w, bits=bits, rows=rows:
                                          quant.bind_qlinear_p16_exact(*w, rows, 32, bits)(x))
+        if quant.p16_split_supported(bits):  # exact too, x as three int8 digits
+            out[f"w{bits} p16 split"] = (packed, size, lambda x, w, bits=bits, rows=rows:
+                                         quant.bind_qlinear_p16_split(*w, rows, 32, bits)(x))
     dense, size = weights["fp32"]
     out["F.linear fp32"] = (dense, size, lambda x, w: F.linear(x, w))
     packed = [torch.ops.mkldnn._reorder_linear_weight(w, M) for w in dense]

@@ -86,6 +86,8 @@ def test_qlinear_matches_the_references(bits, mins, group, N):
             _assert_exact(quant.qlinear(x, qweight, scales, lows, group, bits, gemm_rows=gemm_rows), x, w_ref)
         if p16 is not None and quant.p16_exact_supported(bits):  # exact, on the p16 layout
             _assert_exact(quant.bind_qlinear_p16_exact(*p16, N, group, bits)(x), x, w_ref)
+        if p16 is not None and quant.p16_split_supported(bits):  # exact, through three int8 digits of x
+            _assert_exact(quant.bind_qlinear_p16_split(*p16, N, group, bits)(x), x, w_ref)
         # q8: the default crossover, the per-row kernel for every M, the repacked-tile kernel for every M.
         outs = [quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
                 for packed_rows in (None, 1 << 30, 1)]
@@ -117,9 +119,11 @@ def test_odd_block_counts(bits, N, K, group):
         x = torch.randn(M, K)
         for gemm_rows in (1, 1 << 30):
             _assert_exact(quant.qlinear(x, qweight, scales, lows, group, bits, gemm_rows=gemm_rows), x, w_ref)
-        if quant.p16_exact_supported(bits):
-            p16 = quant.pack_p16(qweight, scales, lows, group, bits)
-            _assert_exact(quant.bind_qlinear_p16_exact(*p16, N, group, bits)(x), x, w_ref)
+        p16 = quant.pack_p16(qweight, scales, lows, group, bits)
+        for supported, bind in ((quant.p16_exact_supported, quant.bind_qlinear_p16_exact),
+                                (quant.p16_split_supported, quant.bind_qlinear_p16_split)):
+            if supported(bits):
+                _assert_exact(bind(*p16, N, group, bits)(x), x, w_ref)
         q8_ref = reference_qlinear_q8(x, qweight, scales, lows, group, bits)
         for packed_rows in (1, 1 << 30):
             y = quant.qlinear(x, qweight, scales, lows, group, bits, mode="q8", packed_rows=packed_rows)
@@ -148,6 +152,8 @@ def test_p16_layout_round_trips(bits, mins, N):
     assert quant.bind_qlinear_p16(data, packed_scales, packed_mins, N, 64, bits)(x).shape == (2, N)
     if quant.p16_exact_supported(bits):
         assert quant.bind_qlinear_p16_exact(data, packed_scales, packed_mins, N, 64, bits)(x).shape == (2, N)
+    if quant.p16_split_supported(bits):
+        assert quant.bind_qlinear_p16_split(data, packed_scales, packed_mins, N, 64, bits)(x).shape == (2, N)
 
 
 def test_p16_bad_input_is_refused_by_name():
@@ -155,7 +161,8 @@ def test_p16_bad_input_is_refused_by_name():
         pytest.skip(f"no p16 kernel in this build ({quant.simd()})")
     qweight, scales, lows = weights(37, K, 32, 4, True)
     data, packed_scales, packed_mins = quant.pack_p16(qweight, scales, lows, 32, 4)
-    binders = [quant.bind_qlinear_p16] + ([quant.bind_qlinear_p16_exact] if quant.p16_exact_supported(4) else [])
+    binders = [quant.bind_qlinear_p16] + ([quant.bind_qlinear_p16_exact] if quant.p16_exact_supported(4) else []) + (
+        [quant.bind_qlinear_p16_split] if quant.p16_split_supported(4) else [])
     for bind in binders:
         with pytest.raises(ValueError, match=r"rows must be in \(32, 48\] .* got 60"):
             bind(data, packed_scales, packed_mins, 60, 32, 4)(torch.randn(1, K))
@@ -300,10 +307,13 @@ _CHECK_BUILD = textwrap.dedent("""
                     if quant.p16_supported(bits):
                         y = quant.bind_qlinear_p16(*p16, N, group, bits)(x)
                         torch.testing.assert_close(y.double(), r8, rtol=1e-5, atol=1e-5 * r8.abs().max().item())
-                    if quant.p16_exact_supported(bits):
-                        y = quant.bind_qlinear_p16_exact(*p16, N, group, bits)(x).double()
-                        torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
-    print("OK", "p16" if quant.p16_supported(4) else "no-p16", "p16-exact" if quant.p16_exact_supported(4) else "")
+                    for supported, bind in ((quant.p16_exact_supported, quant.bind_qlinear_p16_exact),
+                                            (quant.p16_split_supported, quant.bind_qlinear_p16_split)):
+                        if supported(bits):
+                            y = bind(*p16, N, group, bits)(x).double()
+                            torch.testing.assert_close(y, ref, rtol=1e-4, atol=1e-4 * ref.abs().max().item())
+    print("OK", "p16" if quant.p16_supported(4) else "no-p16", "p16-exact" if quant.p16_exact_supported(4) else "",
+          "p16-split" if quant.p16_split_supported(4) else "")
 """)
 
 
@@ -329,6 +339,7 @@ def test_other_instruction_sets_build_and_agree(march, simd):
     assert f"SIMD {simd}" in result.stdout and "OK" in result.stdout
     assert ("no-p16" in result.stdout) == (simd == "scalar")  # p16 needs AVX2
     assert ("p16-exact" in result.stdout) == (simd == "avx512")  # its exact kernel, AVX-512
+    assert "p16-split" not in result.stdout  # the split kernel needs VNNI, which none of these builds has
 
 
 def test_without_a_compiler_it_is_unavailable_with_the_reason(tmp_path):

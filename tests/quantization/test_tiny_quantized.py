@@ -133,19 +133,21 @@ def test_exact_kernels_agree_and_each_shape_keeps_one_family(checkpoints, tmp_pa
     # Float activations have two kernels, on planar and on p16 storage: they compute the same
     # numbers (up to summation order), and a timed choice gives each shape one family for both row
     # buckets, with its storage in that family's layout.
-    from modelrunner.quantization.kernels import _family, is_p16
+    from modelrunner.quantization.kernels import P16_KERNELS, _family, is_p16
 
     plugin = quant_cpu()
     if plugin is None or not plugin.p16_exact_supported(8):
         pytest.skip("no exact p16 kernel in this build")
     logits = {}
-    for kernel in ("cpu_exact", "cpu_p16_exact"):
+    exact = ["cpu_exact", "cpu_p16_exact"] + (["cpu_p16_split"] if plugin.p16_split_supported(8) else [])
+    for kernel in exact:
         model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4, "quantization_options":
                                                     {"activations": "float", "kernel": kernel}})
         logits[kernel] = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32).step(
             PROMPTS, all_logits=True)
     scale = logits["cpu_exact"].abs().max().item()
-    assert (logits["cpu_exact"] - logits["cpu_p16_exact"]).abs().max().item() <= 1e-5 * scale
+    for kernel in exact[1:]:
+        assert (logits["cpu_exact"] - logits[kernel]).abs().max().item() <= 1e-5 * scale, kernel
     model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4,
                                                 "quantization_options": {"activations": "float"}})
     linears = [m for m in model.loaded.model.modules() if isinstance(m, LinearBase)]
@@ -155,15 +157,17 @@ def test_exact_kernels_agree_and_each_shape_keeps_one_family(checkpoints, tmp_pa
         chosen = {selector._choice(layer.quant_scheme, layer, b) for b in ("decode", "batch")}
         family = {_family(name) for name in chosen}
         assert len(family) == 1 and family.pop().startswith("float"), chosen
-        assert is_p16(layer) == chosen.issubset({"cpu_p16_exact"}), (chosen, layer.weight.shape)
+        assert is_p16(layer) == chosen.issubset(P16_KERNELS.keys()), (chosen, layer.weight.shape)
 
 
-@pytest.mark.parametrize("kernel", ["cpu_p16", "cpu_p16_exact"])
+@pytest.mark.parametrize("kernel", ["cpu_p16", "cpu_p16_exact", "cpu_p16_split"])
 def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoints, kernel):
     plugin = quant_cpu()
-    if plugin is None or not (plugin.p16_exact_supported if kernel == "cpu_p16_exact" else plugin.p16_supported)(4):
+    supported = {"cpu_p16": "p16_supported", "cpu_p16_exact": "p16_exact_supported",
+                 "cpu_p16_split": "p16_split_supported"}
+    if plugin is None or not getattr(plugin, supported[kernel])(4):
         pytest.skip(f"no {kernel} kernel in this build")
-    activations = "float" if kernel == "cpu_p16_exact" else "int8"
+    activations = "int8" if kernel == "cpu_p16" else "float"
     model = load_adapter(checkpoints["llama"], {"quantization": "int4", "block_size": 4, "quantization_options":
                                                 {"group_size": 32, "activations": activations, "kernel": kernel}})
     mlp = model.loaded.model.model.layers[0].mlp

@@ -14,6 +14,9 @@ skip the timing. Candidates:
   candidates.
 - ``cpu_p16_exact``: ``cpu_exact``'s arithmetic (float activations) on the p16 layout (AVX-512),
   1.3-1.6x ``cpu_exact`` at one row and at 64 on SmolLM2's shapes.
+- ``cpu_p16_split``: as exact as ``cpu_p16_exact`` through VNNI dot products — each block of the
+  activations split into three int8 digits, the rest below 2e-8 of its largest value — 2x
+  ``cpu_p16_exact`` at one row on SmolLM2's LM head, slower at 64 rows (AVX-512 VNNI).
 
 A shape's kernels for both buckets come from one *family* — the kind of activations (float or int8)
 and the layout (planar or p16) — the one whose fastest kernels take least time summed over the timed
@@ -119,20 +122,22 @@ def _p16_storage(scheme: Any, layer: Any) -> tuple[torch.Tensor, torch.Tensor, t
     return copy
 
 
-def _bind_p16(exact: bool) -> Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]:
+_P16_BINDERS = {"q8": "bind_qlinear_p16", "exact": "bind_qlinear_p16_exact", "split": "bind_qlinear_p16_split"}
+"""The plugin's p16 kernels (its ``P16_KERNELS``) → their binders."""
+
+
+def _bind_p16(kind: str) -> Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]:
     def bind(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         to_p16(scheme, layer)
-        plugin = quant_cpu()
-        binder = plugin.bind_qlinear_p16_exact if exact else plugin.bind_qlinear_p16
+        binder = getattr(quant_cpu(), _P16_BINDERS[kind])
         return binder(*scheme.storage(layer), layer.weight.p16_rows, scheme.group_size, scheme.bits)
     return bind
 
 
-def _p16(exact: bool) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
+def _p16(kind: str) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
     def run(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
         rows = layer.weight.logical_shape[0]
-        plugin = quant_cpu()
-        binder = plugin.bind_qlinear_p16_exact if exact else plugin.bind_qlinear_p16
+        binder = getattr(quant_cpu(), _P16_BINDERS[kind])
         return binder(*_p16_storage(scheme, layer), rows, scheme.group_size, scheme.bits)(x)
     return run
 
@@ -156,8 +161,9 @@ def to_p16(scheme: Any, layer: Any) -> None:
 BINDERS: dict[str, Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]] = {
     "cpu_exact": _bind_cpu("exact"),
     "cpu_q8": _bind_cpu("q8"),
-    "cpu_p16": _bind_p16(False),
-    "cpu_p16_exact": _bind_p16(True),
+    "cpu_p16": _bind_p16("q8"),
+    "cpu_p16_exact": _bind_p16("exact"),
+    "cpu_p16_split": _bind_p16("split"),
 }
 """Candidate → ``bind(scheme, layer)``: the candidate for one layer's storage as a callable of ``x``
 (looked up once; the others are bound with :func:`functools.partial`)."""
@@ -176,14 +182,15 @@ CANDIDATES: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {
     "reference": (_reference, True),
     "cpu_exact": (_cpu("exact"), True),
     "cpu_q8": (_cpu("q8"), False),
-    "cpu_p16": (_p16(False), False),
-    "cpu_p16_exact": (_p16(True), True),
+    "cpu_p16": (_p16("q8"), False),
+    "cpu_p16_exact": (_p16("exact"), True),
+    "cpu_p16_split": (_p16("split"), True),
     "int8_rowwise": (_int8_rowwise, False),
 }
 """name → (kernel, exact: computes with float activations)."""
 
-P16_KERNELS = frozenset({"cpu_p16", "cpu_p16_exact"})
-"""Candidates that read the p16 layout (the others read planar storage)."""
+P16_KERNELS = {"cpu_p16": "q8", "cpu_p16_exact": "exact", "cpu_p16_split": "split"}
+"""Candidates that read the p16 layout (the others read planar storage) → the plugin's name for them."""
 
 
 PINNED_ONLY = frozenset({"int8_rowwise"})
@@ -204,8 +211,8 @@ def usable(name: str, scheme: Any, layer: Any = None) -> bool:
         if name in P16_KERNELS:
             # Regrouped in place: only storage a layer owns (not an expert's view of its stack).
             owns = layer is None or getattr(layer, "quant_scheme", None) is scheme
-            supported = getattr(quant_cpu(), "p16_exact_supported" if name == "cpu_p16_exact" else "p16_supported",
-                                None)
+            kind = P16_KERNELS[name]
+            supported = getattr(quant_cpu(), "p16_supported" if kind == "q8" else f"p16_{kind}_supported", None)
             return owns and supported is not None and supported(scheme.bits)
         return layer is None or not is_p16(layer)  # the other kernels read planar storage
     if name == "int8_rowwise":
@@ -302,8 +309,7 @@ class KernelSelector:
 
     def prepare(self, scheme: Any, layer: Any) -> None:
         """Choose the kernels of ``layer`` for both buckets now (timing them unless cached)."""
-        chosen = {self._choice(scheme, layer, name) for name in TIMING_ROWS}
-        if chosen <= P16_KERNELS:
+        if all(self._choice(scheme, layer, name) in P16_KERNELS for name in TIMING_ROWS):
             to_p16(scheme, layer)
         _P16_COPIES.pop(layer, None)
 
@@ -328,20 +334,28 @@ class KernelSelector:
 
     def gated_mlp(self, gu_scheme: Any, gate_up: Any, down_scheme: Any, down: Any
                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
-        """``down(silu(gate(x)) * up(x))`` as one kernel call of a 2-D, contiguous float32 ``x`` where
-        both projections run the same p16 kernel (``cpu_p16`` or ``cpu_p16_exact``) at every row count
-        (the same numbers as the three calls it replaces); None elsewhere. Bound on first use, like
-        :meth:`bound`."""
+        """``down(silu(gate(x)) * up(x))`` as one kernel call of a 2-D, contiguous float32 ``x`` where,
+        in each row bucket, both projections run the same p16 kernel (the same numbers as the three
+        calls it replaces); None elsewhere. Bound on first use, like :meth:`bound`."""
         entry = self._fused.get(gate_up)
         if entry is None or entry[0] is not gu_scheme or entry[1] is not down_scheme:
             run = None
             layers = ((gu_scheme, gate_up), (down_scheme, down))
             plugin = quant_cpu()
-            chosen = {self._choice(s, layer, b) for s, layer in layers for b in TIMING_ROWS}
-            if (down_scheme.kernels is self and hasattr(plugin, "bind_gated_mlp_p16") and len(chosen) == 1
-                    and chosen <= P16_KERNELS and all(is_p16(layer) for _, layer in layers)):
-                run = plugin.bind_gated_mlp_p16(*((*s.storage(layer), layer.weight.p16_rows, s.group_size, s.bits)
-                                                  for s, layer in layers), exact=chosen == {"cpu_p16_exact"})
+            chosen = {b: {self._choice(s, layer, b) for s, layer in layers} for b in TIMING_ROWS}
+            if (down_scheme.kernels is self and hasattr(plugin, "bind_gated_mlp_p16")
+                    and all(len(c) == 1 and c <= P16_KERNELS.keys() for c in chosen.values())
+                    and all(is_p16(layer) for _, layer in layers)):
+                parts = [(*s.storage(layer), layer.weight.p16_rows, s.group_size, s.bits) for s, layer in layers]
+                names = {b: next(iter(c)) for b, c in chosen.items()}
+                decode = plugin.bind_gated_mlp_p16(*parts, kernel=P16_KERNELS[names["decode"]])
+                if names["decode"] == names["batch"]:
+                    run = decode
+                else:
+                    batch = plugin.bind_gated_mlp_p16(*parts, kernel=P16_KERNELS[names["batch"]])
+
+                    def run(x: torch.Tensor) -> torch.Tensor:
+                        return (decode if x.shape[0] <= DECODE_ROWS else batch)(x)
             entry = (gu_scheme, down_scheme, run)
             self._fused[gate_up] = entry
         return entry[2]

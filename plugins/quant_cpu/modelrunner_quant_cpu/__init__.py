@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.metadata
 
 from .kernel import (
+    P16_KERNELS,
     P16_ROWS,
     KernelUnavailable,
     available,
@@ -17,9 +18,11 @@ from .kernel import (
     bind_qlinear,
     bind_qlinear_p16,
     bind_qlinear_p16_exact,
+    bind_qlinear_p16_split,
     dequantize,
     load,
     p16_exact_supported,
+    p16_split_supported,
     p16_supported,
     pack_p16,
     qlinear,
@@ -38,6 +41,7 @@ except importlib.metadata.PackageNotFoundError:  # imported from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "P16_KERNELS",
     "P16_ROWS",
     "KernelUnavailable",
     "available",
@@ -45,9 +49,11 @@ __all__ = [
     "bind_qlinear",
     "bind_qlinear_p16",
     "bind_qlinear_p16_exact",
+    "bind_qlinear_p16_split",
     "dequantize",
     "load",
     "p16_exact_supported",
+    "p16_split_supported",
     "p16_supported",
     "pack_p16",
     "qlinear",

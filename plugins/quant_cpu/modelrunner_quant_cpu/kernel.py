@@ -1,6 +1,7 @@
 """The C++ kernels: built once per machine on first use, then loaded as the torch operators
-``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16, qlinear_p16_exact}`` (callable from
-eager code and from torch.compile graphs, through their fake implementations)."""
+``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16, qlinear_p16_exact,
+qlinear_p16_split, gated_mlp_p16}`` (callable from eager code and from torch.compile graphs, through
+their fake implementations)."""
 
 from __future__ import annotations
 
@@ -57,6 +58,7 @@ def load() -> None:
     torch.library.register_fake("modelrunner_quant_cpu::pack_p16")(_fake_pack_p16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16")(_fake_qlinear_p16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_exact")(_fake_qlinear_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_split")(_fake_qlinear_p16)
     torch.library.register_fake("modelrunner_quant_cpu::gated_mlp_p16")(_fake_gated_mlp_p16)
 
 
@@ -254,19 +256,49 @@ def bind_qlinear_p16_exact(data: torch.Tensor, scales: torch.Tensor, mins: torch
     return run
 
 
+@functools.cache
+def p16_split_supported(bits: int) -> bool:
+    """Whether this build has the split p16 kernel for ``bits``-bit weights (AVX-512 VNNI CPUs)."""
+    load()
+    return bool(torch.ops.modelrunner_quant_cpu.p16_split_supported(bits))
+
+
+def bind_qlinear_p16_split(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
+                           group_size: int, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x`` (float32 ``[M, K]``, contiguous) → ``[M, rows]`` on a p16 weight, as exact as
+    :func:`bind_qlinear_p16_exact` (the float product up to float32 rounding) through integer dot
+    products: each 32-element block of ``x`` is split into three int8 digits (``x ≈ d1 q1 + d2 q2 +
+    d3 q3``, each digit quantizing what the ones before it left, the rest below 2e-8 of the block's
+    largest value), and q8's VNNI arithmetic runs once per digit over one load of the weights.
+    Fastest at a few rows, where reading the weight is the cost."""
+    load()
+    op = torch.ops.modelrunner_quant_cpu.qlinear_p16_split
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, data, scales, mins, rows, group_size, bits)
+
+    return run
+
+
 P16Part = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int, int]
 """A p16 weight as :func:`bind_gated_mlp_p16` takes it: ``(data, scales, mins, rows, group_size, bits)``."""
 
 
-def bind_gated_mlp_p16(gate_up: P16Part, down: P16Part, exact: bool = False) -> Callable[[torch.Tensor], torch.Tensor]:
+P16_KERNELS = ("q8", "exact", "split")
+"""The p16 kernels by name: :func:`bind_qlinear_p16`, :func:`bind_qlinear_p16_exact`,
+:func:`bind_qlinear_p16_split`."""
+
+
+def bind_gated_mlp_p16(gate_up: P16Part, down: P16Part, kernel: str = "q8") -> Callable[[torch.Tensor], torch.Tensor]:
     """A gated MLP, ``down(silu(gate(x)) * up(x))``, on p16 weights (:func:`pack_p16`) as one call of
-    ``x`` (float32 ``[M, K]``, contiguous) → ``[M, down rows]``: what :func:`bind_qlinear_p16` (or,
-    ``exact``, :func:`bind_qlinear_p16_exact`) of each projection and torch's ``silu`` and ``mul``
-    between them compute, the same numbers, in one operator call. ``gate_up`` holds the gate rows,
-    then the up rows."""
+    ``x`` (float32 ``[M, K]``, contiguous) → ``[M, down rows]``: what the p16 ``kernel`` (one of
+    :data:`P16_KERNELS`) of each projection and torch's ``silu`` and ``mul`` between them compute,
+    the same numbers, in one operator call. ``gate_up`` holds the gate rows, then the up rows."""
+    if kernel not in P16_KERNELS:
+        raise ValueError(f"kernel must be one of {', '.join(P16_KERNELS)}, got {kernel!r}")
     load()
     op = torch.ops.modelrunner_quant_cpu.gated_mlp_p16
-    args = (*gate_up, *down, exact)
+    args = (*gate_up, *down, kernel)
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return op(x, *args)

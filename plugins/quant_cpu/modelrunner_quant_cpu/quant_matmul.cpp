@@ -1522,17 +1522,172 @@ at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Te
   return y;
 }
 
-// A gated MLP on p16 weights, down(silu(gate(x)) * up(x)), in one operator call (exact: with the exact
-// p16 kernel, else the q8 one): the two matmuls and the activation between them (torch's silu and
+// ---------------------------------------------------------------------------------------------
+// "p16 split": exact results through integer dot products. Each 32-element block of x is written as
+// three int8 digits, x ~= d1 q1 + d2 q2 + d3 q3: q1 the q8 quantization of x, q2 that of the
+// remainder x - d1 q1, q3 that of what is left (each scale the amax of what it quantizes / 127), so
+// what is left over is at most amax(x) / 254^3 / 2 (~2e-8 of the block's largest value: below float32's
+// rounding of the products it stands for). Then three passes of q8's VNNI arithmetic over one load
+// of the weights: y = sum_b s_b * sum_j d_j (q_w . q_j) + m * sum(x), in float32.
+
+constexpr int kSplitDigits = 3;
+
+bool p16_split_supported_bits(int64_t bits) {
+#if defined(MRQ_AVX512) && MRQ_VNNI == 1
+  return bits == 4 || bits == 8;
+#else
+  (void)bits;
+  return false;
+#endif
+}
+
+#if defined(MRQ_AVX512) && MRQ_VNNI == 1
+// The digits of x (rows [M][K]): digit 0 carries the exact float sums of x per group (mins), each
+// the sums of its integers per block (8-bit weights).
+std::vector<QuantizedInput> split_input(const float* x, int64_t M, const QuantWeight& w, bool block_sums) {
+  std::vector<QuantizedInput> digits;
+  const int64_t K = w.cols, blocks = K / kBlock;
+  std::vector<float> rest(x, x + M * K);
+  QuantWeight plain = w;
+  for (int j = 0; j < kSplitDigits; ++j) {
+    if (j == 1) plain.mins = nullptr;  // the sums of x: once, from x itself
+    digits.push_back(quantize_input(rest.data(), M, plain, block_sums, false));
+    if (j + 1 == kSplitDigits) break;
+    const QuantizedInput& in = digits.back();
+    for (int64_t i = 0; i < M * blocks; ++i) {
+      const __m512 d = _mm512_set1_ps(-in.d[i]);
+      for (int h = 0; h < 2; ++h) {
+        float* r = rest.data() + i * kBlock + 16 * h;
+        const __m512 q = _mm512_cvtepi32_ps(
+            _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(in.q.get() + i * kBlock + 16 * h))));
+        _mm512_storeu_ps(r, _mm512_fmadd_ps(d, q, _mm512_loadu_ps(r)));  // one rounding
+      }
+    }
+  }
+  return digits;
+}
+
+// Rows [m0, m0 + MT) of x against tile t, the digits' three integer sums per block.
+template <int kBits, int MT>
+void p16s_tile(const P16Weight& w, int64_t t, const QuantizedInput* in, int64_t m0, float* y, int64_t ldy) {
+  constexpr int D = kSplitDigits;
+  const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
+  const auto [tile, ts, tm] = p16_tile_parts(w, t);
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  const __m512i low = _mm512_set1_epi8(0x0f);
+  __m512 acc[MT];
+#pragma GCC unroll 4
+  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + g * kP16)));
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      const uint8_t* p = tile + b * kBlockBytes;
+#pragma GCC unroll 8
+      for (int64_t line = 0; line < kBlockBytes; line += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
+      __m512i isum[MT][D];
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 3
+        for (int j = 0; j < D; ++j)
+          isum[r][j] = kBits == 4 ? _mm512_setzero_si512()
+                                  : _mm512_set1_epi32(-128 * in[j].qsum[(m0 + r) * blocks + b]);
+      if constexpr (kBits == 4) {
+#pragma GCC unroll 4
+        for (int k = 0; k < 4; ++k) {
+          const __m512i bytes = _mm512_loadu_si512(p + k * 64);
+          const __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 3
+            for (int j = 0; j < D; ++j) {
+              const int8_t* xq = in[j].q.get() + (m0 + r) * K + b * kBlock;
+              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], lo, _mm512_set1_epi32(load_word(xq + 4 * k)));
+              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], hi, _mm512_set1_epi32(load_word(xq + 16 + 4 * k)));
+            }
+        }
+      } else {
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; ++k) {
+          const __m512i bytes = _mm512_loadu_si512(p + k * 64);
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 3
+            for (int j = 0; j < D; ++j) {
+              const int8_t* xq = in[j].q.get() + (m0 + r) * K + b * kBlock;
+              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], bytes, _mm512_set1_epi32(load_word(xq + 4 * k)));
+            }
+        }
+      }
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) {
+        // The smallest digit first: the sum adds like magnitudes before the largest.
+        const int64_t at = (m0 + r) * blocks + b;
+        __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][D - 1]), _mm512_set1_ps(in[D - 1].d[at]));
+#pragma GCC unroll 3
+        for (int j = D - 2; j >= 0; --j)
+          part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][j]), _mm512_set1_ps(in[j].d[at]), part);
+        acc[r] = _mm512_fmadd_ps(part, s, acc[r]);
+      }
+    }
+    if (tm) {
+      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm + g * kP16)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r)
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in[0].sum[(m0 + r) * w.groups + g]), acc[r]);
+    }
+  }
+  const int64_t n0 = t * kP16, valid = std::min(kP16, w.valid_rows - n0);
+  const __mmask16 mask = valid == kP16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
+#pragma GCC unroll 4
+  for (int r = 0; r < MT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, mask, acc[r]);
+}
+#endif
+
+at::Tensor qlinear_p16_split(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
+  const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
+  TORCH_CHECK_VALUE(p16_split_supported_bits(bits), "this build of the kernels has no split p16 kernel for ", bits,
+                    "-bit weights (needs AVX-512 VNNI)");
+  check_input(x, w);
+  const int64_t M = x.size(0);
+  at::Tensor y = at::empty({M, w.valid_rows}, x.options());
+  if (M == 0 || w.valid_rows == 0) return y;
+#if defined(MRQ_AVX512) && MRQ_VNNI == 1
+  const std::vector<QuantizedInput> digits = split_input(x.const_data_ptr<float>(), M, w, bits == 8);
+  float* yp = y.data_ptr<float>();
+  const int64_t count = (M + kP16MaxRows - 1) / kP16MaxRows;
+  parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
+    for (int64_t t = n0 / kP16; t < n1 / kP16; ++t)
+      for (int64_t i = 0, m0 = 0; i < count; ++i) {
+        const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
+        with_mt(mt, [&]<int MT>() {
+          if constexpr (MT <= kP16MaxRows)
+            bits == 4 ? p16s_tile<4, MT>(w, t, digits.data(), m0, yp + m0 * w.valid_rows, w.valid_rows)
+                      : p16s_tile<8, MT>(w, t, digits.data(), m0, yp + m0 * w.valid_rows, w.valid_rows);
+        });
+        m0 += mt;
+      }
+  });
+#endif
+  return y;
+}
+
+bool p16_split_supported(int64_t bits) { return p16_split_supported_bits(bits); }
+
+// A gated MLP on p16 weights, down(silu(gate(x)) * up(x)), in one operator call (with the p16 kernel
+// named: q8, exact or split): the two matmuls and the activation between them (torch's silu and
 // mul, as the unfused layers compute it), without the two extra dispatches and the Python between
 // them that a decode step pays per layer.
 at::Tensor gated_mlp_p16(const at::Tensor& x, const at::Tensor& gu_data, const at::Tensor& gu_scales,
                          const std::optional<at::Tensor>& gu_mins, int64_t gu_rows, int64_t gu_group, int64_t gu_bits,
                          const at::Tensor& down_data, const at::Tensor& down_scales,
                          const std::optional<at::Tensor>& down_mins, int64_t down_rows, int64_t down_group,
-                         int64_t down_bits, bool exact) {
+                         int64_t down_bits, c10::string_view kernel) {
   TORCH_CHECK_VALUE(gu_rows % 2 == 0, "the gate/up projection must have an even number of rows, got ", gu_rows);
-  const auto matmul = exact ? qlinear_p16_exact : qlinear_p16;
+  TORCH_CHECK_VALUE(kernel == "q8" || kernel == "exact" || kernel == "split",
+                    "kernel must be 'q8', 'exact' or 'split', got '", std::string(kernel), "'");
+  const auto matmul = kernel == "exact" ? qlinear_p16_exact : kernel == "split" ? qlinear_p16_split : qlinear_p16;
   const at::Tensor gate_up = matmul(x, gu_data, gu_scales, gu_mins, gu_rows, gu_group, gu_bits);
   const int64_t inter = gu_rows / 2;
   at::Tensor hidden = at::silu(gate_up.narrow(1, 0, inter));
@@ -1627,11 +1782,14 @@ TORCH_LIBRARY(modelrunner_quant_cpu, m) {
         "-> Tensor");
   m.def("gated_mlp_p16(Tensor x, Tensor gu_data, Tensor gu_scales, Tensor? gu_mins, int gu_rows, int gu_group, "
         "int gu_bits, Tensor down_data, Tensor down_scales, Tensor? down_mins, int down_rows, int down_group, "
-        "int down_bits, bool exact=False) -> Tensor");
+        "int down_bits, str kernel=\"q8\") -> Tensor");
   m.def("qlinear_p16_exact(Tensor x, Tensor data, Tensor scales, Tensor? mins, int rows, int group_size, int bits) "
         "-> Tensor");
   m.def("p16_supported(int bits) -> bool");
   m.def("p16_exact_supported(int bits) -> bool");
+  m.def("qlinear_p16_split(Tensor x, Tensor data, Tensor scales, Tensor? mins, int rows, int group_size, int bits) "
+        "-> Tensor");
+  m.def("p16_split_supported(int bits) -> bool");
   m.def("simd() -> str");
 }
 
@@ -1642,6 +1800,7 @@ TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CPU, m) {
   m.impl("pack_p16", &pack_p16);
   m.impl("qlinear_p16", &qlinear_p16);
   m.impl("qlinear_p16_exact", &qlinear_p16_exact);
+  m.impl("qlinear_p16_split", &qlinear_p16_split);
   m.impl("gated_mlp_p16", &gated_mlp_p16);
 }
 
@@ -1650,4 +1809,5 @@ TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CompositeExplicitAutograd, m) {
   m.impl("simd", &simd);
   m.impl("p16_supported", &p16_supported);
   m.impl("p16_exact_supported", &p16_exact_supported);
+  m.impl("p16_split_supported", &p16_split_supported);
 }
