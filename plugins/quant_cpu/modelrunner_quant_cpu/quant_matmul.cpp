@@ -1337,7 +1337,6 @@ bool p16_exact_supported_bits(int64_t bits) {
 }
 
 #ifdef MRQ_AVX512
-constexpr int kP16xMaxRows = 8;
 
 constexpr int p16x_nt(int mt) { return mt == 1 ? 4 : mt <= 4 ? 2 : 1; }
 
@@ -1429,15 +1428,16 @@ void p16x_tile(const P16Weight& w, int64_t t0, const float* x, const float* sums
 }
 
 // Tiles [u0, u1) for every row of x: NT tiles at a time where the row count allows, each group of
-// tiles (at most 4 * 16 rows of K weights: in L1/L2) passed over by every tile of x rows.
+// tiles (at most 4 * 16 rows of K weights: in L1/L2) passed over by every tile of x rows. x rows go
+// 8 at a time, the rest as 4, 2 and 1 (fewer instantiations to compile than every count up to 8).
 template <int kBits, bool kMins>
 void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M, float* y, int64_t u0, int64_t u1) {
-  const int64_t count = (M + kP16xMaxRows - 1) / kP16xMaxRows;
+  const int64_t step_max = p16x_nt(static_cast<int>(std::min<int64_t>(M, 2)));
   for (int64_t t = u0; t < u1;) {
-    const int64_t step = std::min<int64_t>(u1 - t, p16x_nt(static_cast<int>(std::min<int64_t>(M, kP16xMaxRows))));
-    for (int64_t i = 0, m0 = 0; i < count; ++i) {
-      const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
-      with_mt(mt, [&]<int MT>() {
+    const int64_t step = std::min<int64_t>(u1 - t, step_max);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0, mt = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const auto run = [&]<int MT>() {
         constexpr int NT = p16x_nt(MT);
         // A tile group shorter than NT (the end of the rows) goes one tile at a time.
         for (int64_t s = 0; s < step;) {
@@ -1449,7 +1449,9 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
             s += 1;
           }
         }
-      });
+      };
+      mt == 8 ? run.template operator()<8>() : mt == 4 ? run.template operator()<4>()
+                : mt == 2 ? run.template operator()<2>() : run.template operator()<1>();
       m0 += mt;
     }
     t += step;
