@@ -170,6 +170,9 @@ def test_p16_bad_input_is_refused_by_name():
             bind(qweight, scales, lows, 37, 32, 4)(torch.randn(1, K))
         with pytest.raises(ValueError, match="x has 32 features"):
             bind(data, packed_scales, packed_mins, 37, 32, 4)(torch.randn(1, 32))
+    part = (data, packed_scales, packed_mins, 37, 32, 4)
+    with pytest.raises(ValueError, match=r"kernel must be one of q8, exact, split, got 'fast'"):
+        quant.bind_gated_mlp_p16(part, part, kernel="fast")
 
 
 def test_qlinear_takes_leading_dimensions():

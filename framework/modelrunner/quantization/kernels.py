@@ -17,18 +17,18 @@ skip the timing. Candidates:
 - ``cpu_p16_split``: as exact as ``cpu_p16_exact`` through VNNI dot products — each block of the
   activations split into three int8 digits, the rest below 2e-8 of its largest value — 2x
   ``cpu_p16_exact`` at one row on SmolLM2's LM head, slower at 64 rows (AVX-512 VNNI).
-
-A shape's kernels for both buckets come from one *family* — the kind of activations (float or int8)
-and the layout (planar or p16) — the one whose fastest kernels take least time summed over the timed
-row counts, so that a layer's storage has one layout and a request's numbers do not depend on how
-many rows share its step. A layer on a p16 family has its storage regrouped in place (no second
-copy), and :meth:`~.planar.PlanarScheme.planar_storage` reads it back as planar rows.
 - ``int8_rowwise``: torch's int8 GEMM (``torch._int_mm``) with each activation row quantized to
   int8 on its own (per-channel int8 weights only; no copy of the weight). Per row, so a token's
   result does not depend on the other tokens of its batch (fbgemm's dynamic linear quantizes the
   whole batch with one scale, which does) — but too lossy to be chosen by timing (:data:`PINNED_ONLY`).
 
 Candidates that quantize activations run only where the method allows them (``activations`` option).
+
+A shape's kernels for both buckets come from one *family* — the kind of activations (float or int8)
+and the layout (planar or p16) — the one whose fastest kernels take least time summed over the timed
+row counts, so that a layer's storage has one layout and a request's activations are taken one way
+(float or int8) however many rows share its step. A layer on a p16 family has its storage regrouped in place (no second
+copy), and :meth:`~.planar.PlanarScheme.planar_storage` reads it back as planar rows.
 """
 
 from __future__ import annotations

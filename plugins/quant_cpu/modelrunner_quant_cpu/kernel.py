@@ -224,11 +224,17 @@ def bind_qlinear_p16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tenso
     quantized per 32-element block, integer dot products; the same results up to float summation
     order) on a weight in the p16 layout (:func:`pack_p16`). Nothing is repacked per call, so it is
     the fast path at every ``M``, one row included."""
+    return _bind_p16_op("qlinear_p16", data, scales, mins, rows, group_size, bits)
+
+
+def _bind_p16_op(name: str, *weight: object) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The p16 operator ``name`` of one weight (``data, scales, mins, rows, group_size, bits``) as a
+    callable of ``x``."""
     load()
-    op = torch.ops.modelrunner_quant_cpu.qlinear_p16
+    op = getattr(torch.ops.modelrunner_quant_cpu, name)
 
     def run(x: torch.Tensor) -> torch.Tensor:
-        return op(x, data, scales, mins, rows, group_size, bits)
+        return op(x, *weight)
 
     return run
 
@@ -247,13 +253,7 @@ def bind_qlinear_p16_exact(data: torch.Tensor, scales: torch.Tensor, mins: torch
     activations times the weights' integers, then the groups' scales and mins: the float matmul with
     the dequantized weight, up to summation order) on a weight in the p16 layout (:func:`pack_p16`),
     where one converted vector of 16 rows' weights serves every row of ``x``."""
-    load()
-    op = torch.ops.modelrunner_quant_cpu.qlinear_p16_exact
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return op(x, data, scales, mins, rows, group_size, bits)
-
-    return run
+    return _bind_p16_op("qlinear_p16_exact", data, scales, mins, rows, group_size, bits)
 
 
 @functools.cache
@@ -271,13 +271,7 @@ def bind_qlinear_p16_split(data: torch.Tensor, scales: torch.Tensor, mins: torch
     d3 q3``, each digit quantizing what the ones before it left, the rest below 2e-8 of the block's
     largest value), and q8's VNNI arithmetic runs once per digit over one load of the weights.
     Fastest at a few rows, where reading the weight is the cost."""
-    load()
-    op = torch.ops.modelrunner_quant_cpu.qlinear_p16_split
-
-    def run(x: torch.Tensor) -> torch.Tensor:
-        return op(x, data, scales, mins, rows, group_size, bits)
-
-    return run
+    return _bind_p16_op("qlinear_p16_split", data, scales, mins, rows, group_size, bits)
 
 
 P16Part = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int, int]

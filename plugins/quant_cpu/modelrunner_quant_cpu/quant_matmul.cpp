@@ -1140,6 +1140,19 @@ P16Weight check_p16(const at::Tensor& data, const at::Tensor& scales, const std:
   return w;
 }
 
+// A p16 operator's checks (the weight, x, and that this build has the kernel: `built`, else the
+// message names the kernel and what it `needs`) and its output [M, rows], not yet written.
+std::pair<P16Weight, at::Tensor> p16_operands(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                                              const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size,
+                                              int64_t bits, bool built, const char* kernel, const char* needs) {
+  P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
+  TORCH_CHECK_VALUE(built, "this build of the kernels has no ", kernel, " kernel for ", bits, "-bit weights (", needs,
+                    ")");
+  check_input(x, w);
+  at::Tensor y = at::empty({x.size(0), w.valid_rows}, x.options());
+  return {w, y};
+}
+
 // Planar [N, ...] -> p16 [N16, ...].
 std::vector<at::Tensor> pack_p16(const at::Tensor& qweight, const at::Tensor& scales,
                                  const std::optional<at::Tensor>& mins, int64_t group_size, int64_t bits) {
@@ -1196,9 +1209,10 @@ constexpr int64_t kP16Ahead = 1024;  // see kStreamAhead (a p16 tile is one stre
 
 #if defined(MRQ_AVX512) && MRQ_VNNI == 1
 constexpr int kP16MaxRows = 4;
-// Rows [m0, m0 + MT) of x against tile t: 16 outputs per row of x.
-template <int kBits, int MT>
-void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
+// Rows [m0, m0 + MT) of x against tile t: 16 outputs per row of x. D: the digits x is written in
+// (1: q8; kSplitDigits: the split kernel, below), each an integer sum per block.
+template <int kBits, int MT, int D = 1>
+void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* in, int64_t m0, float* y, int64_t ldy) {
   const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
   const auto [tile, ts, tm] = p16_tile_parts(w, t);
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
@@ -1213,42 +1227,61 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
 #pragma GCC unroll 8
       for (int64_t line = 0; line < kBlockBytes; line += 64)
         _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
-      __m512i isum[MT];
+      __m512i isum[MT][D];
 #pragma GCC unroll 4
       for (int r = 0; r < MT; ++r)
-        isum[r] = kBits == 4 ? _mm512_setzero_si512() : _mm512_set1_epi32(-128 * in.qsum[(m0 + r) * blocks + b]);
+#pragma GCC unroll 3
+        for (int j = 0; j < D; ++j)
+          isum[r][j] = kBits == 4 ? _mm512_setzero_si512()
+                                  : _mm512_set1_epi32(-128 * in[j].qsum[(m0 + r) * blocks + b]);
       if constexpr (kBits == 4) {
 #pragma GCC unroll 4
-        for (int j = 0; j < 4; ++j) {
-          const __m512i bytes = _mm512_loadu_si512(p + j * 64);
+        for (int k = 0; k < 4; ++k) {
+          const __m512i bytes = _mm512_loadu_si512(p + k * 64);
           const __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
 #pragma GCC unroll 4
-          for (int r = 0; r < MT; ++r) {
-            const int8_t* xq = in.q.get() + (m0 + r) * K + b * kBlock;
-            isum[r] = _mm512_dpbusd_epi32(isum[r], lo, _mm512_set1_epi32(load_word(xq + 4 * j)));
-            isum[r] = _mm512_dpbusd_epi32(isum[r], hi, _mm512_set1_epi32(load_word(xq + 16 + 4 * j)));
-          }
+          for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 3
+            for (int j = 0; j < D; ++j) {
+              const int8_t* xq = in[j].q.get() + (m0 + r) * K + b * kBlock;
+              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], lo, _mm512_set1_epi32(load_word(xq + 4 * k)));
+              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], hi, _mm512_set1_epi32(load_word(xq + 16 + 4 * k)));
+            }
         }
       } else {
 #pragma GCC unroll 8
-        for (int j = 0; j < 8; ++j) {
-          const __m512i bytes = _mm512_loadu_si512(p + j * 64);
+        for (int k = 0; k < 8; ++k) {
+          const __m512i bytes = _mm512_loadu_si512(p + k * 64);
 #pragma GCC unroll 4
-          for (int r = 0; r < MT; ++r) {
-            const int8_t* xq = in.q.get() + (m0 + r) * K + b * kBlock;
-            isum[r] = _mm512_dpbusd_epi32(isum[r], bytes, _mm512_set1_epi32(load_word(xq + 4 * j)));
-          }
+          for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 3
+            for (int j = 0; j < D; ++j) {
+              const int8_t* xq = in[j].q.get() + (m0 + r) * K + b * kBlock;
+              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], bytes, _mm512_set1_epi32(load_word(xq + 4 * k)));
+            }
         }
       }
 #pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r)
-        acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]),
-                                 _mm512_mul_ps(s, _mm512_set1_ps(in.d[(m0 + r) * blocks + b])), acc[r]);
+      for (int r = 0; r < MT; ++r) {
+        const int64_t at = (m0 + r) * blocks + b;
+        if constexpr (D == 1) {
+          const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(in[0].d[at]));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][0]), scale, acc[r]);
+          continue;
+        }
+        // The smallest digit first: the sum adds like magnitudes before the largest.
+        __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][D - 1]), _mm512_set1_ps(in[D - 1].d[at]));
+#pragma GCC unroll 3
+        for (int j = D - 2; j >= 0; --j)
+          part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][j]), _mm512_set1_ps(in[j].d[at]), part);
+        acc[r] = _mm512_fmadd_ps(part, s, acc[r]);
+      }
     }
     if (tm) {
       const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm + g * kP16)));
 #pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r) acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in.sum[(m0 + r) * w.groups + g]), acc[r]);
+      for (int r = 0; r < MT; ++r)
+        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in[0].sum[(m0 + r) * w.groups + g]), acc[r]);
     }
   }
   const int64_t n0 = t * kP16, valid = std::min(kP16, w.valid_rows - n0);
@@ -1259,8 +1292,10 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m
 #else
 constexpr int kP16MaxRows = 2;
 // The same with 256-bit registers: each 64-byte word row holds rows 0-7, then rows 8-15.
-template <int kBits, int MT>
-void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput& in, int64_t m0, float* y, int64_t ldy) {
+template <int kBits, int MT, int D = 1>
+void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* digits, int64_t m0, float* y, int64_t ldy) {
+  static_assert(D == 1, "the split kernel needs AVX-512 VNNI");
+  const QuantizedInput& in = digits[0];
   const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
   const auto [tile, ts, tm] = p16_tile_parts(w, t);
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
@@ -1461,12 +1496,11 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
 
 at::Tensor qlinear_p16_exact(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                              const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
-  const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
-  TORCH_CHECK_VALUE(p16_exact_supported_bits(bits), "this build of the kernels has no exact p16 kernel for ", bits,
-                    "-bit weights (needs AVX-512)");
-  check_input(x, w);
+  const auto operands = p16_operands(x, data, scales, mins, rows, group_size, bits, p16_exact_supported_bits(bits),
+                                     "exact p16", "needs AVX-512");
+  const P16Weight& w = operands.first;
+  at::Tensor y = operands.second;
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, w.valid_rows}, x.options());
   if (M == 0 || w.valid_rows == 0) return y;
 #ifdef MRQ_AVX512
   const float* xp = x.const_data_ptr<float>();
@@ -1495,18 +1529,10 @@ at::Tensor qlinear_p16_exact(const at::Tensor& x, const at::Tensor& data, const 
 
 bool p16_exact_supported(int64_t bits) { return p16_exact_supported_bits(bits); }
 
-at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
-                       const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
-  const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
-  TORCH_CHECK_VALUE(p16_supported_bits(bits), "this build of the kernels has no p16 kernel for ", bits,
-                    "-bit weights (", (bits == 8 ? "8-bit needs VNNI" : "needs AVX2"), ")");
-  check_input(x, w);
-  const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, w.valid_rows}, x.options());
-  if (M == 0 || w.valid_rows == 0) return y;
 #ifdef MRQ_AVX2
-  const QuantizedInput in = quantize_input(x.const_data_ptr<float>(), M, w, bits == 8, false);
-  float* yp = y.data_ptr<float>();
+// Every tile for every row of x (in D digits), the tiles split among torch's threads.
+template <int D>
+void p16_rows(const P16Weight& w, const QuantizedInput* digits, int64_t M, float* yp) {
   const int64_t count = (M + kP16MaxRows - 1) / kP16MaxRows;
   parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
     for (int64_t t = n0 / kP16; t < n1 / kP16; ++t)
@@ -1514,12 +1540,27 @@ at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Te
         const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
         with_mt(mt, [&]<int MT>() {
           if constexpr (MT <= kP16MaxRows)
-            bits == 4 ? p16_tile<4, MT>(w, t, in, m0, yp + m0 * w.valid_rows, w.valid_rows)
-                      : p16_tile<8, MT>(w, t, in, m0, yp + m0 * w.valid_rows, w.valid_rows);
+            w.bits == 4 ? p16_tile<4, MT, D>(w, t, digits, m0, yp + m0 * w.valid_rows, w.valid_rows)
+                        : p16_tile<8, MT, D>(w, t, digits, m0, yp + m0 * w.valid_rows, w.valid_rows);
         });
         m0 += mt;
       }
   });
+}
+#endif
+
+at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                       const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
+  const auto operands = p16_operands(x, data, scales, mins, rows, group_size, bits, p16_supported_bits(bits), "p16",
+                                     bits == 8 ? "8-bit needs VNNI" : "needs AVX2");
+  const P16Weight& w = operands.first;
+  at::Tensor y = operands.second;
+  const int64_t M = x.size(0);
+  if (M == 0 || w.valid_rows == 0) return y;
+#ifdef MRQ_AVX2
+  std::vector<QuantizedInput> digits;
+  digits.push_back(quantize_input(x.const_data_ptr<float>(), M, w, bits == 8, false));
+  p16_rows<1>(w, digits.data(), M, y.data_ptr<float>());
 #endif
   return y;
 }
@@ -1569,108 +1610,19 @@ std::vector<QuantizedInput> split_input(const float* x, int64_t M, const QuantWe
   return digits;
 }
 
-// Rows [m0, m0 + MT) of x against tile t, the digits' three integer sums per block.
-template <int kBits, int MT>
-void p16s_tile(const P16Weight& w, int64_t t, const QuantizedInput* in, int64_t m0, float* y, int64_t ldy) {
-  constexpr int D = kSplitDigits;
-  const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
-  const auto [tile, ts, tm] = p16_tile_parts(w, t);
-  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
-  const __m512i low = _mm512_set1_epi8(0x0f);
-  __m512 acc[MT];
-#pragma GCC unroll 4
-  for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + g * kP16)));
-    for (const int64_t end = b + per_group; b < end; ++b) {
-      const uint8_t* p = tile + b * kBlockBytes;
-#pragma GCC unroll 8
-      for (int64_t line = 0; line < kBlockBytes; line += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
-      __m512i isum[MT][D];
-#pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r)
-#pragma GCC unroll 3
-        for (int j = 0; j < D; ++j)
-          isum[r][j] = kBits == 4 ? _mm512_setzero_si512()
-                                  : _mm512_set1_epi32(-128 * in[j].qsum[(m0 + r) * blocks + b]);
-      if constexpr (kBits == 4) {
-#pragma GCC unroll 4
-        for (int k = 0; k < 4; ++k) {
-          const __m512i bytes = _mm512_loadu_si512(p + k * 64);
-          const __m512i lo = _mm512_and_si512(bytes, low), hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low);
-#pragma GCC unroll 4
-          for (int r = 0; r < MT; ++r)
-#pragma GCC unroll 3
-            for (int j = 0; j < D; ++j) {
-              const int8_t* xq = in[j].q.get() + (m0 + r) * K + b * kBlock;
-              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], lo, _mm512_set1_epi32(load_word(xq + 4 * k)));
-              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], hi, _mm512_set1_epi32(load_word(xq + 16 + 4 * k)));
-            }
-        }
-      } else {
-#pragma GCC unroll 8
-        for (int k = 0; k < 8; ++k) {
-          const __m512i bytes = _mm512_loadu_si512(p + k * 64);
-#pragma GCC unroll 4
-          for (int r = 0; r < MT; ++r)
-#pragma GCC unroll 3
-            for (int j = 0; j < D; ++j) {
-              const int8_t* xq = in[j].q.get() + (m0 + r) * K + b * kBlock;
-              isum[r][j] = _mm512_dpbusd_epi32(isum[r][j], bytes, _mm512_set1_epi32(load_word(xq + 4 * k)));
-            }
-        }
-      }
-#pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r) {
-        // The smallest digit first: the sum adds like magnitudes before the largest.
-        const int64_t at = (m0 + r) * blocks + b;
-        __m512 part = _mm512_mul_ps(_mm512_cvtepi32_ps(isum[r][D - 1]), _mm512_set1_ps(in[D - 1].d[at]));
-#pragma GCC unroll 3
-        for (int j = D - 2; j >= 0; --j)
-          part = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][j]), _mm512_set1_ps(in[j].d[at]), part);
-        acc[r] = _mm512_fmadd_ps(part, s, acc[r]);
-      }
-    }
-    if (tm) {
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm + g * kP16)));
-#pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r)
-        acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in[0].sum[(m0 + r) * w.groups + g]), acc[r]);
-    }
-  }
-  const int64_t n0 = t * kP16, valid = std::min(kP16, w.valid_rows - n0);
-  const __mmask16 mask = valid == kP16 ? __mmask16(0xffff) : __mmask16((1u << valid) - 1);
-#pragma GCC unroll 4
-  for (int r = 0; r < MT; ++r) _mm512_mask_storeu_ps(y + r * ldy + n0, mask, acc[r]);
-}
 #endif
 
 at::Tensor qlinear_p16_split(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                              const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
-  const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
-  TORCH_CHECK_VALUE(p16_split_supported_bits(bits), "this build of the kernels has no split p16 kernel for ", bits,
-                    "-bit weights (needs AVX-512 VNNI)");
-  check_input(x, w);
+  const auto operands = p16_operands(x, data, scales, mins, rows, group_size, bits, p16_split_supported_bits(bits),
+                                     "split p16", "needs AVX-512 VNNI");
+  const P16Weight& w = operands.first;
+  at::Tensor y = operands.second;
   const int64_t M = x.size(0);
-  at::Tensor y = at::empty({M, w.valid_rows}, x.options());
   if (M == 0 || w.valid_rows == 0) return y;
 #if defined(MRQ_AVX512) && MRQ_VNNI == 1
   const std::vector<QuantizedInput> digits = split_input(x.const_data_ptr<float>(), M, w, bits == 8);
-  float* yp = y.data_ptr<float>();
-  const int64_t count = (M + kP16MaxRows - 1) / kP16MaxRows;
-  parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
-    for (int64_t t = n0 / kP16; t < n1 / kP16; ++t)
-      for (int64_t i = 0, m0 = 0; i < count; ++i) {
-        const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
-        with_mt(mt, [&]<int MT>() {
-          if constexpr (MT <= kP16MaxRows)
-            bits == 4 ? p16s_tile<4, MT>(w, t, digits.data(), m0, yp + m0 * w.valid_rows, w.valid_rows)
-                      : p16s_tile<8, MT>(w, t, digits.data(), m0, yp + m0 * w.valid_rows, w.valid_rows);
-        });
-        m0 += mt;
-      }
-  });
+  p16_rows<kSplitDigits>(w, digits.data(), M, y.data_ptr<float>());
 #endif
   return y;
 }
