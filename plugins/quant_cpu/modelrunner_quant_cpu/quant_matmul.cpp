@@ -1558,9 +1558,8 @@ at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Te
   const int64_t M = x.size(0);
   if (M == 0 || w.valid_rows == 0) return y;
 #ifdef MRQ_AVX2
-  std::vector<QuantizedInput> digits;
-  digits.push_back(quantize_input(x.const_data_ptr<float>(), M, w, bits == 8, false));
-  p16_rows<1>(w, digits.data(), M, y.data_ptr<float>());
+  const QuantizedInput in = quantize_input(x.const_data_ptr<float>(), M, w, bits == 8, false);
+  p16_rows<1>(w, &in, M, y.data_ptr<float>());
 #endif
   return y;
 }
