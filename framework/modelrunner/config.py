@@ -161,6 +161,39 @@ class SchedulerConfig:
     """Most new tokens in one step (long prompts are prefilled in chunks of at most this)."""
 
 
+def _positive_or_none(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None:
+        _positive(instance, attribute, value)
+
+
+@attrs.frozen
+class RequestLimits:
+    """How large each list-valued sampling field of one request may be.
+
+    A request over a limit is refused when it is added (``ValueError`` naming the field, its size and
+    the limit; a server answers 400), before any work proportional to its size is done. Within the
+    limits, a request's per-step cost does not grow with these fields (masks and lookup structures
+    are built once, when it is added), so one large request cannot slow the others' steps.
+    """
+
+    max_allowed_token_ids: int | None = attrs.field(default=None, validator=_positive_or_none)
+    """Most entries in ``allowed_token_ids``; None: the vocabulary size (more can only repeat ids)."""
+    max_logit_bias: int | None = attrs.field(default=None, validator=_positive_or_none)
+    """Most entries in ``logit_bias``; None: the vocabulary size."""
+    max_stop_token_ids: int | None = attrs.field(default=None, validator=_positive_or_none)
+    """Most entries in ``stop_token_ids``; None: the vocabulary size."""
+    max_stop_strings: int = attrs.field(default=128, validator=_positive)
+    """Most strings in ``stop``."""
+    max_stop_string_chars: int = attrs.field(default=256, validator=_positive)
+    """Longest string in ``stop``, in characters (the text held back while streaming is this long)."""
+    max_bad_words: int = attrs.field(default=128, validator=_positive)
+    """Most words in ``bad_words`` (each is tokenized twice when the request is added)."""
+    max_bad_word_chars: int = attrs.field(default=256, validator=_positive)
+    """Longest word in ``bad_words``, in characters."""
+    max_logits_processors: int = attrs.field(default=16, validator=_positive)
+    """Most entries in ``logits_processors``."""
+
+
 def _device_default() -> str:
     return "auto"
 
@@ -179,6 +212,8 @@ class RunnerConfig:
     """Compilation."""
     scheduler: SchedulerConfig = attrs.field(factory=SchedulerConfig)
     """Batching."""
+    limits: RequestLimits = attrs.field(factory=RequestLimits)
+    """Size limits on each request's sampling fields."""
     device: str | int = attrs.field(factory=_device_default, validator=_device)
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or a GPU index."""
 
@@ -224,6 +259,7 @@ _SECTIONS = {
     "parallel": ParallelConfig,
     "compile": CompileConfig,
     "scheduler": SchedulerConfig,
+    "limits": RequestLimits,
 }
 
 _RENAMED = {"compile": "enabled", "compile_backend": "backend", "compile_mode": "mode",

@@ -17,10 +17,17 @@ that hangs inside a step (e.g. stopped by SIGSTOP) fails the step instead of sta
 The rendezvous is a ``TCPStore``: torchrun's (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``MASTER_ADDR``, ``MASTER_PORT``, its agent hosting the store), or one rank 0 hosts for workers it
 spawned itself. Ranks also leave failure reports in that store (see :mod:`modelrunner.worker`).
+
+The store is unauthenticated and lives as long as the model, so where rank 0 hosts it, it listens
+only where the ranks can reach it: on loopback when ``master_addr`` is a loopback address (the
+workers rank 0 spawns itself use ``127.0.0.1``; so does ``torchrun --standalone``), on every
+interface otherwise. A run across machines needs the latter (the other machines connect to
+``MASTER_ADDR``): keep such a cluster on a private network, as torchrun's own store requires.
 """
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import pickle
 import socket
@@ -109,6 +116,32 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def loopback_listener(host: str, port: int) -> socket.socket | None:
+    """A socket listening on ``host:port`` for the store rank 0 hosts, when ``host`` is a loopback
+    address (or a name resolving only to loopback); None otherwise (the store then listens on every
+    interface, as a rendezvous across machines needs).
+
+    ``TCPStore`` itself binds every interface; handed this socket (``master_listen_fd``) it accepts
+    only connections from this machine.
+    """
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return None
+    if not infos or not all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos):
+        return None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+        sock.listen(socket.SOMAXCONN)
+    except OSError as e:
+        sock.close()
+        raise OSError(e.errno, f"cannot host the rendezvous store on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 def collective_timeout() -> float:
@@ -227,9 +260,11 @@ def init_distributed(
         )
     timeout = timedelta(seconds=timeout_s or collective_timeout())
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size,
-                          is_master=launch.rank == 0 and not launch.agent_store, timeout=timeout,
-                          wait_for_workers=False, multi_tenant=True)
+    is_master = launch.rank == 0 and not launch.agent_store
+    listener = loopback_listener(launch.master_addr, launch.master_port) if is_master else None
+    store = dist.TCPStore(launch.master_addr, launch.master_port, launch.world_size, is_master=is_master,
+                          timeout=timeout, wait_for_workers=False, multi_tenant=True,
+                          master_listen_fd=listener.detach() if listener is not None else None)
     ours = dist.PrefixStore(STORE_PREFIX, store)
     ours.set(f"joined/{launch.rank}", str(os.getpid()))
     _wait_for_keys(ours, [f"joined/{r}" for r in range(launch.world_size)], timeout, while_waiting)

@@ -25,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
 from datetime import timedelta
@@ -48,7 +49,8 @@ from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
 from .plugins import Plugins
-from .runner import ModelRunner
+from .model_size import check_model_fits
+from .runner import ModelRunner, resolve_dtype
 from .source import resolve_source
 from .worker import (STEP, STOP, Worker, is_peer_failure, is_timeout, load_rank, rank_config, rank_device,
                      read_failures, run_step)
@@ -57,6 +59,8 @@ SETTLE_S = 5.0
 """After a collective fails, how long the driver waits for the failing rank's report or exit code."""
 STOP_GRACE_S = 10.0
 """How long workers get to leave after a clean stop before they are killed."""
+WATCH_INTERVAL_S = 0.5
+"""How often rank 0 checks, between steps too, that the workers it started still run."""
 
 
 class WorkerFailedError(FatalError):
@@ -100,6 +104,12 @@ class Executor(ArticleAPI, abc.ABC):
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop the other ranks, if any. Idempotent; also runs at exit."""
+
+    def check_health(self) -> None:
+        """Raise if the executor can no longer run steps (a worker process died); cheap, call it often.
+
+        :raises WorkerFailedError: naming the rank and how it ended.
+        """
 
     # -- read from this process's runner ------------------------------------------------------------
 
@@ -214,7 +224,10 @@ def create_executor(config: RunnerConfig | dict[str, Any], plugins: Plugins | No
     runner.check_config()
     source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
     try:
-        runner.check_supported(source, runner.choose_quantization(source))
+        quantization = runner.choose_quantization(source)
+        runner.check_supported(source, quantization)
+        check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device), runner.device,
+                         world, quantization is not None)
     finally:
         source.release_weights()
     port = free_port()
@@ -345,6 +358,38 @@ class WorkerProcesses:
                 pass
 
 
+class WorkerWatcher:
+    """Notices a started worker that ends while the group is open — also between steps, when no
+    collective would — by polling the processes every :data:`WATCH_INTERVAL_S` from a daemon thread.
+
+    :param workers: the processes to watch.
+    :param tp_size: tensor-parallel size (to name a rank's place in the group).
+    """
+
+    def __init__(self, workers: WorkerProcesses, tp_size: int, interval_s: float = WATCH_INTERVAL_S) -> None:
+        self.failure: WorkerFailedError | None = None
+        """The first worker seen ended, once one is."""
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, args=(workers, tp_size, interval_s),
+                                        name="modelrunner-worker-watcher", daemon=True)
+        self._thread.start()
+
+    def _watch(self, workers: WorkerProcesses, tp_size: int, interval_s: float) -> None:
+        while not self._stop.wait(interval_s):
+            exited = workers.exited()
+            if exited and not self._stop.is_set():
+                rank, how = min(exited.items())
+                pid = workers.processes[rank].pid
+                self.failure = WorkerFailedError(
+                    f"rank {rank} (tensor-parallel rank {rank % tp_size}, pipeline stage {rank // tp_size}, "
+                    f"pid {pid}) {how}", rank, "serving")
+                return
+
+    def stop(self) -> None:
+        """Stop watching (before the workers are told to leave, so their exit is not a failure)."""
+        self._stop.set()
+
+
 class _Group:
     """What closing the group needs, kept apart from the executor so a finalizer can close it."""
 
@@ -353,6 +398,8 @@ class _Group:
         """Rank 0's membership of the group."""
         self.workers = workers
         """The started workers (None under torchrun)."""
+        self.watcher = WorkerWatcher(workers, ctx.parallel.tp_size) if workers is not None else None
+        """Watches the started workers while the group is open."""
         self.broken = False
         """A rank failed: the others cannot be told to stop, only killed."""
         self.closed = False
@@ -365,6 +412,9 @@ class _Group:
         if self.closed:
             return
         self.closed = True
+        if self.watcher is not None:
+            self.watcher.stop()
+            self.broken = self.broken or self.watcher.failure is not None
         if not self.broken:
             try:
                 broadcast_object((STOP,), self.ctx.control_group)
@@ -480,9 +530,26 @@ class MultiprocExecutor(Executor):
         """True once shut down (or broken by a failure)."""
         return self._group.closed
 
+    def check_health(self) -> None:
+        """Raise if a rank has failed — in a step, or (seen by the watcher) while idle; in that case
+        the group is shut down first. Call it from the thread that runs the steps.
+
+        :raises WorkerFailedError: naming the rank and how it ended.
+        """
+        self._adopt_watched_failure()
+        if self._failure is not None:
+            self._raise_if_unusable()
+
     # -- failures --------------------------------------------------------------------------------
 
+    def _adopt_watched_failure(self) -> None:
+        watcher = self._group.watcher
+        if self._failure is None and not self._group.closed and watcher is not None and watcher.failure is not None:
+            self._failure = watcher.failure
+            self.shutdown()
+
     def _raise_if_unusable(self) -> None:
+        self._adopt_watched_failure()
         if self._failure is not None:
             f = self._failure
             raise WorkerFailedError(f"{f} (the parallel group is shut down; create a new LLM)", f.rank, f.phase)

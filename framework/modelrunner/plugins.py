@@ -21,6 +21,7 @@ import torch
 
 from . import hookspecs
 from .errors import PluginError, UnknownNameError
+from .plugin_timeout import IMPORT_TIMEOUT_ENV, PluginTimeoutError, call_bounded, import_timeout
 from .registry import Registry, split_choice
 
 ENTRY_POINT_GROUP = "modelrunner"
@@ -64,6 +65,15 @@ class PluginInfo:
     def as_dict(self) -> dict[str, Any]:
         """JSON-ready form."""
         return attrs.asdict(self)
+
+
+def failure_text(error: BaseException, doing: str) -> str:
+    """How a plugin failed, for its ``error`` entry: ``"ImportError: ..."``; a ``sys.exit`` says so."""
+    if isinstance(error, SystemExit):
+        return f"SystemExit: {error.code} (the plugin called sys.exit while {doing})"
+    if isinstance(error, PluginTimeoutError):
+        return str(error)
+    return f"{type(error).__name__}: {error}"
 
 
 class PluginAPIError(PluginError):
@@ -186,6 +196,7 @@ class Plugins:
             self.infos[name] = PluginInfo(name, "modelrunner", version)
 
     def _load_entry_points(self, allow: set[str] | None, block: set[str]) -> None:
+        timeout = import_timeout()
         for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
             if ep.name in block or (allow is not None and ep.name not in allow):
                 continue
@@ -195,13 +206,13 @@ class Plugins:
             version = ep.dist.version if ep.dist else "?"
             api = None
             try:
-                plugin = ep.load()
+                plugin = call_bounded(ep.load, f"importing plugin {ep.name!r}", timeout, IMPORT_TIMEOUT_ENV)
                 api = api_range(plugin)
                 check_api(api)
                 self.pm.register(plugin, name=ep.name)
                 warn_deprecated_hooks(self.pm, plugin, ep.name)
-            except Exception as e:  # a broken plugin must not take the others down
-                self.broken[ep.name] = f"{type(e).__name__}: {e}"
+            except (Exception, SystemExit) as e:  # a broken plugin must not take the others down
+                self.broken[ep.name] = failure_text(e, "importing it")
                 self.infos[ep.name] = PluginInfo(ep.name, dist, version, error=self.broken[ep.name], api=api)
                 continue
             self.infos[ep.name] = PluginInfo(ep.name, dist, version, api=api)
@@ -212,8 +223,8 @@ class Plugins:
             self.registry.current_plugin = impl.plugin_name
             try:
                 impl.function(registry=self.registry)
-            except Exception as e:
-                self.broken[impl.plugin_name] = f"register hook raised {type(e).__name__}: {e}"
+            except (Exception, SystemExit) as e:
+                self.broken[impl.plugin_name] = f"register hook raised {failure_text(e, 'registering its names')}"
         for name, info in list(self.infos.items()):
             plugin = self.pm.get_plugin(name)
             hooks = tuple(sorted(c.name for c in self.pm.get_hookcallers(plugin) or [])) if plugin else ()

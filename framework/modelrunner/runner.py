@@ -24,6 +24,7 @@ from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
 from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
+from .model_size import check_model_fits
 from .models.loader import ModelLoader, adapter_for
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
@@ -182,6 +183,7 @@ class ModelRunner(ArticleAPI):
         torch.manual_seed(cfg.model.seed)
         loader = ModelLoader(self.plugins, cfg, self.device, self.dtype, self.parallel, backend, self.max_model_len)
         self.check_supported(self.source, self.quantization)
+        check_model_fits(self.source, self.dtype, self.device, cfg.parallel.world_size, self.quantization is not None)
         loaded = loader.parallelize(loader.load(self.source, adapter=cfg.model.adapter))
         if cfg.model.tokenizer is not None:
             loaded.tokenizer = load_tokenizer_from(cfg.model.tokenizer)

@@ -1,8 +1,10 @@
-"""A property-based soak of the engine: random requests (edge sampling values included), aborts and
-additions between steps, a KV cache small enough to preempt, and a runner that fails at random steps
-(raising, returning a wrong number of rows, returning NaN). After every step nothing is stuck and the
-used blocks are exactly those live sequences hold; every greedy or seeded request that finished
-normally equals its run alone on a healthy engine."""
+"""A property-based soak of the engine: random requests (edge sampling values included), aborts,
+additions and beam searches between steps, a KV cache small enough to preempt (and for beam searches
+to run out of blocks), and a runner that fails at random steps (raising, returning a wrong number of
+rows, returning NaN). After every step and every beam search nothing is stuck and the used blocks are
+exactly those live sequences hold; every greedy or seeded request that finished normally, and every
+beam search no fault touched, equals its run alone on a healthy engine (so no beam search, failed or
+not, left KV it never wrote in the prefix cache)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from hypothesis import strategies as st
 
 from modelrunner import SamplingParams
 from modelrunner.engine import LLMEngine
+from modelrunner.engine.beam_search import BeamSearchParams, beam_search
 from modelrunner.engine.sequence import SequenceStatus
 
 from conftest import VOCAB, FakeRunner
@@ -73,6 +76,20 @@ def live_blocks(engine: LLMEngine) -> set[int]:
             for b in alloc.block_table(seq.seq_id)}
 
 
+def assert_cache_holds_its_tokens(engine: LLMEngine, runner: FakeRunner) -> None:
+    """Every block the prefix cache would serve holds, in the runner's KV, the tokens it is keyed by:
+    no forward that failed (or never ran) left a block there whose KV nobody wrote."""
+    alloc, bs = engine.allocator, engine.allocator.block_size
+    for (_, tokens, _), block in alloc._cache.items():  # the paged allocator's prefix cache
+        assert runner.kv[block * bs:(block + 1) * bs].tolist() == list(tokens), f"cached block {block}"
+
+
+def solo_beams(prompt: list[int], params: BeamSearchParams, num_blocks: int) -> list[list[int]]:
+    """The beam search alone on a healthy engine with the same cache."""
+    engine = LLMEngine(FakeRunner(num_blocks=num_blocks, block_size=4, max_model_len=64))
+    return [s.tokens for s in beam_search(engine, [prompt], params)[0].sequences]
+
+
 def solo(prompt: list[int], params: SamplingParams, num_blocks: int) -> list[list[int]]:
     """The request alone on a healthy engine with the same cache (a sequence that fills the cache
     ends with "length" at the same point)."""
@@ -97,7 +114,7 @@ def test_random_requests_faults_and_aborts(data, seed, fault_rate, num_blocks):
     finished: dict[str, object] = {}
     idle = 0
     for step in range(data.draw(st.integers(10, 60), label="steps")):
-        action = data.draw(st.sampled_from(["add", "add", "step", "step", "step", "abort"]), label="action")
+        action = data.draw(st.sampled_from(["add", "add", "step", "step", "step", "abort", "beam"]), label="action")
         if action == "add":
             prompt = data.draw(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=16), label="prompt")
             params = data.draw(params_strategy(), label="params")
@@ -111,6 +128,21 @@ def test_random_requests_faults_and_aborts(data, seed, fault_rate, num_blocks):
             live = sorted(r for r in requests if engine.is_running(r))
             if live:
                 engine.abort_request(data.draw(st.sampled_from(live), label="victim"))
+        elif action == "beam":  # runs to its end between two steps, beside the requests holding blocks
+            prompts = data.draw(st.lists(st.lists(st.integers(1, VOCAB - 1), min_size=1, max_size=12), min_size=1,
+                                         max_size=2), label="beam prompts")
+            beams = BeamSearchParams(beam_width=data.draw(st.integers(1, 3), label="beam_width"),
+                                     max_tokens=data.draw(st.integers(1, 10), label="beam max_tokens"),
+                                     ignore_eos=data.draw(st.booleans(), label="beam ignore_eos"))
+            faults = runner.faults
+            try:
+                found = [[s.tokens for s in out.sequences] for out in beam_search(engine, prompts, beams)]
+            except (ValueError, RuntimeError):
+                found = None  # out of blocks (others hold them) or an injected fault
+            assert engine.allocator.stats().used_blocks == len(live_blocks(engine)), "a beam search kept blocks"
+            assert_cache_holds_its_tokens(engine, runner)
+            if found is not None and runner.faults == faults:
+                assert found == [solo_beams(prompt, beams, num_blocks) for prompt in prompts]
         batches = len(runner.batches) + runner.faults
         outputs = engine.step()
         for out in outputs:
@@ -129,6 +161,7 @@ def test_random_requests_faults_and_aborts(data, seed, fault_rate, num_blocks):
         assert engine.allocator.stats().used_blocks == len(live_blocks(engine))
     assert not engine.has_unfinished_requests(), "requests left unfinished"
     assert engine.allocator.stats().used_blocks == 0
+    assert_cache_holds_its_tokens(engine, runner)
     for rid, out in finished.items():
         prompt, params = requests[rid]
         normal = out.error is None and all(o.finish_reason in ("stop", "length") for o in out.outputs)

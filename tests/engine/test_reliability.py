@@ -7,6 +7,10 @@ import pytest
 
 from modelrunner import SamplingParams
 from modelrunner.engine import LLMEngine
+from modelrunner.engine.beam_search import BeamSearchParams, beam_search
+from modelrunner.engine.block_owners import BlockOwnershipError
+from modelrunner.kv_cache.paged import PagedBlockAllocator
+from modelrunner.plugins import get_plugins
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
 MAX_STEPS = 500
@@ -140,3 +144,48 @@ def test_changing_params_after_adding_does_not_change_the_request(fake_runner):
     params.min_tokens = 20  # each field is checked when set; the rule between them when added
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(9\), got 20"):
         engine.add_request("again", [1, 2], params)
+
+
+class _HandsOutHeldBlocks(PagedBlockAllocator):
+    """The paged allocator, except that every new block is the first block a live sequence holds."""
+
+    name = "hands_out_held"
+
+    def _take_free_block(self) -> int:
+        block = super()._take_free_block()
+        held = [b for seq in self._seqs.values() for b in seq.block_table]
+        return held[0] if held else block
+
+
+class _WithAllocator:
+    """The real plugins, except that every allocator created is ``cls``."""
+
+    def __init__(self, plugins, cls) -> None:
+        self._plugins, self._cls = plugins, cls
+
+    def __getattr__(self, name):
+        return getattr(self._plugins, name)
+
+    def create_allocator(self, name, num_blocks, block_size, max_model_len, config):
+        return self._cls(num_blocks, block_size, max_model_len, config.enable_prefix_caching)
+
+
+@pytest.mark.parametrize("beams", [False, True])
+def test_an_allocator_handing_out_a_held_block_fails_loudly_naming_it(fake_runner, monkeypatch, beams):
+    runner = fake_runner()
+    monkeypatch.setattr(type(runner), "plugins", property(lambda self: _WithAllocator(get_plugins(),
+                                                                                      _HandsOutHeldBlocks)))
+    engine = LLMEngine(runner)
+    engine.add_request("first", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, **GREEDY))
+    if beams:  # a beam search's blocks are checked against the running requests' too
+        engine.step()
+        with pytest.raises(BlockOwnershipError, match=r"KV allocator 'hands_out_held' \(_HandsOutHeldBlocks\) "
+                                                      r"handed out block 0 as a new block to sequence \d+ while "
+                                                      r"sequence\(s\) \[0\] hold it"):
+            beam_search(engine, [[9, 8, 7]], BeamSearchParams(beam_width=2, max_tokens=3))
+        return
+    engine.add_request("second", [6, 7, 8], SamplingParams(max_tokens=4, **GREEDY))
+    with pytest.raises(BlockOwnershipError, match=r"KV allocator 'hands_out_held' \(_HandsOutHeldBlocks\) handed "
+                                                  r"out block 0 as a new block to sequence 1 while sequence\(s\) \[0\] "
+                                                  r"hold it"):
+        engine.step()

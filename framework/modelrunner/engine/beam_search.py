@@ -96,27 +96,88 @@ class _Beam:
     num_prompt_tokens: int
 
 
+class _BeamSequences:
+    """The KV sequences one beam search holds, each with how many of its leading tokens have KV
+    written (by a forward that returned). Every sequence the search allocates or forks is owned
+    here from the moment the allocator hands it out, so :meth:`release_all` gives back every block
+    whichever way the search ends, and first takes out of the prefix cache the blocks whose KV no
+    forward wrote (a block is hashed when its slots are reserved, before the forward fills it)."""
+
+    def __init__(self, engine: Any) -> None:
+        self._engine = engine
+        self._alloc = engine.allocator
+        self._executor = engine.executor
+        self._owners = engine.scheduler.owners
+        self._written: dict[int, int] = {}
+
+    def start(self, prompt: list[int]) -> tuple[int, int]:
+        """A new sequence for ``prompt``: its id and how many leading tokens the prefix cache had."""
+        seq_id = self._engine.next_seq_id()
+        cached = self._alloc.allocate(seq_id, prompt)
+        self._written[seq_id] = cached
+        self._owners.allocated(seq_id, cached)
+        return seq_id, cached
+
+    def fork(self, parent: int) -> int:
+        """A new sequence sharing ``parent``'s blocks; its id."""
+        child = self._engine.next_seq_id()
+        copies = self._alloc.fork(parent, child)
+        self._written[child] = self._written[parent]  # owned before the copy, which may raise
+        self._owners.forked(parent, child)
+        self._executor.copy_blocks(copies)
+        return child
+
+    def append(self, seq_id: int, token: int) -> None:
+        """Reserve the slot of ``token``, the sequence's next token to compute."""
+        copies = self._alloc.append_slots(seq_id, [token])
+        self._owners.appended(seq_id, self._alloc.num_tokens(seq_id), copies)
+        self._executor.copy_blocks(copies)
+
+    def computed(self, seq_ids: list[int]) -> None:
+        """A forward over these sequences returned: every token they have slots for is written."""
+        for seq_id in seq_ids:
+            self._written[seq_id] = self._alloc.num_tokens(seq_id)
+
+    def free(self, seq_id: int) -> None:
+        """Give back one sequence's blocks."""
+        written = self._written.pop(seq_id)
+        if written < self._alloc.num_tokens(seq_id):
+            self._alloc.forget_uncomputed(seq_id, written)
+        self._alloc.free(seq_id)
+        self._owners.freed(seq_id)
+
+    def release_all(self) -> None:
+        """Give back every sequence still held (the search ended, done or not)."""
+        while self._written:
+            self.free(next(iter(self._written)))
+
+
 def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
     """Beam-search every token-id prompt together; one output per prompt, in order.
+
+    Whichever way it ends (done, out of blocks, a failed forward, an interrupt), the search holds no
+    KV block afterwards and leaves no block it did not compute in the prefix cache.
 
     :param engine: the :class:`~modelrunner.engine.LLMEngine` whose executor and allocator run it.
     :raises ValueError: the KV cache cannot hold the beams (raise ``kv_cache_memory``).
     """
     executor, alloc = engine.executor, engine.allocator
     stops = set() if params.ignore_eos else set(engine.eos_token_ids)
+    seqs = _BeamSequences(engine)
     live: list[list[_Beam]] = []
     done: list[list[_Beam]] = [[] for _ in prompts]
     try:
         starts = []
         for prompt in prompts:
-            seq_id = engine.next_seq_id()
+            seq_id, start = seqs.start(list(prompt))
             live.append([_Beam(seq_id, list(prompt), [], 0.0, len(prompt))])
-            starts.append(alloc.allocate(seq_id, list(prompt)))
+            starts.append(start)
         beams = [g[0] for g in live]
         batch = ForwardBatch.build([b.seq_id for b in beams], [b.tokens[s:] for b, s in zip(beams, starts)], starts,
                                    [alloc.block_table(b.seq_id) for b in beams], alloc.block_size,
                                    [[len(b.tokens) - s - 1] for b, s in zip(beams, starts)])
         logits = executor.execute_model(batch).logits
+        seqs.computed([b.seq_id for b in beams])
         for step in range(params.max_tokens):
             logprobs = _log_softmax(logits, params.temperature)
             rows = iter(range(logprobs.shape[0]))
@@ -141,8 +202,7 @@ def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchPar
                         continuing.append(grown)
                 chosen_by_group.append(continuing)
             last = step + 1 == params.max_tokens
-            live = [_continue(engine, alloc, executor, old, new, keep_kv=not last)
-                    for old, new in zip(live, chosen_by_group)]
+            live = [_continue(seqs, old, new, keep_kv=not last) for old, new in zip(live, chosen_by_group)]
             if last or not any(live):
                 break
             beams = [b for group in live for b in group]
@@ -150,14 +210,12 @@ def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchPar
                                        [len(b.tokens) - 1 for b in beams], [alloc.block_table(b.seq_id) for b in beams],
                                        alloc.block_size, [[0]] * len(beams))
             logits = executor.execute_model(batch).logits
+            seqs.computed([b.seq_id for b in beams])
     except KVCacheError as e:
         raise ValueError(f"beam search ran out of KV-cache blocks ({e}); raise kv_cache_memory or lower "
                          "beam_width") from e
     finally:
-        for group in live:
-            for beam in group:
-                if beam.seq_id is not None and beam.seq_id in alloc:
-                    alloc.free(beam.seq_id)
+        seqs.release_all()
     outputs = []
     for g, group in enumerate(live):
         finished = done[g] + [attrs.evolve(b, seq_id=None) for b in group]
@@ -170,27 +228,24 @@ def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchPar
     return outputs
 
 
-def _continue(engine: Any, alloc: Any, executor: Any, old: list[_Beam], new: list[_Beam], keep_kv: bool) -> list[_Beam]:
+def _continue(seqs: _BeamSequences, old: list[_Beam], new: list[_Beam], keep_kv: bool) -> list[_Beam]:
     """Give each continuing beam a KV sequence: its parent's own for the parent's first child, a fork
     sharing the parent's blocks for the others; free parents without children. With ``keep_kv``,
     reserve the slot of each beam's new token (copy-on-write of a shared last block)."""
     parents_used: set[int] = set()
     for beam in new:
         if beam.seq_id in parents_used:
-            child = engine.next_seq_id()
-            executor.copy_blocks(alloc.fork(beam.seq_id, child))
-            beam.seq_id = child
+            beam.seq_id = seqs.fork(beam.seq_id)
         else:
             parents_used.add(beam.seq_id)
     for beam in old:
-        if beam.seq_id not in parents_used and beam.seq_id in alloc:
-            alloc.free(beam.seq_id)
-    if keep_kv:
-        for beam in new:
-            executor.copy_blocks(alloc.append_slots(beam.seq_id, [beam.tokens[-1]]))
-    else:
-        for beam in new:
-            alloc.free(beam.seq_id)
+        if beam.seq_id not in parents_used:
+            seqs.free(beam.seq_id)
+    for beam in new:
+        if keep_kv:
+            seqs.append(beam.seq_id, beam.tokens[-1])
+        else:
+            seqs.free(beam.seq_id)
             beam.seq_id = None
     return new
 

@@ -47,28 +47,14 @@ def _fast_decode(tokenizer: Any) -> Any:
     return lambda ids, skip: tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
 
 
-def truncate_at_stop_string(seq: Sequence, search_from: int, keep: bool = False) -> str | None:
-    """Cut ``seq.output_text`` before (with ``keep``: after) the earliest stop string that ends in its new part.
+def text_delta(seq: Sequence, hold_back: int | None = None) -> str:
+    """Text not yet reported, holding back a tail that could still become a stop string.
 
-    :param search_from: characters before this were already checked.
-    :returns: the stop string found, or None.
+    :param hold_back: the longest stop string's length (None: computed from ``seq.params.stop``).
     """
-    text = seq.output_text
-    found, found_at = None, len(text) + 1
-    for stop in seq.params.stop:
-        at = text.find(stop, max(0, search_from - len(stop) + 1))
-        if at != -1 and at < found_at:
-            found, found_at = stop, at
-    if found is not None:
-        seq.output_text = text[:found_at + (len(found) if keep else 0)]
-    return found
-
-
-def text_delta(seq: Sequence) -> str:
-    """Text not yet reported, holding back a tail that could still become a stop string."""
     end = len(seq.output_text)
     if not seq.is_finished and seq.params.stop:
-        end -= max(len(s) for s in seq.params.stop) - 1
+        end -= (max(len(s) for s in seq.params.stop) if hold_back is None else hold_back) - 1
     if end <= seq.sent_text_len:
         return ""
     delta = seq.output_text[seq.sent_text_len:end]

@@ -8,6 +8,7 @@ from typing import Any, Callable
 import attrs
 import torch
 
+from ..config import RequestLimits
 from ..sampling.params import SamplingParams
 
 
@@ -39,7 +40,8 @@ class InputProcessor:
 
     def __init__(self, tokenizer: Any, vocab_size: int, max_model_len: int, kv_capacity_tokens: int,
                  max_num_seqs: int, process_inputs: Callable[..., tuple[list[int], dict[str, Any]]] | None = None,
-                 processor_states: Callable[[SamplingParams], dict[str, Any]] | None = None) -> None:
+                 processor_states: Callable[[SamplingParams], dict[str, Any]] | None = None,
+                 limits: RequestLimits | None = None) -> None:
         self.tokenizer = tokenizer
         """Encodes text prompts."""
         self.vocab_size = vocab_size
@@ -55,6 +57,8 @@ class InputProcessor:
         placeholder expansion), called with ``prompt_text``, ``token_ids`` and ``extra``; None: none."""
         self.processor_states = processor_states
         """Which logits processors a request uses (raises ``ValueError`` for a bad one); None: none."""
+        self.limits = limits or RequestLimits()
+        """Size limits on each request's sampling fields."""
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | dict | None,
                 extra: dict[str, Any] | None = None) -> ProcessedPrompt:
@@ -66,11 +70,15 @@ class InputProcessor:
             for a model without a tokenizer, invalid sampling parameters (checked again here, as they
             may have been changed since construction), ``n`` above ``max_num_seqs``, a logits
             processor that rejects the request, extra inputs the model rejects (e.g. more images than
-            image placeholders).
+            image placeholders), a sampling field over its :class:`~modelrunner.config.RequestLimits` limit or
+            naming a token id outside the vocabulary.
         """
         if not isinstance(params, SamplingParams) and not isinstance(params, (dict, type(None))):
             raise ValueError(f"sampling_params must be a SamplingParams, a dict or None, got {type(params).__name__}")
-        params = SamplingParams.from_optional(params).clone().validate()
+        params = SamplingParams.from_optional(params)
+        check_limits(params, self.limits, self.vocab_size)  # sizes first: nothing below scales with them
+        params = params.clone().validate()
+        check_token_ranges(params, self.vocab_size)
         text, token_ids, prompt_extra = self._parse(prompt)
         extra = {**prompt_extra, **(extra or {})}
         if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
@@ -140,6 +148,42 @@ class InputProcessor:
             )
         if params.n > self.max_num_seqs:
             raise ValueError(f"request {request_id!r}: n={params.n} exceeds max_num_seqs={self.max_num_seqs}")
+
+
+def check_limits(params: SamplingParams, limits: RequestLimits, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the field, its size and the limit when one of ``params``' list-valued
+    fields is larger than ``limits`` allows. Looks at sizes only (and at the length of each string
+    once the count is within its limit), so an oversized request costs nothing more to refuse.
+    """
+    def at_most(field: str, value: Any, limit: int | None, setting: str, what: str = "entries") -> None:
+        bound = vocab_size if limit is None else limit
+        size = len(value) if hasattr(value, "__len__") else 0
+        if size > bound:
+            source = f"{setting}={limit}" if limit is not None else f"{setting} (the vocabulary size, {vocab_size})"
+            raise ValueError(f"{field} has {size} {what}; the limit is {source}")
+
+    def chars_at_most(field: str, strings: Any, limit: int, setting: str) -> None:
+        for i, text in enumerate(strings):
+            if isinstance(text, str) and len(text) > limit:
+                raise ValueError(f"{field}[{i}] has {len(text)} characters; the limit is {setting}={limit}")
+
+    at_most("allowed_token_ids", params.allowed_token_ids or (), limits.max_allowed_token_ids, "max_allowed_token_ids")
+    at_most("logit_bias", params.logit_bias, limits.max_logit_bias, "max_logit_bias")
+    at_most("stop_token_ids", params.stop_token_ids, limits.max_stop_token_ids, "max_stop_token_ids")
+    at_most("stop", params.stop, limits.max_stop_strings, "max_stop_strings", "strings")
+    chars_at_most("stop", params.stop, limits.max_stop_string_chars, "max_stop_string_chars")
+    at_most("bad_words", params.bad_words, limits.max_bad_words, "max_bad_words", "words")
+    chars_at_most("bad_words", params.bad_words, limits.max_bad_word_chars, "max_bad_word_chars")
+    at_most("logits_processors", params.logits_processors, limits.max_logits_processors, "max_logits_processors")
+
+
+def check_token_ranges(params: SamplingParams, vocab_size: int) -> None:
+    """Raise ``ValueError`` naming the field when a token id in ``params`` is outside the vocabulary."""
+    for field, ids in (("stop_token_ids", params.stop_token_ids), ("allowed_token_ids", params.allowed_token_ids or ()),
+                       ("logit_bias", params.logit_bias)):
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{field} names token id {bad}, outside the vocabulary (accepted: 0 … {vocab_size - 1})")
 
 
 def extra_keys(extra: dict[str, Any]) -> tuple:

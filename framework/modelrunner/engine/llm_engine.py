@@ -37,7 +37,7 @@ from .batch_builder import LogitsRowOwner, build_forward_batch
 from .detokenizer import start_detokenizer, text_delta
 from .input_processor import InputProcessor
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from .processors import ProcessorFailed, ProcessorPipeline
+from .processors import ProcessorFailed, ProcessorPipeline, logits_problem
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, child_seed
 from .stop_checker import StopChecker
@@ -131,7 +131,7 @@ class LLMEngine:
         self.input_processor = InputProcessor(
             self.tokenizer, self.vocab_size, self.max_model_len, allocator.num_blocks * allocator.block_size,
             config.scheduler.max_num_seqs, process_inputs=executor.process_inputs,
-            processor_states=self.processors.states_for,
+            processor_states=self.processors.states_for, limits=config.limits,
         )
         """Tokenizes and validates new requests."""
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
@@ -235,6 +235,11 @@ class LLMEngine:
     def is_running(self, request_id: str) -> bool:
         """True while the request waits or runs."""
         return str(request_id) in self._requests
+
+    def check_health(self) -> None:
+        """Raise the executor's fatal error if it can no longer run steps (a parallel worker died,
+        even while idle); cheap, so a loop may call it every iteration."""
+        self.executor.check_health()
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -416,6 +421,9 @@ class LLMEngine:
     def _choose(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[_Chosen]:
         """Tokens for ``raw`` logits rows (one per sequence): check them, apply the logits processors,
         sample, and compute the asked log-probabilities from the raw logits."""
+        problem = logits_problem(raw, (len(seqs), self.vocab_size))
+        if problem is not None:
+            raise BrokenLogits(f"the model returned {problem}; nothing was sampled")
         broken = broken_rows(raw)
         if bool(broken.any()):
             seq = seqs[int(broken.nonzero()[0])]
@@ -516,7 +524,9 @@ class LLMEngine:
             children.append(child)
             if self._shares_kv_on_fork:
                 try:
-                    self.executor.copy_blocks(self.allocator.fork(parent.seq_id, child.seq_id))
+                    copies = self.allocator.fork(parent.seq_id, child.seq_id)
+                    self.scheduler.owners.forked(parent.seq_id, child.seq_id)
+                    self.executor.copy_blocks(copies)
                     self.scheduler.add_running(child)
                     continue
                 except KVCacheError:
@@ -540,7 +550,7 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput:
         completions = []
         for seq in request.seqs:
-            delta = text_delta(seq)
+            delta = text_delta(seq, self.stop_checker.longest_stop_string(seq))
             sent = seq.sent_token_len
             new_ids = seq.token_ids[seq.prompt_len + sent:]
             seq.sent_token_len = sent + len(new_ids)

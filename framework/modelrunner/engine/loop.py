@@ -6,7 +6,8 @@ on the engine — and the loop runs them between steps, stepping continuously wh
 unfinished and sleeping on its command queue otherwise. A request's outputs reach its consumer from
 the loop's thread; consumers must be quick (e.g. ``loop.call_soon_threadsafe`` into an asyncio queue).
 
-If a step raises an error the engine cannot recover from (a parallel worker died), the loop stops:
+If a step raises an error the engine cannot recover from, or the engine reports itself unhealthy
+between steps (a parallel worker died, noticed within a second even while idle), the loop stops:
 every unfinished request's consumer receives a final output with ``finish_reason="error"``, later
 commands fail with :class:`EngineDeadError`, and :attr:`EngineLoop.error` says why.
 """
@@ -161,6 +162,7 @@ class EngineLoop:
         engine = self.engine
         try:
             while not self._stopping.is_set():
+                engine.check_health()  # a dead worker stops the loop even while idle
                 busy = engine.has_unfinished_requests() or engine.has_undelivered_outputs()
                 self._run_commands(block=not busy)
                 if self._stopping.is_set():

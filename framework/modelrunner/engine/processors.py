@@ -8,13 +8,14 @@ from typing import Any
 import torch
 
 from ..errors import UnknownNameError
+from ..layers.cpu_ops import broken_rows
 from ..sampling.builtin import BUILTIN_FIELDS
 from ..sampling.logits_processor import LogitsProcessor, LogitsRow, ProcessorContext
 from ..sampling.params import SamplingParams
 
 
 class ProcessorFailed(Exception):
-    """A logits processor raised or returned logits of the wrong shape.
+    """A logits processor raised, or returned logits of the wrong shape or dtype, or NaN / +inf.
 
     :param processor: its name; ``rows``: the batch rows it was applied to.
     """
@@ -107,11 +108,48 @@ class ProcessorPipeline:
                 out = processor.apply(part, infos)
             except Exception as e:  # noqa: BLE001 - reported against the requests that use it
                 raise ProcessorFailed(name, mine, f"{type(e).__name__}: {e}") from e
-            if not isinstance(out, torch.Tensor) or tuple(out.shape) != tuple(part.shape):
-                raise ProcessorFailed(name, mine, f"returned {getattr(out, 'shape', type(out).__name__)}, "
-                                                  f"expected a tensor of shape {tuple(part.shape)}")
+            problem = logits_problem(out, tuple(part.shape), part.dtype)
+            if problem is not None:
+                raise ProcessorFailed(name, mine, f"returned {problem}")
+            bad = unsampleable_values(out)
+            if bad is not None:
+                row, what = bad
+                raise ProcessorFailed(name, [mine[row]], f"returned {what} for request "
+                                                         f"{rows[mine[row]].request.request_id!r}")
             if whole:
                 logits = out if out is logits else logits.copy_(out)
             else:
                 logits.index_copy_(0, index, out.to(logits.dtype))
         return logits
+
+
+def logits_problem(logits: Any, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> str | None:
+    """What is wrong with ``logits`` for a batch that expects ``shape`` (and ``dtype``; None: any
+    floating-point dtype), as the end of a sentence (``"shape (2, 63), expected (2, 64)"``), or None.
+    """
+    if not isinstance(logits, torch.Tensor):
+        return f"a {type(logits).__name__}, expected a tensor of shape {shape}"
+    if tuple(logits.shape) != shape:
+        return f"logits of shape {tuple(logits.shape)}, expected {shape} (rows, vocabulary size)"
+    if dtype is not None and logits.dtype != dtype:
+        return f"{str(logits.dtype).removeprefix('torch.')} logits, expected {str(dtype).removeprefix('torch.')}"
+    if dtype is None and not logits.is_floating_point():
+        return f"{str(logits.dtype).removeprefix('torch.')} logits, expected a floating-point dtype"
+    return None
+
+
+def unsampleable_values(logits: torch.Tensor) -> tuple[int, str] | None:
+    """The first row of ``[rows, vocab]`` logits holding NaN or +inf (which make sampling pick an
+    arbitrary token) and a description of what it holds, or None. One pass over the logits when
+    they are fine; all -inf rows are left to the caller (they mean "everything is masked")."""
+    broken = broken_rows(logits)
+    if not bool(broken.any()):
+        return None
+    broken &= ~torch.isneginf(logits).all(1)
+    if not bool(broken.any()):
+        return None
+    row = int(broken.nonzero()[0])
+    nan, posinf = int(torch.isnan(logits[row]).sum()), int(torch.isposinf(logits[row]).sum())
+    what = " and ".join(part for part in (f"NaN in {nan}" if nan else "", f"+inf in {posinf}" if posinf else "")
+                        if part)
+    return row, f"{what} of {logits.shape[1]} logits"

@@ -21,6 +21,7 @@ import attrs
 
 from ..config import SchedulerConfig
 from ..kv_cache.allocator import BlockAllocator, BlockCopy, KVCacheError
+from .block_owners import BlockOwners
 from .sequence import Sequence, SequenceStatus
 
 
@@ -67,6 +68,9 @@ class Scheduler:
         """Batch limits."""
         self.allocator = allocator
         """Where the KV blocks come from."""
+        self.owners = BlockOwners(allocator)
+        """Which blocks the live sequences hold, as handed out: an allocator handing out a held block
+        as new fails loudly instead of changing another request's output."""
         self.waiting: deque[Sequence] = deque()
         """Sequences without blocks, in the order they will be admitted."""
         self.running: list[Sequence] = []
@@ -96,6 +100,7 @@ class Scheduler:
         seq.stop_reason = stop_reason
         if was is SequenceStatus.RUNNING:
             self.allocator.free(seq.seq_id)
+            self.owners.freed(seq.seq_id)
             self._finished_ids.append(seq.seq_id)
         elif was is SequenceStatus.WAITING:
             try:
@@ -111,6 +116,7 @@ class Scheduler:
     def _preempt(self, victim: Sequence, out: SchedulerOutput) -> None:
         self.running.remove(victim)
         self.allocator.free(victim.seq_id)
+        self.owners.freed(victim.seq_id)
         victim.reset_for_recompute()
         self.waiting.appendleft(victim)
         self._finished_ids.append(victim.seq_id)
@@ -160,7 +166,9 @@ class Scheduler:
                 else:
                     self._preempt(seq, out)
                 continue
-            out.block_copies += alloc.append_slots(seq.seq_id, seq.token_ids[start:start + n])
+            copies = alloc.append_slots(seq.seq_id, seq.token_ids[start:start + n])
+            self.owners.appended(seq.seq_id, start + n, copies)
+            out.block_copies += copies
             out.scheduled.append(ScheduledSequence(seq, start, n))
             scheduled_ids.add(seq.seq_id)
             budget -= n
@@ -188,6 +196,7 @@ class Scheduler:
                 out.failed.append((seq, str(exc)))
                 continue
             self.waiting.popleft()
+            self.owners.allocated(seq.seq_id, hit)
             if seq.num_output_tokens == 0:
                 seq.num_cached_tokens = max(seq.num_cached_tokens, hit)
             seq.num_computed_tokens = hit

@@ -11,6 +11,7 @@ import torch
 
 from ..errors import PluginError, PluginWarning, UnknownNameError
 from ..loaded_model import LoadedModel
+from ..plugin_timeout import LOAD_TIMEOUT_ENV, call_bounded, load_timeout
 from ..registry import FALLBACK_ARCHITECTURE
 
 
@@ -49,13 +50,17 @@ class ModelLoader:
         """Build and load ``source`` with this runner's settings; ``LoadedModel.adapter`` names the plugin.
 
         :raises UnknownNameError: no plugin loads the checkpoint.
-        :raises PluginError: the plugin that registered the architecture returned nothing.
+        :raises PluginError: the plugin that registered the architecture returned nothing (or exited).
+        :raises PluginTimeoutError: its load hook ran past ``$MODELRUNNER_LOAD_TIMEOUT``.
         """
         owner = self.adapter_for(source, adapter)
-        loaded = self.plugins.call(
-            "load", owner, source=source, config=self.config, device=self.device, dtype=self.dtype,
-            parallel=self.parallel, attention_backend=self.attention_backend, max_model_len=self.max_model_len,
-            loader=self)
+        try:
+            loaded = call_bounded(lambda: self.plugins.call(
+                "load", owner, source=source, config=self.config, device=self.device, dtype=self.dtype,
+                parallel=self.parallel, attention_backend=self.attention_backend, max_model_len=self.max_model_len,
+                loader=self), f"plugin {owner!r}'s load hook", load_timeout(), LOAD_TIMEOUT_ENV)
+        except SystemExit as e:
+            raise PluginError(f"plugin {owner!r}'s load hook called sys.exit({e.code!r})") from e
         if loaded is None:
             if source.architecture not in self.plugins.registry.providers["architectures"]:
                 raise UnknownNameError(self.plugins.registry.unknown(

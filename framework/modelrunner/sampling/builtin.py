@@ -2,12 +2,15 @@
 ``logit_bias``, ``allowed_token_ids``, ``bad_words``, ``min_tokens`` and vLLM 0.x callables.
 
 Each runs once per step over all rows that use it; only ``bad_words`` and the legacy callables
-touch rows one at a time (their rules depend on each row's own recent tokens).
+touch rows one at a time (their rules depend on each row's own recent tokens). What a request's
+fields ask for is turned into masks, tensors and lookup tables once, when the request is added, so a
+step's cost does not grow with the size of those fields (one request with a whole-vocabulary
+``logit_bias`` costs the others no more than one with a single entry).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any, ClassVar
 
 import torch
@@ -20,6 +23,39 @@ def _check_ids(field: str, ids: Sequence[int], vocab: int) -> None:
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise ValueError(f"{field} names token id {bad}, outside the vocabulary (accepted: 0 … {vocab - 1})")
+
+
+class RequestTensors:
+    """Tensors built once for a request (on the CPU), copied once to each device whose logits use them."""
+
+    __slots__ = ("_copies",)
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._copies: dict[torch.device, tuple[torch.Tensor, ...]] = {torch.device("cpu"): tensors}
+
+    def on(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """The tensors on ``device``."""
+        found = self._copies.get(device)
+        if found is None:
+            found = self._copies[device] = tuple(t.to(device) for t in self._copies[torch.device("cpu")])
+        return found
+
+
+def token_mask(ids: Iterable[int], vocab: int) -> torch.Tensor:
+    """A ``[vocab]`` boolean CPU mask, True at ``ids`` (ids outside the vocabulary ignored)."""
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    index = torch.as_tensor(list(ids), dtype=torch.long)
+    mask[index[(index >= 0) & (index < vocab)]] = True
+    return mask
+
+
+def _stack_masks(rows: Sequence[torch.Tensor | None], vocab: int, device: torch.device) -> torch.Tensor:
+    """``[len(rows), vocab]`` bool: each row's mask, all False where it has None."""
+    out = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for r, mask in enumerate(rows):
+        if mask is not None:
+            out[r] = mask
+    return out
 
 
 class BuiltinProcessor(LogitsProcessor):
@@ -68,12 +104,13 @@ class LogitBiasProcessor(BuiltinProcessor):
         if not params.logit_bias:
             return None
         _check_ids("logit_bias", list(params.logit_bias), self.context.vocab_size)
-        return (list(params.logit_bias), [float(b) for b in params.logit_bias.values()])
+        return RequestTensors(torch.tensor(list(params.logit_bias), dtype=torch.long),
+                              torch.tensor([float(b) for b in params.logit_bias.values()], dtype=torch.float32))
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
-        index = [(r, t, b) for r, row in enumerate(rows) for t, b in zip(*row.state)]
-        r, t, b = zip(*index)
-        logits.index_put_((torch.tensor(r), torch.tensor(t)), torch.tensor(b, dtype=logits.dtype), accumulate=True)
+        for r, row in enumerate(rows):
+            ids, bias = row.state.on(logits.device)
+            logits[r].index_add_(0, ids, bias.to(logits.dtype))
         return logits
 
 
@@ -89,10 +126,10 @@ class AllowedTokensProcessor(BuiltinProcessor):
         if params.allowed_token_ids is None:
             return None
         _check_ids("allowed_token_ids", params.allowed_token_ids, self.context.vocab_size)
-        return params.allowed_token_ids
+        return RequestTensors(token_mask(params.allowed_token_ids, self.context.vocab_size))
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
-        allowed = banned_mask(len(rows), logits.shape[1], [r.state for r in rows], logits.device)
+        allowed = _stack_masks([r.state.on(logits.device)[0] for r in rows], logits.shape[1], logits.device)
         return logits.masked_fill_(~allowed, float("-inf"))
 
 
@@ -117,19 +154,56 @@ class BadWordsProcessor(BuiltinProcessor):
                 ids = tuple(tokenizer.encode(text, add_special_tokens=False))
                 if ids:
                     sequences.add(ids)
-        return sorted(sequences)
+        return BadWordsState(sorted(sequences), self.context.vocab_size)
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
-        banned: list[list[int]] = []
-        for row in rows:
-            out = row.output_token_ids
-            mine = []
-            for ids in row.state:
-                prefix = ids[:-1]
-                if not prefix or (len(out) >= len(prefix) and tuple(out[len(out) - len(prefix):]) == prefix):
-                    mine.append(ids[-1])
-            banned.append(mine)
-        return logits.masked_fill_(banned_mask(len(rows), logits.shape[1], banned, logits.device), float("-inf"))
+        vocab, device = logits.shape[1], logits.device
+        banned = _stack_masks([r.state.always.on(device)[0] for r in rows], vocab, device)
+        after = [r.state.banned_after(r.output_token_ids) for r in rows]
+        if any(after):
+            banned |= banned_mask(len(rows), vocab, after, device)
+        return logits.masked_fill_(banned, float("-inf"))
+
+
+class BadWordsState:
+    """A request's ``bad_words`` as token sequences, ready for each step: the one-token words as a
+    mask, the longer ones in a trie of their leading tokens read backwards, so finding what the
+    latest output bans walks at most the longest word's length, however many words there are.
+
+    :param sequences: the token sequences to never complete.
+    :param vocab: the vocabulary size (columns of the one-token mask).
+    """
+
+    __slots__ = ("always", "trie", "depth")
+
+    def __init__(self, sequences: Iterable[tuple[int, ...]], vocab: int) -> None:
+        single: set[int] = set()
+        self.trie: dict[int, Any] = {}
+        """Leading tokens, latest first → deeper nodes; key -1 holds the tokens banned after them."""
+        self.depth = 0
+        """Longest path in :attr:`trie` (the most tokens looked at per step)."""
+        for ids in sequences:
+            if len(ids) == 1:
+                single.add(ids[0])
+                continue
+            node = self.trie
+            for token in reversed(ids[:-1]):
+                node = node.setdefault(token, {})
+            node.setdefault(-1, []).append(ids[-1])
+            self.depth = max(self.depth, len(ids) - 1)
+        self.always = RequestTensors(token_mask(single, vocab))
+        """Tokens banned at every step (the one-token words)."""
+
+    def banned_after(self, output: Sequence[int]) -> list[int]:
+        """The last tokens of the words whose other tokens ``output`` ends with."""
+        banned: list[int] = []
+        node = self.trie
+        for k in range(len(output) - 1, max(len(output) - 1 - self.depth, -1), -1):
+            node = node.get(output[k])
+            if node is None:
+                break
+            banned += node.get(-1, ())
+        return banned
 
 
 class MinTokensProcessor(BuiltinProcessor):
@@ -144,11 +218,12 @@ class MinTokensProcessor(BuiltinProcessor):
         if params.min_tokens <= 0:
             return None
         banned = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.context.eos_token_ids))
-        return sorted(banned) or None
+        return RequestTensors(token_mask(banned, self.context.vocab_size)) if banned else None
 
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
-        banned = [r.state if len(r.output_token_ids) < r.params.min_tokens else [] for r in rows]
-        return logits.masked_fill_(banned_mask(len(rows), logits.shape[1], banned, logits.device), float("-inf"))
+        device = logits.device
+        banned = [r.state.on(device)[0] if len(r.output_token_ids) < r.params.min_tokens else None for r in rows]
+        return logits.masked_fill_(_stack_masks(banned, logits.shape[1], device), float("-inf"))
 
 
 class LegacyCallablesProcessor(BuiltinProcessor):
@@ -167,12 +242,26 @@ class LegacyCallablesProcessor(BuiltinProcessor):
         for r, row in enumerate(rows):
             for fn in row.state:
                 out = fn(list(row.output_token_ids), logits[r])
-                if not isinstance(out, torch.Tensor) or out.shape != logits[r].shape:
-                    raise ValueError(f"logits processor {getattr(fn, '__name__', fn)!r} returned "
-                                     f"{getattr(out, 'shape', type(out).__name__)}, expected a tensor of shape "
-                                     f"{tuple(logits[r].shape)}")
+                problem = _row_problem(out, logits[r])
+                if problem is not None:
+                    raise ValueError(f"logits processor {getattr(fn, '__name__', fn)!r} returned {problem}")
                 logits[r] = out
         return logits
+
+
+def _row_problem(out: Any, row: torch.Tensor) -> str | None:
+    """What is wrong with ``out`` as a replacement for logits ``row``, or None."""
+    if not isinstance(out, torch.Tensor):
+        return f"a {type(out).__name__}, expected a tensor of shape {tuple(row.shape)}"
+    if out.shape != row.shape:
+        return f"shape {tuple(out.shape)}, expected {tuple(row.shape)}"
+    if out.dtype != row.dtype:
+        return f"{str(out.dtype).removeprefix('torch.')} logits, expected {str(row.dtype).removeprefix('torch.')}"
+    nan, posinf = int(torch.isnan(out).sum()), int(torch.isposinf(out).sum())
+    if nan or posinf:
+        what = " and ".join(p for p in (f"NaN in {nan}" if nan else "", f"+inf in {posinf}" if posinf else "") if p)
+        return f"{what} of {row.shape[0]} logits"
+    return None
 
 
 BUILTIN_PROCESSORS = (PenaltiesProcessor, LogitBiasProcessor, AllowedTokensProcessor, BadWordsProcessor,

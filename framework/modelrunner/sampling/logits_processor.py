@@ -84,7 +84,10 @@ class LogitsProcessor(abc.ABC):
 
     @abc.abstractmethod
     def apply(self, logits: torch.Tensor, rows: Sequence[LogitsRow]) -> torch.Tensor:
-        """The edited logits ``[len(rows), vocab]`` (editing ``logits`` in place and returning it is fine).
+        """The edited logits ``[len(rows), vocab]`` (editing ``logits`` in place and returning it is fine),
+        of ``logits``' shape and dtype; -inf masks a token. Anything else — another shape or dtype, NaN
+        or +inf — fails the request whose row holds it, naming this processor. Work that depends only on
+        the request (masks, tensors, lookup tables) belongs in :meth:`request_state`, done once.
 
         :param logits: float32 logits of the rows that use this processor, in ``rows``' order.
         :param rows: who each row belongs to and what it generated so far.

@@ -1,7 +1,8 @@
 """The FastAPI application: routes, authentication, body limit and error handling.
 
-``/v1/*``, ``/tokenize`` and ``/detokenize`` need the API key when the server has one;
-``/health``, ``/metrics`` and ``/version`` never do. Every error is OpenAI's error object.
+``/v1/*``, ``/tokenize``, ``/detokenize``, ``/docs`` and ``/openapi.json`` need the API key when
+the server has one; ``/health``, ``/metrics`` and ``/version`` never do. Every error is OpenAI's
+error object.
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.responses import JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, Response
 
 from .auth import require_api_key
 from .body_limit import BodyLimit
@@ -108,6 +110,18 @@ async def detokenize_route(request: Request) -> dict[str, Any]:
     return await detokenize(request, _state(request))
 
 
+@model_routes.get("/openapi.json", include_in_schema=False)
+async def openapi_schema(request: Request) -> JSONResponse:
+    """The OpenAPI schema of this server (behind the API key: it describes what the key guards)."""
+    return JSONResponse(request.app.openapi())
+
+
+@model_routes.get("/docs", include_in_schema=False)
+async def docs(request: Request) -> HTMLResponse:
+    """Swagger UI over :func:`openapi_schema` (with a key set, the browser must send it too)."""
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="modelrunner - Swagger UI")
+
+
 async def _api_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, APIError)
     return exc.response()
@@ -131,7 +145,7 @@ async def _validation_error(request: Request, exc: Exception) -> Response:
 def build_app(state: ServerState) -> FastAPI:
     """The application serving ``state`` (its model may still be loading)."""
     app = FastAPI(title="modelrunner", version=_version(), summary="An OpenAI-compatible server on modelrunner's "
-                  "engine", redoc_url=None)
+                  "engine", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.server = state
     app.include_router(open_routes)
     app.include_router(model_routes)

@@ -11,9 +11,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..engine.outputs import CompletionOutput, RequestOutput
+from ..engine.outputs import RequestOutput
 from .async_engine import Generation
 from .chat import ChatOptions, parse_messages, render
+from .deltas import CompletionDelta, OutputDelta
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, parse_body
 from .responses import chat_logprobs, new_id, now, prompt_logprobs_json, usage
@@ -66,7 +67,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
                   top_logprobs=top_logprobs, include_usage=include_usage, continuous_usage=continuous_usage,
                   return_token_ids=bool(body.return_token_ids), prompt_logprobs=body.prompt_logprobs is not None,
                   tokenizer=served.tokenizer)
-    generation = await state.generate(job.id, [prompt], params, "messages")
+    generation = await state.generate(job.id, [prompt], params, "messages", stream=body.streaming)
     if body.streaming:
         return EventStream(chat_events(generation, job), generation)
     finals = await finals_unless_disconnected(generation, request)
@@ -106,15 +107,15 @@ def chat_body(output: RequestOutput, job: ChatJob) -> dict[str, Any]:
     return body
 
 
-def _usage_of(output: RequestOutput) -> dict[str, Any]:
-    return usage(len(output.prompt_token_ids), sum(len(c.token_ids) for c in output.outputs),
+def _usage_of(output: RequestOutput | OutputDelta) -> dict[str, Any]:
+    return usage(len(output.prompt_token_ids), sum(c.num_generated_tokens for c in output.outputs),
                  output.num_cached_tokens)
 
 
 async def chat_events(generation: Generation, job: ChatJob) -> AsyncIterator[bytes]:
     """The streamed response: each choice's role chunk, then a chunk per engine step that adds text
     (or tokens, when asked for), each choice's finishing chunk, the usage chunk if asked, ``[DONE]``."""
-    def chunk(choices: list[dict[str, Any]], output: RequestOutput | None) -> dict[str, Any]:
+    def chunk(choices: list[dict[str, Any]], output: OutputDelta | None) -> dict[str, Any]:
         payload: dict[str, Any] = {"id": job.id, "object": "chat.completion.chunk", "created": job.created,
                                    "model": job.model, "choices": choices}
         if job.include_usage:
@@ -125,7 +126,7 @@ async def chat_events(generation: Generation, job: ChatJob) -> AsyncIterator[byt
         yield event(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                             "finish_reason": None}], None))
     finished: set[int] = set()
-    latest: RequestOutput | None = None
+    latest: OutputDelta | None = None
     prompt_ids_sent = False
     async for _, output in generation:
         latest = output
@@ -152,7 +153,7 @@ async def chat_events(generation: Generation, job: ChatJob) -> AsyncIterator[byt
     yield DONE
 
 
-def _delta_choice(completion: CompletionOutput, job: ChatJob) -> dict[str, Any] | None:
+def _delta_choice(completion: CompletionDelta, job: ChatJob) -> dict[str, Any] | None:
     """The chunk choice for what ``completion`` added in one step (None when it added nothing to send)."""
     wants_tokens = (job.top_logprobs is not None or job.return_token_ids) and completion.delta_token_ids
     if not (completion.delta_text or completion.finished or wants_tokens):

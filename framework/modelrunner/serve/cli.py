@@ -6,13 +6,17 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from .settings import DEFAULT_GRACE_PERIOD_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_WAITING_REQUESTS, LOG_LEVELS
+from .settings import (DEFAULT_GRACE_PERIOD_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAM_BUFFER,
+                       DEFAULT_MAX_WAITING_REQUESTS, LOG_LEVELS)
 
 if TYPE_CHECKING:
     from .settings import ServeSettings
 
 API_KEY_ENV = "MODELRUNNER_API_KEY"
-"""Environment variable read when ``--api-key`` is not given."""
+"""Environment variable read when ``--api-key`` is not given (other users can read a command line
+in ``ps``, not the environment)."""
+VLLM_API_KEY_ENV = "VLLM_API_KEY"
+"""vLLM's variable for the same, read when neither ``--api-key`` nor :data:`API_KEY_ENV` is set."""
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -25,8 +29,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
     p.add_argument("--api-key", default=None,
-                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize "
-                        f"(default: ${API_KEY_ENV})")
+                   help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /docs and "
+                        f"/openapi.json (default: ${API_KEY_ENV}, else ${VLLM_API_KEY_ENV}; prefer those: "
+                        "other users see a command line in ps)")
     p.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                    help="the name(s) clients use as 'model' (default: --model); the first is reported")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
@@ -36,6 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--max-stream-buffer", type=int, default=DEFAULT_MAX_STREAM_BUFFER, metavar="N",
+                   help="outputs per prompt a streaming client may leave unread before its request is aborted "
+                        f"(default {DEFAULT_MAX_STREAM_BUFFER})")
     p.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD_S, metavar="SECONDS",
                    help="after SIGINT/SIGTERM, how long in-flight requests may finish before they are aborted "
                         f"(default {DEFAULT_GRACE_PERIOD_S:g})")
@@ -65,14 +73,27 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
             template = f.read()
     return ServeSettings(
         model=args.model, config=config, host=args.host, port=args.port,
-        api_key=args.api_key if args.api_key is not None else (os.environ.get(API_KEY_ENV) or None),
+        api_key=api_key_from(args.api_key),
         served_model_names=tuple(args.served_model_name or ()), max_waiting_requests=args.max_waiting_requests,
-        max_body_bytes=args.max_body_bytes, grace_period_s=args.grace_period, chat_template=template,
+        max_body_bytes=args.max_body_bytes, max_stream_buffer=args.max_stream_buffer,
+        grace_period_s=args.grace_period, chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template, log_level=args.log_level)
+
+
+def api_key_from(option: str | None) -> str | None:
+    """The server's key: ``--api-key``, else ``$MODELRUNNER_API_KEY``, else ``$VLLM_API_KEY`` (None: no key)."""
+    if option is not None:
+        return option
+    return os.environ.get(API_KEY_ENV) or os.environ.get(VLLM_API_KEY_ENV) or None
 
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM: 0 after a clean shutdown, 2 when the model cannot be loaded."""
+    import sys
+
     from .server import serve
 
+    if args.api_key is not None:
+        print(f"modelrunner: warning: --api-key is visible to other users of this machine (ps); set "
+              f"${API_KEY_ENV} instead", file=sys.stderr, flush=True)
     return serve(settings_from_args(args))

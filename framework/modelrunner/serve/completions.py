@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from ..engine.input_processor import check_unicode
 from ..engine.outputs import CompletionOutput, RequestOutput
 from .async_engine import Generation
+from .deltas import CompletionDelta, OutputDelta
 from .errors import APIError, bad_request
 from .protocol import CompletionRequest, parse_body
 from .responses import completion_logprobs, new_id, now, prompt_logprobs_json, usage
@@ -85,7 +86,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
         continuous_usage=continuous_usage, return_token_ids=bool(body.return_token_ids),
         prompt_logprobs=body.prompt_logprobs is not None, tokenizer=served.tokenizer,
         prompt_texts=[p if isinstance(p, str) else None for p in prompts])
-    generation = await state.generate(job.id, inputs, params, "prompt")
+    generation = await state.generate(job.id, inputs, params, "prompt", stream=body.streaming)
     if body.streaming:
         return EventStream(completion_events(generation, job), generation)
     finals = await finals_unless_disconnected(generation, request)
@@ -116,7 +117,8 @@ def _encode_all(served: ServedModel, prompts: list[str | list[int]], add_special
     return inputs
 
 
-def _generated(completion: CompletionOutput, job: CompletionJob, delta: bool) -> tuple[str, list[int], list]:
+def _generated(completion: CompletionOutput | CompletionDelta, job: CompletionJob,
+               delta: bool) -> tuple[str, list[int], list]:
     """The text, token ids and log-probabilities a completion adds (none when only scoring)."""
     if job.score_only:
         return "", [], []
@@ -125,7 +127,7 @@ def _generated(completion: CompletionOutput, job: CompletionJob, delta: bool) ->
     return completion.text, completion.token_ids, completion.logprobs or []
 
 
-def _finish_reason(completion: CompletionOutput, job: CompletionJob) -> str | None:
+def _finish_reason(completion: CompletionOutput | CompletionDelta, job: CompletionJob) -> str | None:
     return "length" if job.score_only and completion.finished else completion.finish_reason
 
 
@@ -162,7 +164,7 @@ def completion_body(finals: dict[int, RequestOutput], job: CompletionJob) -> dic
             "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached)}
 
 
-def _extras(choice: dict[str, Any], output: RequestOutput, token_ids: list[int], job: CompletionJob,
+def _extras(choice: dict[str, Any], output: RequestOutput | OutputDelta, token_ids: list[int], job: CompletionJob,
             first: bool) -> None:
     """vLLM's extra choice fields: ``token_ids``/``prompt_token_ids`` and ``prompt_logprobs``."""
     if job.return_token_ids:
@@ -177,7 +179,7 @@ async def completion_events(generation: Generation, job: CompletionJob) -> Async
     they were asked for), the finishing chunk of each, the usage chunk if asked, and ``[DONE]``."""
     offsets: dict[tuple[int, int], int] = {}
     finished: set[tuple[int, int]] = set()
-    latest: dict[int, RequestOutput] = {}
+    latest: dict[int, OutputDelta] = {}
     async for index, output in generation:
         latest[index] = output
         if output.error:
@@ -222,6 +224,6 @@ async def completion_events(generation: Generation, job: CompletionJob) -> Async
     yield DONE
 
 
-def _usage_of(output: RequestOutput, job: CompletionJob) -> dict[str, Any]:
-    generated = 0 if job.score_only else sum(len(c.token_ids) for c in output.outputs)
+def _usage_of(output: OutputDelta, job: CompletionJob) -> dict[str, Any]:
+    generated = 0 if job.score_only else sum(c.num_generated_tokens for c in output.outputs)
     return usage(len(output.prompt_token_ids), generated, output.num_cached_tokens)

@@ -8,6 +8,7 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
+from starlette.requests import ClientDisconnect
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -100,18 +101,20 @@ def from_validation_errors(errors: Sequence[Mapping[str, Any]], accepted_fields:
     return bad_request(f"{param}: {message}, got {_shown(error.get('input'))}", param=param)
 
 
-_FIELD_PREFIX = re.compile(r"^([a-z_]+)(?=[\[ :])")
+_FIELD_PREFIX = re.compile(r"^([a-z_]+)(?=[\[ :=])")
 
 
 def leading_field(message: str) -> str | None:
-    """The field a kernel message starts with (``"temperature must be ..."`` → ``"temperature"``)."""
+    """The field a kernel message starts with (``"temperature must be ..."`` → ``"temperature"``,
+    ``"n=5 exceeds ..."`` → ``"n"``)."""
     match = _FIELD_PREFIX.match(message)
     return match.group(1) if match else None
 
 
 class CatchInternalErrors:
     """ASGI middleware: an unexpected exception becomes a 500 error object (logged as one line,
-    with its traceback under ``MODELRUNNER_DEBUG=1``) instead of a bare traceback.
+    with its traceback under ``MODELRUNNER_DEBUG=1``) instead of a bare traceback; a client that
+    disconnects before its body arrived is no error at all.
 
     :param app: the application it wraps.
     """
@@ -137,6 +140,8 @@ class CatchInternalErrors:
         except APIError as e:  # raised outside a route (e.g. by the body limit while reading)
             if not started:
                 await e.response()(scope, receive, send)
+        except ClientDisconnect:  # the client left while sending its body (or was closed at shutdown)
+            logger.debug("the client of %s disconnected before its body was read", scope.get("path", "?"))
         except Exception as e:  # noqa: BLE001 - the contract: an error object, never a traceback
             log_unexpected(e, scope.get("path", "?"))
             if not started:

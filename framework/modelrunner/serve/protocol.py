@@ -7,13 +7,13 @@ for type here and for range by :class:`~modelrunner.SamplingParams` (see :mod:`.
 
 from __future__ import annotations
 
-import json
 from typing import Any, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.requests import Request
 
 from .errors import bad_request, from_validation_errors
+from .json_body import load_json
 
 _STRICT = ConfigDict(extra="forbid", strict=True)
 
@@ -198,21 +198,10 @@ async def parse_body(request: Request, model: type[Model]) -> Model:
     """The request's JSON body validated as ``model``.
 
     :raises APIError: 400 naming the field for a body that is not JSON, not an object, has an
-        unknown field or a value of the wrong type (a too-large body raises 413 while reading).
+        unknown field, a value of the wrong type or a hostile value (see :mod:`.json_body`; a
+        too-large body raises 413 while reading).
     """
-    raw = await request.body()
-    if not raw.strip():
-        raise bad_request("the request body is empty; send a JSON object", code="invalid_json")
-    try:
-        data = json.loads(raw)
-    except UnicodeDecodeError:
-        raise bad_request("the request body is not UTF-8 text; send a JSON object", code="invalid_json") from None
-    except json.JSONDecodeError as e:
-        raise bad_request(f"the request body is not valid JSON ({e.msg} at line {e.lineno} column {e.colno})",
-                          code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise bad_request(f"the request body must be a JSON object, got a JSON {type(data).__name__}",
-                          code="invalid_json")
+    data = load_json(await request.body())
     try:
         return model.model_validate(data)
     except ValidationError as e:

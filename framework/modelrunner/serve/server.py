@@ -5,9 +5,11 @@
 2. A model-owner thread loads the model, starts the engine loop and then stays alive until
    shutdown: on Linux a tensor-parallel worker is killed when the *thread* that started it ends
    (``PR_SET_PDEATHSIG``), so the thread that loads the model must outlive serving.
-3. On SIGINT/SIGTERM the server stops accepting connections, lets in-flight requests finish for up to
-   the grace period, aborts the rest (their clients get ``finish_reason: "abort"``), waits for their
-   responses to be sent, then stops the engine loop and the workers, and exits 0.
+3. On SIGINT/SIGTERM the server stops accepting connections, closes those still uploading a body,
+   lets in-flight requests finish for up to the grace period, aborts the rest (their clients get
+   ``finish_reason: "abort"``), waits for their responses to be sent, then stops the engine loop and
+   the workers, and exits 0. A signal while the model is still loading exits at once: a load cannot
+   be interrupted, so the process ends without waiting for it (workers die with it).
 """
 
 from __future__ import annotations
@@ -37,7 +39,9 @@ logger = logging.getLogger("modelrunner.serve")
 SETTLE_S = 5.0
 """After the grace period: how long aborted requests get to send their last chunk."""
 OWNER_JOIN_S = 60.0
-"""How long shutdown waits for the model owner (e.g. a load still in progress) to finish."""
+"""How long shutdown waits for the model owner to shut a loaded model down."""
+LOAD_ABANDON_S = 1.0
+"""How long shutdown waits for a load still in progress before exiting without it."""
 
 
 def bind_socket(host: str, port: int) -> socket.socket:
@@ -75,6 +79,8 @@ class ModelOwner(threading.Thread):
     def __init__(self, server: Server) -> None:
         super().__init__(name="modelrunner-model-owner", daemon=True)
         self.server = server
+        self.load_done = threading.Event()
+        """Set once loading ended, loaded or failed (until then the thread cannot be stopped)."""
         self._stop_requested = threading.Event()
 
     def run(self) -> None:
@@ -86,10 +92,12 @@ class ModelOwner(threading.Thread):
 
             llm = LLM(settings.model, **settings.config)
         except Exception as e:
+            self.load_done.set()
             if os.environ.get(DEBUG_ENV):
                 logger.exception("loading the model failed")
             self.server.load_failed(error_line(e))
             return
+        self.load_done.set()
         try:
             if self._stop_requested.is_set():
                 return
@@ -98,7 +106,7 @@ class ModelOwner(threading.Thread):
             model = ServedModel.from_llm(llm)
             loop = EngineLoop(llm.engine).start()
             engine = AsyncEngine(loop, llm.engine.config.scheduler.max_num_seqs, settings.max_waiting_requests,
-                                 state.metrics)
+                                 state.metrics, max_stream_buffer=settings.max_stream_buffer)
             state.set_ready(model, engine)
             self.server.loaded(time.monotonic() - started)
             self._stop_requested.wait()
@@ -108,10 +116,14 @@ class ModelOwner(threading.Thread):
         finally:
             llm.shutdown()
 
-    def stop(self, timeout: float) -> None:
-        """Ask the owner to shut the model down and wait up to ``timeout`` seconds for it."""
+    def stop(self, timeout: float, load_timeout: float = LOAD_ABANDON_S) -> bool:
+        """Ask the owner to shut the model down and wait up to ``timeout`` seconds for it, or only
+        ``load_timeout`` while the model is still loading; False if it is still loading then."""
         self._stop_requested.set()
+        if self.is_alive() and not self.load_done.wait(load_timeout):
+            return False
         self.join(timeout)
+        return True
 
 
 class _Uvicorn(uvicorn.Server):
@@ -142,11 +154,25 @@ class _Uvicorn(uvicorn.Server):
             self.owner.listening()
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        """Stop accepting, drain in-flight requests, then let uvicorn close the connections."""
+        """Stop accepting, drop half-uploaded requests, drain in-flight ones, then let uvicorn close
+        the connections."""
         for server in getattr(self, "servers", []):
             server.close()
+        self.owner.state.set_stopping()
+        self.close_uploads()
         await self.owner.drain(self)
         await super().shutdown(sockets=sockets)
+
+    def close_uploads(self) -> None:
+        """Close the connections still sending a request body: nothing can be served to them any
+        more, and uvicorn would otherwise wait for them and then cancel their handlers (logging a
+        ``CancelledError`` traceback for each). Their handlers see an ordinary client disconnect."""
+        for connection in list(self.server_state.connections):
+            cycle = getattr(connection, "cycle", None)
+            transport = getattr(connection, "transport", None)
+            if (cycle is not None and transport is not None and getattr(cycle, "more_body", False)
+                    and not getattr(cycle, "response_started", True)):
+                transport.close()
 
 
 class Server:
@@ -162,6 +188,9 @@ class Server:
         self._sock: socket.socket | None = None
         self._uvicorn: _Uvicorn | None = None
         self._owner = ModelOwner(self)
+        self.abandoned_load = False
+        """True when :meth:`run` returned while the model was still loading (the process must then
+        end without waiting for the loading thread: see :func:`serve`)."""
 
     def run(self) -> int:
         """Serve until SIGINT/SIGTERM; 0 after a clean shutdown, 2 when the model failed to load.
@@ -179,8 +208,11 @@ class Server:
         try:
             self._uvicorn.run(sockets=[self._sock])
         finally:
-            self._owner.stop(OWNER_JOIN_S)
-            if self._owner.is_alive():
+            if not self._owner.stop(OWNER_JOIN_S):
+                self.abandoned_load = True
+                print("modelrunner: stopped while the model was loading; exiting without waiting for it",
+                      file=sys.stderr, flush=True)
+            elif self._owner.is_alive():
                 logger.warning("the model did not shut down within %.0f s; exiting anyway", OWNER_JOIN_S)
         return 2 if self.state.phase == "failed" else 0
 
@@ -236,6 +268,17 @@ def _configure_logging(level: str) -> None:
 
 
 def serve(settings: ServeSettings) -> int:
-    """Run a server with ``settings`` until a shutdown signal; the process exit status."""
-    return Server(settings).run()
+    """Run a server with ``settings`` until a shutdown signal; the process exit status.
+
+    Stopped while the model was loading, it ends the process itself (``os._exit``): the loading
+    thread cannot be interrupted, and interpreter shutdown around it could hang or crash.
+    """
+    server = Server(settings)
+    status = server.run()
+    if server.abandoned_load:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    return status
 

@@ -10,6 +10,9 @@ DEFAULT_MAX_WAITING_REQUESTS = 1024
 """Requests that may wait beyond the ``max_num_seqs`` the engine runs at once."""
 DEFAULT_MAX_BODY_BYTES = 32 << 20
 """Largest request body accepted (images travel inside it as data: URLs)."""
+DEFAULT_MAX_STREAM_BUFFER = 1024
+"""Outputs (engine steps) per prompt that may wait for a streaming client to read them; a client
+further behind has stopped reading, and its request is aborted (a few MiB at most per stream)."""
 DEFAULT_GRACE_PERIOD_S = 20.0
 """How long in-flight requests may run on after SIGTERM/SIGINT (below Kubernetes' 30 s default)."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -74,6 +77,9 @@ class ServeSettings:
     """Requests that may wait beyond what the engine runs at once; more get 503 with Retry-After."""
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive_int)
     """Largest request body; a larger one gets 413."""
+    max_stream_buffer: int = attrs.field(default=DEFAULT_MAX_STREAM_BUFFER, validator=_positive_int)
+    """Outputs per prompt a streaming client may leave unread; past that its request is aborted
+    (its KV blocks freed) and the stream ends with ``finish_reason: "abort"``."""
     grace_period_s: float = attrs.field(default=DEFAULT_GRACE_PERIOD_S, validator=_grace)
     """Seconds in-flight requests may run on after a shutdown signal before they are aborted."""
     chat_template: str | None = None

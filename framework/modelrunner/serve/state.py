@@ -12,8 +12,10 @@ from typing import Any
 import attrs
 
 from ..engine.loop import LoopSnapshot
+from ..executor import WorkerFailedError
 from ..sampling.params import SamplingParams
-from .async_engine import RETRY_AFTER_S, AsyncEngine, EngineStopped, Generation, Overloaded, PromptRejected
+from .async_engine import (RETRY_AFTER_S, AsyncEngine, EngineStopped, Generation, NeverFits, Overloaded,
+                           PromptRejected)
 from .errors import APIError, bad_request, leading_field
 from .metrics import ServerMetrics
 from .responses import now
@@ -116,7 +118,8 @@ class ServerState:
     def require_model(self) -> ServedModel:
         """The served model, when requests can be served.
 
-        :raises APIError: 503 while loading or shutting down, 500 after a fatal engine error.
+        :raises APIError: 503 while loading or shutting down or after a parallel worker died, 500 after
+            another fatal engine error.
         """
         if self.phase == "loading":
             raise APIError(503, "the model is still loading; retry shortly (GET /health answers 200 once ready)",
@@ -128,8 +131,14 @@ class ServerState:
         try:
             self.engine.check_alive()
         except EngineStopped as e:
-            raise APIError(500, str(e), code="engine_dead") from None
+            raise self._engine_dead(e) from None
         return self.model
+
+    def _engine_dead(self, error: EngineStopped) -> APIError:
+        """500 after a fatal engine error; 503 when a parallel worker died (the message names the rank
+        and how it ended): nothing here can serve until the server is restarted."""
+        cause = self.engine.loop.error if self.engine is not None else None
+        return APIError(503 if isinstance(cause, WorkerFailedError) else 500, str(error), code="engine_dead")
 
     def check_model_name(self, name: str | None) -> None:
         """:raises APIError: 400 when ``name`` (a request's ``model``) is not served here."""
@@ -139,21 +148,24 @@ class ServerState:
                               param="model", code="model_not_found")
 
     async def generate(self, request_id: str, prompts: list[Any], params: SamplingParams,
-                       prompt_param: str) -> Generation:
+                       prompt_param: str, stream: bool = True) -> Generation:
         """Submit ``prompts`` to the engine (see :meth:`AsyncEngine.generate`).
 
         :param prompt_param: the request field the prompts came from (named by a prompt's error).
-        :raises APIError: 400 for a prompt the engine refuses, 503 (with Retry-After) when
-            overloaded, 500 when the engine is dead.
+        :param stream: the handler reads every step (False: only the final outputs).
+        :raises APIError: 400 for a prompt the engine refuses or more prompts than it can ever hold,
+            503 (with Retry-After) when overloaded, 500 when the engine is dead (503 when a worker died).
         """
         engine = self.engine
         assert engine is not None  # require_model() came first
         try:
-            return await engine.generate(request_id, prompts, params)
+            return await engine.generate(request_id, prompts, params, stream=stream)
+        except NeverFits as e:
+            raise bad_request(f"{prompt_param}: {e}", param=prompt_param, code="too_many_prompts") from None
         except Overloaded as e:
             raise APIError(503, str(e), code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)}) from None
         except EngineStopped as e:
-            raise APIError(500, str(e), code="engine_dead") from None
+            raise self._engine_dead(e) from None
         except PromptRejected as e:
             raise engine_refusal(e, prompt_param, len(prompts)) from None
 
