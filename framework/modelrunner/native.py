@@ -1,14 +1,16 @@
-"""Building a plugin's C++ kernels on the machine that runs them (``torch.utils.cpp_extension``).
+"""Loading the C++ operator libraries that packages built when they installed
+(:mod:`modelrunner.native_build`): the best instruction-set variant this CPU runs, picked from what
+``/proc/cpuinfo`` reports. Nothing is compiled here and nothing waits on a build lock.
 
-A kernel plugin ships its ``.cpp`` source and calls :func:`build_extension` on first use: the library
-is built once per machine under ``$TORCH_EXTENSIONS_DIR``, named by a hash of the source, the flags,
-torch's version and this CPU's model and feature flags — so a ``-march=native`` build is rebuilt when
-any of them changes and never loaded on another kind of CPU sharing the cache directory.
+``MODELRUNNER_NATIVE_VARIANT`` names the variant to load instead (``avx2``, ``generic`` …), to test
+or measure another code path on a CPU that runs it.
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import importlib.machinery
+import logging
 import os
 import platform
 from collections.abc import Sequence
@@ -17,63 +19,92 @@ from pathlib import Path
 import torch
 
 from .errors import ModelRunnerError
+from .native_build import VARIANTS, Variant, library_name, variants_for
+
+log = logging.getLogger(__name__)
+
+VARIANT_ENV = "MODELRUNNER_NATIVE_VARIANT"
+"""Names the instruction-set variant to load instead of the best one this CPU runs."""
 
 
 class NativeBuildError(ModelRunnerError, RuntimeError):
-    """A plugin's C++ kernels could not be built or loaded here (no compiler, no ninja, a compile error)."""
+    """A package's C++ kernels are not available here: not built at install (no compiler then), no
+    build this CPU can run, or a build that does not load (torch changed since it was built)."""
 
 
-def native_cflags(march: str | None = None) -> list[str]:
-    """Optimisation flags for a kernel built where it runs: ``-O3 -fopenmp -ffp-contract=fast`` and
-    ``-march=native`` on x86-64 (``march`` overrides it, e.g. ``x86-64-v3``; ``""`` leaves it out).
-
-    ``-ffp-contract=fast`` fuses multiply-adds, which the ``-std=c++NN`` torch passes turns off.
-    """
-    if march is None:
-        march = "native" if platform.machine() in ("x86_64", "AMD64") else ""
-    return ["-O3", "-fopenmp", "-ffp-contract=fast", *([f"-march={march}"] if march else [])]
-
-
-def cpu_signature() -> bytes:
-    """This CPU's model and feature flags (what a ``-march=native`` build depends on)."""
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    """The feature flags this CPU reports (``/proc/cpuinfo``); empty where it cannot be read."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            lines = [line for line in f if line.startswith(("model name", "flags", "Features", "CPU part"))]
-        return "".join(sorted(set(lines))).encode()
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return frozenset(line.split(":", 1)[1].split())
     except OSError:
-        return (platform.machine() + platform.processor()).encode()
+        pass
+    return frozenset()
 
 
-def _put_ninja_on_path() -> None:
-    # cpp_extension runs `ninja` from PATH; the pip package's binary is not there unless its venv is activated.
-    try:
-        import ninja
-    except ImportError:
-        return
-    path = os.environ.get("PATH", "")
-    if ninja.BIN_DIR not in path.split(os.pathsep):
-        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+def runnable(variant: Variant) -> bool:
+    """Whether this CPU runs code built for ``variant``."""
+    if variant.name == "generic":
+        return True
+    return platform.machine().lower() in ("x86_64", "amd64") and variant.cpu_flags <= cpu_flags()
 
 
-def build_extension(prefix: str, source: Path, cflags: Sequence[str], what: str) -> str:
-    """Build (unless this machine has a build of this exact source, flags, torch and CPU) and load the
-    operator library ``source`` into this process; the library's name.
+def _choices(names: Sequence[str]) -> list[Variant]:
+    wanted = os.environ.get(VARIANT_ENV, "").strip()
+    if not wanted:
+        return [v for v in variants_for(names) if runnable(v)]
+    known = {v.name: v for v in VARIANTS}
+    if wanted not in known:
+        raise NativeBuildError(f"{VARIANT_ENV}={wanted!r} is not a variant; known: {list(known)}")
+    if wanted not in names:
+        raise NativeBuildError(f"{VARIANT_ENV}={wanted!r}: this library is built only for {list(names)}")
+    if not runnable(known[wanted]):
+        missing = sorted(known[wanted].cpu_flags - cpu_flags())
+        raise NativeBuildError(f"{VARIANT_ENV}={wanted!r}: this CPU cannot run it (it lacks {missing})")
+    return [known[wanted]]
 
-    :param prefix: the library name's start (a hash follows), e.g. ``modelrunner_attention_cpu``.
-    :param what: the kernels in words, for the error (``the paged-attention kernel``).
-    :raises NativeBuildError: the build or load failed; the message carries the compiler's complaint.
+
+def built_file(package_dir: Path, stem: str, variant: str) -> Path | None:
+    """The installed build of ``stem`` for ``variant`` in ``package_dir``, if pip built it."""
+    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+        path = package_dir / (library_name(stem, variant) + suffix)
+        if path.is_file():
+            return path
+    return None
+
+
+def load_library(package_dir: Path, stem: str, variants: Sequence[str], what: str) -> str:
+    """Load the best installed build of a package's operator library into this process.
+
+    :param package_dir: the package folder the builds were installed into.
+    :param stem: the library's stem in its :class:`~modelrunner.native_build.NativeLibrary` entry.
+    :param variants: the variants it is built for (best first).
+    :param what: the kernels in words, for messages (``the paged-attention kernel``).
+    :returns: the loaded variant's name.
+    :raises NativeBuildError: no build this CPU runs is installed, or it does not load; the message
+        says which and how to rebuild.
     """
-    from torch.utils import cpp_extension
+    choices = _choices(variants)
+    for variant in choices:
+        path = built_file(package_dir, stem, variant.name)
+        if path is None:
+            continue
+        try:
+            torch.ops.load_library(str(path))
+        except (OSError, RuntimeError) as e:
+            raise NativeBuildError(
+                f"{what} ({path.name}) does not load: {e}; it was built for another torch — reinstall the "
+                f"package with `pip install --no-build-isolation` to rebuild it") from e
+        log.info("loaded %s, %s build (%s)", what, variant.name, path)
+        return variant.name
+    raise NativeBuildError(
+        f"{what} {'is' if what.endswith('kernel') else 'are'} not built for this CPU: no "
+        f"{' / '.join(library_name(stem, v.name) for v in choices)} library in {package_dir} (the build failed "
+        f"or was skipped when the package installed — reinstall it with `pip install -v --no-build-isolation` "
+        f"and a C++ compiler to see why)")
 
-    key = source.read_bytes() + " ".join(cflags).encode() + torch.__version__.encode() + cpu_signature()
-    name = f"{prefix}_{hashlib.sha256(key).hexdigest()[:12]}"
-    _put_ninja_on_path()
-    try:
-        cpp_extension.load(name=name, sources=[str(source)], extra_cflags=list(cflags), extra_ldflags=["-fopenmp"],
-                           is_python_module=False, verbose=False)
-    except Exception as e:  # noqa: BLE001 - any build failure means: not available here
-        raise NativeBuildError(f"could not build {what} {source}: {type(e).__name__}: {e}") from e
-    return name
 
-
-__all__ = ["NativeBuildError", "build_extension", "cpu_signature", "native_cflags"]
+__all__ = ["NativeBuildError", "VARIANT_ENV", "built_file", "cpu_flags", "load_library", "runnable"]

@@ -1,4 +1,5 @@
-"""The C++ kernel: built once per machine on first use, then loaded as the torch operator
+"""The C++ kernel: compiled when the plugin installs (``setup.py``, one build per instruction-set
+variant), loaded on first use as the torch operator
 ``modelrunner_cpu::paged_decode_attention`` (callable from eager code, compiled graphs and exported
 programs alike)."""
 
@@ -8,28 +9,24 @@ import functools
 from pathlib import Path
 
 import torch
-from modelrunner.native import NativeBuildError, build_extension, native_cflags
+from modelrunner.native import NativeBuildError, load_library
 
-SOURCE = Path(__file__).with_name("paged_decode_attention.cpp")
-"""The kernel's source, shipped with the package."""
-
-CFLAGS = native_cflags()
-"""Built on the machine that runs it, ``-march=native`` (rebuilt if the flags, torch or the CPU change)."""
+VARIANTS = ("avx512", "avx2", "generic")
+"""The instruction-set variants ``setup.py`` builds."""
 
 
 class KernelUnavailable(NativeBuildError):
-    """The C++ kernel could not be built or loaded here (no compiler, no ninja, unsupported platform)."""
+    """The C++ kernel is not available here (not built at install, or no build this CPU runs)."""
 
 
 @functools.cache
 def load() -> None:
-    """Build the kernel if this machine has no build of this exact source, flags, torch and CPU yet
-    (under ``$TORCH_EXTENSIONS_DIR``), and load it into this process.
+    """Load the installed build of the kernel this CPU runs best into this process.
 
-    :raises KernelUnavailable: the build failed; the message carries the compiler's complaint.
+    :raises KernelUnavailable: no such build is installed; the message says how to rebuild it.
     """
     try:
-        build_extension("modelrunner_attention_cpu", SOURCE, CFLAGS, "the paged-attention kernel")
+        load_library(Path(__file__).parent, "paged_decode_attention", VARIANTS, "the paged-attention kernel")
     except NativeBuildError as e:
         raise KernelUnavailable(str(e)) from e
     torch.library.register_fake("modelrunner_cpu::paged_decode_attention")(_fake)

@@ -1,4 +1,5 @@
-"""The C++ kernels: built once per machine on first use, then loaded as the torch operators
+"""The C++ kernels: compiled when the plugin installs (``setup.py``, one build per instruction-set
+variant), loaded on first use as the torch operators
 ``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16, qlinear_p16_exact,
 qlinear_p16_split, gated_mlp_p16}`` (callable from eager code and from torch.compile graphs, through
 their fake implementations)."""
@@ -6,20 +7,15 @@ their fake implementations)."""
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from modelrunner.native import NativeBuildError, build_extension, native_cflags
+from modelrunner.native import NativeBuildError, load_library
 
-SOURCE = Path(__file__).with_name("quant_matmul.cpp")
-"""The kernels' source, shipped with the package."""
-
-MARCH_ENV = "MODELRUNNER_QUANT_CPU_MARCH"
-"""Overrides ``-march=native`` (e.g. ``x86-64-v3`` for the AVX2 code, ``x86-64`` for the portable
-code): to test the other code paths, or to build for an older CPU than this one."""
+VARIANTS = ("avx512_vnni", "avx512", "avx2", "generic")
+"""The instruction-set variants ``setup.py`` builds: each has kernels the one below lacks."""
 
 GEMM_ROWS = 48
 """Exact mode: from this many rows of ``x`` on, tiles of the weight are dequantized and multiplied by
@@ -33,23 +29,18 @@ multiplies broadcast activations by 8 rows at once (4-bit weights; 8-bit ones wh
 VNNI). Measured on SmolLM2's shapes (see the README): it wins from 3-4 rows on."""
 
 
-def _cflags() -> list[str]:
-    return native_cflags(os.environ.get(MARCH_ENV) or None)
-
-
 class KernelUnavailable(NativeBuildError):
-    """The C++ kernels could not be built or loaded here (no compiler, no ninja, unsupported platform)."""
+    """The C++ kernels are not available here (not built at install, or no build this CPU runs)."""
 
 
 @functools.cache
 def load() -> None:
-    """Build the kernels if this machine has no build of this exact source, flags and torch yet
-    (torch.utils.cpp_extension, under ``$TORCH_EXTENSIONS_DIR``), and load them into this process.
+    """Load the installed build of the kernels this CPU runs best into this process.
 
-    :raises KernelUnavailable: the build failed; the message carries the compiler's complaint.
+    :raises KernelUnavailable: no such build is installed; the message says how to rebuild it.
     """
     try:
-        build_extension("modelrunner_quant_cpu", SOURCE, _cflags(), "the quantized-matmul kernels")
+        load_library(Path(__file__).parent, "quant_matmul", VARIANTS, "the quantized-matmul kernels")
     except NativeBuildError as e:
         raise KernelUnavailable(str(e)) from e
     torch.library.register_fake("modelrunner_quant_cpu::dequantize")(_fake_dequantize)
@@ -64,7 +55,7 @@ def load() -> None:
 
 @functools.cache
 def available() -> bool:
-    """Whether the kernels build and load here; warns once with the compiler's message when not."""
+    """Whether the kernels are installed and load here; warns once with the reason when not."""
     try:
         load()
     except KernelUnavailable as e:

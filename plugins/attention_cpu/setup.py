@@ -1,0 +1,15 @@
+"""Builds the plugin's C++ kernels when it installs (``pip install --no-build-isolation``, after
+modelrunner): one library per instruction-set variant, next to the package's modules. Without
+modelrunner or torch where pip builds, the plugin installs without them and runs its pure-torch path."""
+
+from setuptools import setup
+
+try:
+    from modelrunner.native_build import NativeLibrary, setup_kwargs
+except ImportError as e:  # an isolated build environment: install without the kernels, saying so
+    import warnings
+
+    warnings.warn(f"modelrunner_attention_cpu: C++ kernels not built ({e}); install with --no-build-isolation", stacklevel=1)
+    setup()
+else:
+    setup(**setup_kwargs([NativeLibrary("modelrunner_attention_cpu", "modelrunner_attention_cpu/paged_decode_attention.cpp", "paged_decode_attention")]))
