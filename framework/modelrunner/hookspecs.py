@@ -36,8 +36,8 @@ def register(registry: Registry) -> None:
     ``architectures`` names your load hook accepts, ``registry.allocators(...)`` with the KV-cache
     allocator names your allocate hook answers, ``registry.compile_backends(...)`` with your compile
     backend names, and ``registry.attention_backends(cls)`` / ``registry.logits_processors(cls)`` /
-    ``registry.quantization_methods(cls)`` with classes of those kinds. The kernel calls your other
-    hooks only for the names you declare here.
+    ``registry.quantization_methods(cls)`` / ``registry.matmul_kernels(cls)`` with classes of those
+    kinds. The kernel calls your other hooks only for the names you declare here.
 
     :param registry: collects the names; it records which plugin gave each one.
     """
@@ -146,7 +146,7 @@ def compile(name: str, loaded: LoadedModel, config: CompileConfig, model: Any = 
     """Produce the callable the forward hook will run in place of ``loaded.model``.
 
     Called only on the plugin that registered the backend ``name``. To build on the kernel's eager
-    backend (its prepacked weights included) wrap ``loaded.runnable``, which holds the eager
+    backend (the plain model) wrap ``loaded.runnable``, which holds the eager
     callable when this hook runs, rather than ``loaded.model``. A callable with a ``stats()`` method
     has its dict shown in ``ModelRunner.stats()["compile"]``.
 

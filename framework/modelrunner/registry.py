@@ -17,7 +17,7 @@ from .errors import PluginConflictError, did_you_mean
 
 NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
-CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods")
+CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels")
 """Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""
@@ -43,6 +43,7 @@ CLASS_CAPABILITIES = {
     "attention_backends": ("max_block_size", "supports_sliding_window", "dtypes"),
     "quantization_methods": ("devices", "tensor_parallel"),
     "logits_processors": ("builtin", "order"),
+    "matmul_kernels": ("layout", "devices", "exact", "timed"),
 }
 """Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
 
@@ -66,6 +67,10 @@ def _base_class(kind: str) -> type:
         from .sampling.logits_processor import LogitsProcessor
 
         return LogitsProcessor
+    if kind == "matmul_kernels":
+        from .quantization.matmul import MatmulKernel
+
+        return MatmulKernel
     from .quantization.base import QuantizationMethod
 
     return QuantizationMethod
@@ -150,6 +155,12 @@ class Registry:
         """Declare weight quantization methods (:class:`modelrunner.quantization.QuantizationMethod`
         subclasses), selectable by ``name`` (config field ``quantization``)."""
         self._add_classes("quantization_methods", methods)
+
+    def matmul_kernels(self, *kernels: type) -> None:
+        """Declare matmul kernels for quantized weights (:class:`modelrunner.quantization.MatmulKernel`
+        subclasses): each is timed against the others that claim a layer's weight format and device,
+        and selectable by ``name`` (quantization option ``kernel``)."""
+        self._add_classes("matmul_kernels", kernels)
 
     # -- looking up ----------------------------------------------------------------------------
 

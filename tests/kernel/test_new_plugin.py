@@ -22,6 +22,7 @@ NAMES = {
     "compile-backend": "kit_compile",
     "quantization-method": "kit_quant",
     "logits-processor": "kit_logits",
+    "matmul-kernel": "kit_matmul",
 }
 """KIND → the skeleton's name in these tests."""
 
@@ -81,6 +82,19 @@ def test_modelrunner_check_runs_a_skeletons_suite(skeletons):
     assert report["plugin"] == "kit_allocator" and report["passed"] is True
     assert {r["suite"] for r in report["results"]} == {"allocators:kit_allocator"}
     assert any(r["status"] == "passed" for r in report["results"])
+
+
+def test_modelrunner_check_runs_the_matmul_kernel_skeletons_suite(skeletons):
+    # Straight after generation: every format it claims matches the dequantized reference at 1, 5
+    # and 64 rows, a malformed format is refused, a strided input is handled.
+    _, site = skeletons
+    result = run_cli("check", "kit_matmul", "--json", pythonpath=site)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    report = json.loads(result.stdout)
+    assert report["passed"] is True
+    assert {r["suite"] for r in report["results"]} == {"matmul_kernels:kit_matmul"}
+    status = {r["check"]: r["status"] for r in report["results"]}
+    assert status["int4:g32:mins/rows=64"] == status["refuses-unclaimed-formats"] == "passed"
 
 
 def test_bad_kinds_names_and_existing_folders_are_refused(tmp_path):

@@ -13,13 +13,24 @@ from modelrunner import LLM, SamplingParams
 from modelrunner.layers.linear import LinearBase
 from modelrunner.parallel_state import ParallelState
 from modelrunner.quantization.experts import QuantizedExperts
-from modelrunner.quantization.kernels import quant_cpu
+from modelrunner.quantization.kernels import layout_of
 from modelrunner.testing import PagedDriver, load_adapter
 
 from gloo_ranks import run_ranks
 
 from moe.checkpoints import make_config, make_reference, save_checkpoint
 from .gguf_files import tiny_llama, write_llama_gguf
+
+
+
+def quant_cpu():
+    """The quant-cpu plugin's helpers when its kernels load here, else None (tests may import it by name)."""
+    try:
+        import modelrunner_quant_cpu as plugin
+    except ImportError:
+        return None
+    return plugin if plugin.available() else None
+
 
 PROMPTS = {0: [5, 9, 2, 77, 31, 8, 100], 1: [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]}
 CASES = [("llama", "int8"), ("llama", "int4"), ("mixtral", "int4"), ("qwen3_moe", "int8"), ("gguf", "gguf")]
@@ -92,8 +103,14 @@ def test_int8_activations_are_quantized_per_token(checkpoints):
                                                 "quantization_options": {"activations": "int8"}})
     down = model.loaded.model.model.layers[0].mlp.down_proj
     kernels = set(down.quant_scheme.kernels.choices.values())
-    assert kernels == {"cpu_p16"}, kernels  # cpu_q8's arithmetic, on storage regrouped in place
-    assert down.weight.p16_rows == down.weight.logical_shape[0]
+    plugin = quant_cpu()
+    if plugin is not None and plugin.p16_supported(8):  # 8-bit p16 needs VNNI
+        assert kernels == {"cpu_p16"}, kernels  # cpu_q8's arithmetic, on storage regrouped in place
+        assert layout_of(down) == "p16" and down.weight.packed_by.name == "cpu_p16"
+    elif plugin is not None:
+        assert kernels == {"cpu_q8"}, kernels
+    else:
+        assert kernels == {"int8_rowwise"}, kernels
     alone = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32).step({0: PROMPTS[0]})
     other = {1: [40000, 7, 7, 123, 9000, 5, 5, 44]}  # same size bucket (15 rows in all), same kernels
     batch = PagedDriver(model.forward, model.loaded.kv_cache_spec, num_blocks=32).step({0: PROMPTS[0], **other})
@@ -133,8 +150,6 @@ def test_exact_kernels_agree_and_each_shape_keeps_one_family(checkpoints):
     # Float activations have kernels on planar and on p16 storage: they compute the same numbers
     # (up to float32 rounding), and a timed choice gives each shape one family for both row
     # buckets, with its storage in that family's layout.
-    from modelrunner.quantization.kernels import P16_KERNELS, _family, is_p16
-
     plugin = quant_cpu()
     if plugin is None or not plugin.p16_exact_supported(8):
         pytest.skip("no exact p16 kernel in this build")
@@ -155,13 +170,16 @@ def test_exact_kernels_agree_and_each_shape_keeps_one_family(checkpoints):
     assert selector.families  # two families could run every shape: one was chosen by timing
     for layer in linears:
         chosen = {selector._choice(layer.quant_scheme, layer, b) for b in ("decode", "batch")}
-        family = {_family(name) for name in chosen}
+        family = {selector.family_of(name) for name in chosen}
         assert len(family) == 1 and family.pop().startswith("float"), chosen
-        assert is_p16(layer) == chosen.issubset(P16_KERNELS.keys()), (chosen, layer.weight.shape)
+        layouts = {selector.candidates[name].layout for name in chosen}
+        assert layouts == {layout_of(layer)}, (chosen, layer.weight.shape)
 
 
 @pytest.mark.parametrize("kernel", ["cpu_p16", "cpu_p16_exact", "cpu_p16_split"])
 def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoints, kernel):
+    from modelrunner_compile_cpu_fused.fused_ops import gated_mlp, gated_mlp_call, gated_mlp_fusable
+
     plugin = quant_cpu()
     supported = {"cpu_p16": "p16_supported", "cpu_p16_exact": "p16_exact_supported",
                  "cpu_p16_split": "p16_split_supported"}
@@ -173,13 +191,13 @@ def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoint
     mlp = model.loaded.model.model.layers[0].mlp
     for rows in (1, 40):
         x = torch.randn(rows, mlp.gate_up_proj.input_size, generator=torch.Generator().manual_seed(rows))
-        assert mlp.fused_path(x) is not None
+        assert gated_mlp_fusable(mlp) and gated_mlp_call(mlp, x) is not None
         with torch.no_grad():
-            assert torch.equal(mlp(x), mlp.down_proj(mlp.act_fn(mlp.gate_up_proj(x))))
+            assert torch.equal(gated_mlp(mlp, x), mlp(x))  # the cpu_fused backend's one call, the plain layers
     handle = mlp.down_proj.register_forward_hook(lambda *args: None)  # a hook on a part: it must run
-    assert mlp.fused_path(x) is None
+    assert gated_mlp_call(mlp, x) is None
     handle.remove()
-    assert mlp.fused_path(x.t().contiguous().t()) is None  # not contiguous: the layers one by one
+    assert gated_mlp_call(mlp, x.t().contiguous().t()) is None  # not contiguous: the layers one by one
 
 
 def test_bad_quantization_settings_are_refused_by_name(checkpoints):

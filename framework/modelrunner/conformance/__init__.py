@@ -18,6 +18,7 @@ SUITES = {
     "compile_backends": "modelrunner.conformance.compile:CompileBackendSuite",
     "quantization_methods": "modelrunner.conformance.quantization:QuantizationMethodSuite",
     "logits_processors": "modelrunner.conformance.logits:LogitsProcessorSuite",
+    "matmul_kernels": "modelrunner.conformance.matmul:MatmulKernelSuite",
 }
 """Registry kind → ``module:class`` of its suite (imported when used)."""
 

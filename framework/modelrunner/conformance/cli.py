@@ -16,7 +16,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--json", action="store_true", help="machine-readable results on stdout")
     parser.add_argument("--kind", action="append", default=None,
                         help="only these kinds (architectures, attention_backends, allocators, compile_backends, "
-                             "quantization_methods, logits_processors); repeatable")
+                             "quantization_methods, logits_processors, matmul_kernels); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:

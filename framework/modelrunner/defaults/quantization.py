@@ -1,14 +1,17 @@
-"""The kernel's quantization methods (``none``, ``gguf``, ``int8``, ``int4``), declared like any plugin's."""
+"""The kernel's quantization methods (``none``, ``gguf``, ``int8``, ``int4``) and its own matmul kernels
+(``reference``, ``int8_rowwise``), declared like any plugin's."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..hookspecs import hookimpl
+from ..quantization.matmul import DEFAULT_KERNELS
 from ..quantization.methods import METHODS
 
 
 @hookimpl
 def register(registry: Any) -> None:
-    """Declare the kernel's quantization methods."""
+    """Declare the kernel's quantization methods and matmul kernels."""
     registry.quantization_methods(*METHODS)
+    registry.matmul_kernels(*DEFAULT_KERNELS)

@@ -2,19 +2,24 @@
 how a method is chosen for a checkpoint.
 
 A method covers a model's layers through :mod:`.base`; every quantized weight is kept in the planar
-layout of :mod:`.planar` and multiplied by the kernel :mod:`.kernels` timed fastest on this machine.
+layout of :mod:`.planar` and multiplied by the registered matmul kernel (:mod:`.matmul`, a plugin
+kind) that :mod:`.kernels` timed fastest on this machine.
 """
 
 from .base import QuantizationMethod, quantizable_layers, weight_bytes
 from .blocks import GGMLBlocks
 from .checkpoint import check_checkpoint_quantization, checkpoint_quant_method
+from .matmul import MatmulKernel, QuantizedWeight, WeightFormat
 from .planar import PlanarScheme, dequantize_planar, quantize_planar
 from .select import select_quantization
 
 __all__ = [
     "GGMLBlocks",
+    "MatmulKernel",
     "PlanarScheme",
     "QuantizationMethod",
+    "QuantizedWeight",
+    "WeightFormat",
     "check_checkpoint_quantization",
     "checkpoint_quant_method",
     "dequantize_planar",

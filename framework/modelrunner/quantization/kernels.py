@@ -1,286 +1,193 @@
-"""Which matmul kernel a quantized layer runs, chosen by timing the candidates on this machine.
+"""Which matmul kernel a quantized layer runs, chosen by timing the registered candidates on this machine.
+
+The candidates are the loaded plugins' matmul kernels (:class:`~.matmul.MatmulKernel`, declared with
+``registry.matmul_kernels(...)``) that claim the layer's weight format on its device. The kernel's own
+are ``reference`` (dequantize, then ``F.linear``: every format, exact, slow) and ``int8_rowwise``
+(``torch._int_mm``, pinned only); the ``modelrunner-quant-cpu`` plugin adds its C++ kernels
+(``cpu_exact``, ``cpu_q8`` on planar storage; ``cpu_p16``, ``cpu_p16_exact``, ``cpu_p16_split`` on its
+p16 layout). Nothing here imports a kernel plugin.
 
 For every distinct ``(format, rows × columns)`` of a model and for two input sizes — ``decode``
 (up to :data:`DECODE_ROWS` rows: one token per sequence) and ``batch`` (more) — each allowed
 candidate is timed once on the layer's real weights, the fastest kept, and the choice cached on disk
-per CPU model and software version (``kernels.json`` under the cache directory), so later loads
-skip the timing. Candidates:
+per CPU model and software version (``kernels.json`` under the cache directory; the kernels'
+:meth:`~.matmul.MatmulKernel.build_id` are part of it), so later loads skip the timing. Which
+candidates are allowed:
 
-- ``reference``: dequantize to float32, then ``F.linear`` (always there; exact; slow).
-- ``cpu_exact`` / ``cpu_q8``: the ``modelrunner-quant-cpu`` plugin's C++ kernels (float32
-  activations; or activations quantized to int8 per 32-element block, as llama.cpp does).
-- ``cpu_p16``: ``cpu_q8``'s arithmetic on weights regrouped in tiles of 16 rows (the plugin's p16
-  layout), 2-3x faster at every row count. Where it can run it replaces ``cpu_q8`` among the timed
-  candidates.
-- ``cpu_p16_exact``: ``cpu_exact``'s arithmetic (float activations) on the p16 layout (AVX-512),
-  1.3-1.6x ``cpu_exact`` at one row and at 64 on SmolLM2's shapes.
-- ``cpu_p16_split``: as exact as ``cpu_p16_exact`` through VNNI dot products — each block of the
-  activations split into three int8 digits, the rest below 2e-8 of its largest value — 2x
-  ``cpu_p16_exact`` at one row on SmolLM2's LM head, slower at 64 rows (AVX-512 VNNI).
-- ``int8_rowwise``: torch's int8 GEMM (``torch._int_mm``) with each activation row quantized to
-  int8 on its own (per-channel int8 weights only; no copy of the weight). Per row, so a token's
-  result does not depend on the other tokens of its batch (fbgemm's dynamic linear quantizes the
-  whole batch with one scale, which does) — but too lossy to be chosen by timing (:data:`PINNED_ONLY`).
-
-Candidates that quantize activations run only where the method allows them (``activations`` option).
+- the kernel claims the format on the layer's device (:meth:`~.matmul.MatmulKernel.supports`);
+- a kernel of another layout than planar only on a layer that owns its storage (it is regrouped in
+  place, which an expert's view of its stack cannot be), and a layer already regrouped runs only
+  kernels of its layout (and the fallback, which reads any layout back as planar rows);
+- kernels that quantize activations (``exact = False``) only where the method's ``activations``
+  option allows them; ``timed = False`` kernels only when pinned (``kernel=``);
+- the fallback (``reference``) only when nothing else can run; a kernel whose ``superseded_by``
+  names an allowed one steps aside (the same arithmetic, slower at every row count).
 
 A shape's kernels for both buckets come from one *family* — the kind of activations (float or int8)
-and the layout (planar or p16) — the one whose fastest kernels take least time summed over the timed
-row counts, so that a layer's storage has one layout and a request's activations are taken one way
-(float or int8) however many rows share its step. A layer on a p16 family has its storage regrouped in place (no second
-copy), and :meth:`~.planar.PlanarScheme.planar_storage` reads it back as planar rows.
+and the layout — the one whose fastest kernels take least time summed over the timed row counts, so
+that a layer's storage has one layout and a request's activations are taken one way (float or int8)
+however many rows share its step. A layer whose family has another layout has its storage regrouped
+in place by that kernel's :meth:`~.matmul.MatmulKernel.pack` (no second copy), and
+:meth:`~.planar.PlanarScheme.planar_storage` reads it back through the kernel's ``unpack``.
 """
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import logging
+import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
+from ..errors import UnknownNameError
+from ..registry import split_choice
 from ..timing_cache import (
     DECODE_ROWS,
     TIMING_ROWS,
     TimingCache,
     time_candidates,
 )
+from .matmul import PLANAR, MatmulKernel, QuantizedWeight, WeightFormat, registered_kernels
 from .planar import dequantize_planar
 
 logger = logging.getLogger(__name__)
 
-KERNEL_VERSION = 5
-"""Bumped when a candidate changes, so cached choices are remade."""
+KERNEL_VERSION = 6
+"""Bumped when the selection rules change, so cached choices are remade."""
 
 
-@functools.cache
-def quant_cpu() -> Any:
-    """The ``modelrunner_quant_cpu`` kernels when installed and built here, else None."""
-    try:
-        import modelrunner_quant_cpu as kernels
-    except ImportError:
-        return None
-    try:
-        return kernels if kernels.available() else None
-    except Exception:  # noqa: BLE001 - a plugin that cannot build is as good as absent
-        return None
-
-
-def _plugin_build() -> str:
-    """The quant-cpu plugin's version and a hash of its kernel source (a changed kernel times again)."""
-    plugin = quant_cpu()
-    if plugin is None:
-        return "none"
-    digest = hashlib.sha256()
-    for source in sorted(Path(plugin.__file__).parent.glob("*.cpp")):
-        digest.update(source.read_bytes())
-    return f"{getattr(plugin, '__version__', '?')}-{digest.hexdigest()[:12]}"
-
-
-# -- candidates ------------------------------------------------------------------------------------
-
-
-def _reference(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-    return F.linear(x.float(), scheme.dequantized(layer))
-
-
-def _cpu(mode: str) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
-    def run(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        qweight, scales, mins = scheme.planar_storage(layer)
-        return quant_cpu().qlinear(x, qweight, scales, mins, scheme.group_size, scheme.bits, mode=mode)
-    return run
-
-
-def _bind_cpu(mode: str) -> Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]:
-    def bind(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        return quant_cpu().bind_qlinear(*scheme.planar_storage(layer), scheme.group_size, scheme.bits, mode=mode)
-    return bind
-
-
-def is_p16(layer: Any) -> bool:
-    """Whether ``layer``'s storage is in the quant-cpu plugin's p16 layout."""
-    return getattr(layer.weight, "p16_rows", None) is not None
-
-
-_P16_COPIES: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = \
-    weakref.WeakKeyDictionary()
-"""Layer → a p16 copy of its storage, while ``cpu_p16`` is timed on a layer still stored planar."""
-
-
-def _p16_storage(scheme: Any, layer: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    if is_p16(layer):
-        return scheme.storage(layer)
-    copy = _P16_COPIES.get(layer)
-    if copy is None:
-        copy = quant_cpu().pack_p16(*scheme.storage(layer), scheme.group_size, scheme.bits)
-        _P16_COPIES[layer] = copy
-    return copy
-
-
-_P16_BINDERS = {"q8": "bind_qlinear_p16", "exact": "bind_qlinear_p16_exact", "split": "bind_qlinear_p16_split"}
-"""The plugin's p16 kernels (its ``P16_KERNELS``) → their binders."""
-
-
-def _bind_p16(kind: str) -> Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]:
-    def bind(scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        to_p16(scheme, layer)
-        binder = getattr(quant_cpu(), _P16_BINDERS[kind])
-        return binder(*scheme.storage(layer), layer.weight.p16_rows, scheme.group_size, scheme.bits)
-    return bind
-
-
-def _p16(kind: str) -> Callable[[Any, Any, torch.Tensor], torch.Tensor]:
-    def run(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        rows = layer.weight.logical_shape[0]
-        binder = getattr(quant_cpu(), _P16_BINDERS[kind])
-        return binder(*_p16_storage(scheme, layer), rows, scheme.group_size, scheme.bits)(x)
-    return run
-
-
-def to_p16(scheme: Any, layer: Any) -> None:
-    """Regroup ``layer``'s planar storage into the p16 layout, in place (the same parameters, their
-    data replaced: a tied embedding sharing them follows)."""
-    if is_p16(layer):
-        return
-    rows = layer.weight.shape[0]
-    data, scales, mins = _P16_COPIES.pop(layer, None) or quant_cpu().pack_p16(
-        *scheme.storage(layer), scheme.group_size, scheme.bits)
-    with torch.no_grad():
-        layer.weight.data = data
-        layer.weight_scales.data = scales
-        if mins is not None:
-            layer.weight_mins.data = mins
-    layer.weight.p16_rows = rows
-
-
-BINDERS: dict[str, Callable[[Any, Any], Callable[[torch.Tensor], torch.Tensor]]] = {
-    "cpu_exact": _bind_cpu("exact"),
-    "cpu_q8": _bind_cpu("q8"),
-    "cpu_p16": _bind_p16("q8"),
-    "cpu_p16_exact": _bind_p16("exact"),
-    "cpu_p16_split": _bind_p16("split"),
-}
-"""Candidate → ``bind(scheme, layer)``: the candidate for one layer's storage as a callable of ``x``
-(looked up once; the others are bound with :func:`functools.partial`)."""
-
-
-def _int8_rowwise(scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-    # Each row of x (one token) quantized on its own: a token's result never depends on its batch.
-    qweight, scales, _ = scheme.planar_storage(layer)
-    x = x.float()
-    row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-    xq = torch.round(x / row_scale).clamp_(-127, 127).to(torch.int8)
-    return torch._int_mm(xq, qweight.t()).float() * row_scale * scales.reshape(1, -1).float()
-
-
-CANDIDATES: dict[str, tuple[Callable[..., torch.Tensor], bool]] = {
-    "reference": (_reference, True),
-    "cpu_exact": (_cpu("exact"), True),
-    "cpu_q8": (_cpu("q8"), False),
-    "cpu_p16": (_p16("q8"), False),
-    "cpu_p16_exact": (_p16("exact"), True),
-    "cpu_p16_split": (_p16("split"), True),
-    "int8_rowwise": (_int8_rowwise, False),
-}
-"""name → (kernel, exact: computes with float activations)."""
-
-P16_KERNELS = {"cpu_p16": "q8", "cpu_p16_exact": "exact", "cpu_p16_split": "split"}
-"""Candidates that read the p16 layout (the others read planar storage) → the plugin's name for them."""
-
-
-PINNED_ONLY = frozenset({"int8_rowwise"})
-"""Candidates timing never picks (``kernel=`` runs them): one int8 scale per token over a whole row
-lost too much — SmolLM2's int8 perplexity +3.1% against +0.5% with the per-32-value activation
-blocks of ``cpu_q8`` (and +0.3% with float activations)."""
-
-
-def usable(name: str, scheme: Any, layer: Any = None) -> bool:
-    """Whether candidate ``name`` can run ``scheme``'s format (and ``layer``'s shape) on this machine."""
-    if name.startswith("cpu_"):
-        if layer is not None and layer.weight.device.type != "cpu":
-            return False
-        cols = layer.weight.logical_shape[-1] if layer is not None else 32
-        # The C++ kernels work in 32-element blocks.
-        if not (quant_cpu() is not None and cols % 32 == 0 and scheme.group_size % 32 == 0):
-            return False
-        if name in P16_KERNELS:
-            # Regrouped in place: only storage a layer owns (not an expert's view of its stack).
-            owns = layer is None or getattr(layer, "quant_scheme", None) is scheme
-            kind = P16_KERNELS[name]
-            supported = getattr(quant_cpu(), "p16_supported" if kind == "q8" else f"p16_{kind}_supported", None)
-            return owns and supported is not None and supported(scheme.bits)
-        return layer is None or not is_p16(layer)  # the other kernels read planar storage
-    if name == "int8_rowwise":
-        return scheme.bits == 8 and not scheme.has_mins and scheme.per_row and hasattr(torch, "_int_mm")
-    return True
-
-
-# -- choosing ------------------------------------------------------------------------------------
+def layout_of(layer: Any) -> str:
+    """The layout ``layer``'s storage is in: ``planar``, or the layout of the kernel that regrouped it."""
+    packed_by = getattr(layer.weight, "packed_by", None)
+    return PLANAR if packed_by is None else packed_by.layout
 
 
 class KernelSelector:
-    """Times the allowed candidates for each shape of a model once and remembers the fastest.
+    """Times the allowed registered kernels for each shape of a model once and remembers the fastest.
 
     :param activations: ``float`` (exact kernels only), ``int8`` (kernels that quantize activations;
         exact ones as fallback), ``auto`` (per shape, the kind whose kernels are fastest over the timed
         row counts). Within what it allows, each shape takes one family (see the module's text) for
         every row count.
     :param cache_dir: where ``kernels.json`` keeps the choices (None: not kept).
-    :param kernel: one candidate for every shape it can run (to measure one against another); None: timed.
+    :param kernel: one registered kernel for every shape it can run (to measure one against
+        another); None: timed.
+    :param plugins: where the kernels come from (None: the process's plugins, on first use;
+        :meth:`use_plugins` sets them).
     """
 
-    def __init__(self, activations: str = "float", cache_dir: Path | None = None, kernel: str | None = None) -> None:
+    def __init__(self, activations: str = "float", cache_dir: Path | None = None, kernel: str | None = None,
+                 plugins: Any = None) -> None:
         if activations not in ("float", "int8", "auto"):
             raise ValueError(f"activations must be 'float', 'int8' or 'auto', got {activations!r}")
-        if kernel is not None and kernel not in CANDIDATES:
-            raise ValueError(f"kernel must be one of {', '.join(CANDIDATES)} (or unset: timed), got {kernel!r}")
+        if kernel is not None and not (isinstance(kernel, str) and kernel):
+            # The name itself is checked against the registry once the plugins are known (use_plugins).
+            raise ValueError(f"kernel must be the name of a registered matmul kernel (or unset: timed), got {kernel!r}")
         self.kernel = kernel
-        """The pinned candidate (None: the fastest, timed)."""
+        """The pinned kernel (None: the fastest, timed)."""
         self.activations = activations
         """Which kinds of kernel may run."""
         self.cache_dir = cache_dir
         """Where the on-disk choices live (None: not kept)."""
+        self.plugins = plugins
+        """The loaded plugins the kernels come from (None: the process's, looked up on first use)."""
         self.choices: dict[str, str] = {}
-        """Shape key → chosen candidate, for this model."""
+        """Shape key → chosen kernel, for this model."""
         self.timings: dict[str, dict[str, float]] = {}
-        """Shape key → candidate → measured seconds (for the shapes timed in this process)."""
+        """Shape key → kernel → measured seconds (for the shapes timed in this process)."""
         self.families: dict[str, str] = {}
         """Shape (any row count) → its kernels' family, e.g. ``float-p16`` (where more than one could run)."""
+        self._kernels: dict[str, MatmulKernel] | None = None
         self._cache: TimingCache | None = None
         self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable]] = weakref.WeakKeyDictionary()
         self._fused: weakref.WeakKeyDictionary[Any, tuple[Any, Any, Callable | None]] = weakref.WeakKeyDictionary()
+        self._copies: weakref.WeakKeyDictionary[Any, dict[str, tuple]] = weakref.WeakKeyDictionary()
+        """Layer → layout → a regrouped copy of its storage, while a kernel of that layout is timed on
+        a layer still stored planar (dropped once the layer is prepared)."""
+
+    def use_plugins(self, plugins: Any) -> None:
+        """Take the kernels from ``plugins`` (the ones the quantization method came from), checking a
+        pinned ``kernel`` now.
+
+        :raises UnknownNameError: the pinned kernel is not registered (the message lists those that are).
+        """
+        self.plugins, self._kernels = plugins, None
+        self.candidates  # noqa: B018 - resolves and checks the pinned name
+
+    @property
+    def candidates(self) -> dict[str, MatmulKernel]:
+        """Name → an instance of every registered matmul kernel (made once).
+
+        :raises UnknownNameError: the pinned ``kernel`` is not among them.
+        """
+        if self._kernels is None:
+            if self.plugins is None:
+                from ..plugins import get_plugins
+
+                self.plugins = get_plugins()
+            classes = registered_kernels(self.plugins)
+            if self.kernel is not None and self.kernel not in classes:
+                picked, bare = split_choice(self.kernel)
+                if picked is not None and picked in self.plugins.registry.providers["matmul_kernels"].get(bare, []):
+                    classes[self.kernel] = self.plugins.registry.get_class("matmul_kernels", bare, picked)
+                else:
+                    raise UnknownNameError(self.plugins.registry.unknown("matmul_kernels", bare, self.plugins.broken)
+                                           + " (quantization option 'kernel'; unset: the fastest, timed)")
+            self._kernels = {name: cls() for name, cls in classes.items()}
+        return self._kernels
 
     @property
     def cache(self) -> TimingCache:
         """The on-disk choices (made lazily: the thread count is read when the first shape is timed)."""
         if self._cache is None:
-            self._cache = TimingCache(self.cache_dir, (f"quant-cpu {_plugin_build()}", f"quant {KERNEL_VERSION}"))
+            builds = sorted({f"{type(k).__module__}.{type(k).__qualname__}={k.build_id()}"
+                             for k in self.candidates.values() if k.build_id()})
+            self._cache = TimingCache(self.cache_dir, (f"matmul {';'.join(builds)}", f"quant {KERNEL_VERSION}"))
         return self._cache
 
+    # -- which kernels may run ---------------------------------------------------------------------
+
+    def usable(self, name: str, scheme: Any, layer: Any = None) -> bool:
+        """Whether kernel ``name`` can run ``scheme``'s format (and ``layer``'s storage) on this machine."""
+        kernel = self.candidates[name]
+        device = layer.weight.device if layer is not None else torch.device("cpu")
+        if not kernel.supports(WeightFormat.of(scheme), device):
+            return False
+        if layer is None:
+            return True
+        stored = layout_of(layer)
+        if stored != PLANAR:
+            return kernel.layout == stored or kernel.fallback
+        # Regrouped in place: only storage a layer owns (not an expert's view of its stack).
+        return kernel.layout == PLANAR or getattr(layer, "quant_scheme", None) is scheme
+
+    def family_of(self, name: str) -> str:
+        """A kernel's family: its activations and the layout it reads, e.g. ``float-p16``."""
+        kernel = self.candidates[name]
+        return f"{'float' if kernel.exact else 'int8'}-{kernel.layout}"
+
     def _allowed(self, scheme: Any, layer: Any) -> list[str]:
-        names = [n for n in CANDIDATES if n not in PINNED_ONLY and usable(n, scheme, layer)]
+        kernels = self.candidates
+        names = [n for n, k in kernels.items() if k.timed and self.usable(n, scheme, layer)]
         if self.activations == "float":
-            names = [n for n in names if CANDIDATES[n][1]]
+            names = [n for n in names if kernels[n].exact]
         elif self.activations == "int8":
-            names = [n for n in names if not CANDIDATES[n][1]] or [n for n in names if CANDIDATES[n][1]]
-        if len(names) > 1 and "reference" in names:
-            names.remove("reference")  # the fallback only: every other candidate beats it
-        if "cpu_p16" in names and "cpu_q8" in names:
-            names.remove("cpu_q8")  # the same arithmetic, slower at every row count
+            names = [n for n in names if not kernels[n].exact] or [n for n in names if kernels[n].exact]
+        if len(names) > 1:
+            names = [n for n in names if not kernels[n].fallback] or names  # every other candidate beats it
+        names = [n for n in names if not any(s in names for s in kernels[n].superseded_by)]
         if self.kernel is None:
             family = self._family(scheme, layer, names)
-            names = [n for n in names if _family(n) == family]
+            names = [n for n in names if self.family_of(n) == family]
         return names
 
     def _family(self, scheme: Any, layer: Any, names: list[str]) -> str:
         """The family of ``layer``'s shape among those of ``names``, for every row count alike: the one
         whose fastest kernel takes least time summed over the timed row counts."""
-        families = {_family(n) for n in names}
+        families = {self.family_of(n) for n in names}
         if len(families) == 1:
             return families.pop()
         shape = self.key(scheme, layer, "any")
@@ -294,12 +201,51 @@ class KernelSelector:
                 for bucket_name in TIMING_ROWS:
                     times = self._measure(scheme, layer, bucket_name, names)
                     for kind in total:
-                        total[kind] += min(t for n, t in times.items() if _family(n) == kind)
+                        total[kind] += min(t for n, t in times.items() if self.family_of(n) == kind)
                 family = min(total, key=total.get)
                 self.cache.put(qualified, family)
             self.families[shape] = family
             logger.info("kernels for %s: %s", shape, family)
         return self.families[shape]
+
+    # -- storage in a kernel's layout --------------------------------------------------------------
+
+    def _weight(self, scheme: Any, layer: Any, kernel: MatmulKernel) -> QuantizedWeight:
+        """``layer``'s weight as ``kernel`` reads it: stored, read back as planar rows, or a regrouped
+        copy (while it is timed on a layer still stored planar)."""
+        rows, cols = layer.weight.logical_shape
+        fmt = WeightFormat.of(scheme)
+        stored = layout_of(layer)
+        if kernel.layout == stored:
+            storage = scheme.storage(layer)
+        elif kernel.layout == PLANAR:
+            storage = scheme.planar_storage(layer)
+        else:
+            copies = self._copies.setdefault(layer, {})
+            storage = copies.get(kernel.layout)
+            if storage is None:
+                planar = QuantizedWeight(*scheme.planar_storage(layer), fmt, rows, cols)
+                storage = copies[kernel.layout] = type(kernel).pack(planar)
+        return QuantizedWeight(*storage, fmt, rows, cols, kernel.layout)
+
+    def _pack_in_place(self, scheme: Any, layer: Any, kernel: MatmulKernel) -> None:
+        """Regroup ``layer``'s planar storage into ``kernel``'s layout, in place (the same parameters,
+        their data replaced: a tied embedding sharing them follows)."""
+        if layout_of(layer) == kernel.layout:
+            return
+        rows, cols = layer.weight.logical_shape
+        packed = self._copies.pop(layer, {}).get(kernel.layout)
+        if packed is None:
+            packed = type(kernel).pack(QuantizedWeight(*scheme.storage(layer), WeightFormat.of(scheme), rows, cols))
+        data, scales, mins = packed
+        with torch.no_grad():
+            layer.weight.data = data
+            layer.weight_scales.data = scales
+            if mins is not None:
+                layer.weight_mins.data = mins
+        layer.weight.packed_by = type(kernel)
+
+    # -- choosing ------------------------------------------------------------------------------------
 
     @staticmethod
     def key(scheme: Any, layer: Any, bucket: str) -> str:
@@ -308,10 +254,12 @@ class KernelSelector:
         return f"int{scheme.bits}:g{scheme.group_size}:{'mins' if scheme.has_mins else 'sym'}:{rows}x{cols}:{bucket}"
 
     def prepare(self, scheme: Any, layer: Any) -> None:
-        """Choose the kernels of ``layer`` for both buckets now (timing them unless cached)."""
-        if all(self._choice(scheme, layer, name) in P16_KERNELS for name in TIMING_ROWS):
-            to_p16(scheme, layer)
-        _P16_COPIES.pop(layer, None)
+        """Choose the kernels of ``layer`` for both buckets now (timing them unless cached), and give
+        its storage their layout."""
+        layouts = {self.candidates[self._choice(scheme, layer, name)].layout for name in TIMING_ROWS}
+        if len(layouts) == 1 and PLANAR not in layouts:
+            self._pack_in_place(scheme, layer, self.candidates[self._choice(scheme, layer, "decode")])
+        self._copies.pop(layer, None)
 
     def bound(self, scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
         """``layer``'s matmul as one callable of a 2-D, contiguous float32 ``x``, bound to its storage on
@@ -335,44 +283,46 @@ class KernelSelector:
     def gated_mlp(self, gu_scheme: Any, gate_up: Any, down_scheme: Any, down: Any
                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``down(silu(gate(x)) * up(x))`` as one kernel call of a 2-D, contiguous float32 ``x`` where,
-        in each row bucket, both projections run the same p16 kernel (the same numbers as the three
-        calls it replaces); None elsewhere. Bound on first use, like :meth:`bound`."""
+        in each row bucket, both projections run the same kernel, stored in its layout, and that
+        kernel has a fused form (:meth:`~.matmul.MatmulKernel.bind_gated_mlp`: the same numbers as
+        the three calls it replaces); None elsewhere. Bound on first use, like :meth:`bound`."""
         entry = self._fused.get(gate_up)
         if entry is None or entry[0] is not gu_scheme or entry[1] is not down_scheme:
             run = None
             layers = ((gu_scheme, gate_up), (down_scheme, down))
-            plugin = quant_cpu()
             chosen = {b: {self._choice(s, layer, b) for s, layer in layers} for b in TIMING_ROWS}
-            if (down_scheme.kernels is self and hasattr(plugin, "bind_gated_mlp_p16")
-                    and all(len(c) == 1 and c <= P16_KERNELS.keys() for c in chosen.values())
-                    and all(is_p16(layer) for _, layer in layers)):
-                parts = [(*s.storage(layer), layer.weight.p16_rows, s.group_size, s.bits) for s, layer in layers]
-                names = {b: next(iter(c)) for b, c in chosen.items()}
-                decode = plugin.bind_gated_mlp_p16(*parts, kernel=P16_KERNELS[names["decode"]])
-                if names["decode"] == names["batch"]:
-                    run = decode
-                else:
-                    batch = plugin.bind_gated_mlp_p16(*parts, kernel=P16_KERNELS[names["batch"]])
-
-                    def run(x: torch.Tensor) -> torch.Tensor:
-                        return (decode if x.shape[0] <= DECODE_ROWS else batch)(x)
+            if down_scheme.kernels is self and all(len(c) == 1 for c in chosen.values()):
+                kernels = {b: self.candidates[next(iter(c))] for b, c in chosen.items()}
+                fused = {}
+                for b, kernel in kernels.items():
+                    if all(layout_of(layer) == kernel.layout for _, layer in layers):
+                        fused[b] = kernel.bind_gated_mlp(*(self._weight(s, layer, kernel) for s, layer in layers))
+                if len(fused) == len(kernels) and all(f is not None for f in fused.values()):
+                    decode, batch = fused["decode"], fused["batch"]
+                    if kernels["decode"] is kernels["batch"]:
+                        run = decode
+                    else:
+                        def run(x: torch.Tensor) -> torch.Tensor:
+                            return (decode if x.shape[0] <= DECODE_ROWS else batch)(x)
             entry = (gu_scheme, down_scheme, run)
             self._fused[gate_up] = entry
         return entry[2]
 
     def traced(self, scheme: Any, layer: Any, x: torch.Tensor) -> torch.Tensor:
-        """``x Wᵀ`` for compilers (torch.compile, torch.export): the chosen candidate reads the
+        """``x Wᵀ`` for compilers (torch.compile, torch.export): the chosen kernel's ``run`` reads the
         layer's storage through its attributes on every call, so a tracer sees the layer's parameters
         (not tensors captured in a closure, which an exported program would hold as constants) and
         guards on no per-layer state. Branches on the row count only where the buckets' choices differ."""
         decode, batch = self._choice(scheme, layer, "decode"), self._choice(scheme, layer, "batch")
         name = decode if decode == batch or x.shape[0] <= DECODE_ROWS else batch
-        return CANDIDATES[name][0](scheme, layer, x)
+        kernel = self.candidates[name]
+        return kernel.run(self._weight(scheme, layer, kernel), x)
 
     def _bind(self, scheme: Any, layer: Any, bucket_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-        name = self._choice(scheme, layer, bucket_name)
-        binder = BINDERS.get(name)
-        return binder(scheme, layer) if binder is not None else functools.partial(CANDIDATES[name][0], scheme, layer)
+        kernel = self.candidates[self._choice(scheme, layer, bucket_name)]
+        if kernel.layout != PLANAR and layout_of(layer) == PLANAR and getattr(layer, "quant_scheme", None) is scheme:
+            self._pack_in_place(scheme, layer, kernel)  # a layer bound before it was prepared
+        return kernel.bind(self._weight(scheme, layer, kernel))
 
     def _choice(self, scheme: Any, layer: Any, bucket_name: str) -> str:
         key = self.key(scheme, layer, bucket_name)
@@ -381,9 +331,9 @@ class KernelSelector:
             return name
         allowed = self._allowed(scheme, layer)
         if self.kernel is not None:
-            if not usable(self.kernel, scheme, layer):
+            if not self.usable(self.kernel, scheme, layer):
                 raise ValueError(f"kernel {self.kernel!r} cannot run {key} here (usable: "
-                                 f"{', '.join(n for n in CANDIDATES if usable(n, scheme, layer))})")
+                                 f"{', '.join(n for n in self.candidates if self.usable(n, scheme, layer))})")
             self.choices[key] = self.kernel
             return self.kernel
         qualified = f"{self.activations}|{','.join(allowed)}|{key}"
@@ -398,14 +348,19 @@ class KernelSelector:
         return name
 
     def _measure(self, scheme: Any, layer: Any, bucket_name: str, names: list[str]) -> dict[str, float]:
-        """Seconds of each candidate in ``names`` at ``bucket_name``'s rows (measured once per process)."""
+        """Seconds of each kernel in ``names`` at ``bucket_name``'s rows (measured once per process)."""
         key = self.key(scheme, layer, bucket_name)
         known = self.timings.setdefault(key, {})
         missing = [n for n in names if n not in known]
         if missing:
             cols = layer.weight.logical_shape[1]
             x = torch.randn(TIMING_ROWS[bucket_name], cols, generator=torch.Generator().manual_seed(0))
-            known.update(time_candidates({n: functools.partial(CANDIDATES[n][0], scheme, layer, x) for n in missing}))
+
+            def timed(kernel: MatmulKernel) -> Callable[[], torch.Tensor]:
+                # The storage is looked up inside the call, so a kernel whose packing fails is skipped.
+                return lambda: kernel.run(self._weight(scheme, layer, kernel), x)
+
+            known.update(time_candidates({n: timed(self.candidates[n]) for n in missing}))
         return {n: known[n] for n in names if n in known}
 
     def _time(self, scheme: Any, layer: Any, bucket_name: str, key: str, allowed: list[str]) -> str:
@@ -415,10 +370,22 @@ class KernelSelector:
         return min(times, key=times.get)
 
 
-def _family(name: str) -> str:
-    """A candidate's family: its activations and the layout it reads, e.g. ``float-p16``."""
-    return f"{'float' if CANDIDATES[name][1] else 'int8'}-{'p16' if name in P16_KERNELS else 'planar'}"
+def quant_cpu() -> Any:
+    """Deprecated: the plugin module that registered the ``cpu_exact`` matmul kernel, when its kernels
+    load here, else None. Kernels are registered (``registry.matmul_kernels``) and chosen through
+    :class:`KernelSelector`; import a plugin's own helpers from the plugin."""
+    warnings.warn("modelrunner.quantization.kernels.quant_cpu() is deprecated: matmul kernels are registered "
+                  "plugins (registry.matmul_kernels); use the quant-cpu plugin's own module for its helpers",
+                  DeprecationWarning, stacklevel=2)
+    from ..plugins import get_plugins
+
+    plugins = get_plugins()
+    owner = plugins.registry.candidates("matmul_kernels", "cpu_exact")
+    module = plugins.pm.get_plugin(owner[0]) if owner else None
+    try:
+        return module if module is not None and module.available() else None
+    except Exception:  # noqa: BLE001 - a plugin that cannot load its build is as good as absent
+        return None
 
 
-__all__ = ["CANDIDATES", "DECODE_ROWS", "P16_KERNELS", "PINNED_ONLY", "KernelSelector", "dequantize_planar", "is_p16",
-           "quant_cpu", "to_p16", "usable"]
+__all__ = ["DECODE_ROWS", "KERNEL_VERSION", "KernelSelector", "dequantize_planar", "layout_of", "quant_cpu"]

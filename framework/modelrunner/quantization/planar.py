@@ -204,8 +204,8 @@ class PlanarScheme:
         return copy.copy(self)
 
     def storage(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(qweight, scales, mins)`` of ``layer`` as stored: planar, or regrouped by the kernel that
-        runs it (``cpu_p16`` or ``cpu_p16_exact``; see :meth:`planar_storage`)."""
+        """``(qweight, scales, mins)`` of ``layer`` as stored: planar, or regrouped in the layout of the
+        kernel that runs it (e.g. the quant-cpu plugin's ``p16``; see :meth:`planar_storage`)."""
         return layer.weight, layer.weight_scales, layer.weight_mins
 
     def planar_storage(self, layer: nn.Module, ids: torch.Tensor | None = None
@@ -213,10 +213,13 @@ class PlanarScheme:
         """``(qweight, scales, mins)`` of ``layer`` in the planar layout — rows ``ids`` only when given —
         whatever layout its kernel keeps them in."""
         qweight, scales, mins = self.storage(layer)
-        rows = getattr(qweight, "p16_rows", None)
-        if rows is not None:
-            from .kernels import quant_cpu
-            return quant_cpu().unpack_p16(qweight, scales, mins, rows, self.bits, ids)
+        packed_by = getattr(qweight, "packed_by", None)  # the matmul kernel that regrouped it in place
+        if packed_by is not None:
+            from .matmul import QuantizedWeight, WeightFormat
+
+            rows, cols = qweight.logical_shape
+            weight = QuantizedWeight(qweight, scales, mins, WeightFormat.of(self), rows, cols, packed_by.layout)
+            return packed_by.unpack(weight, ids)
         if ids is None:
             return qweight, scales, mins
         return qweight.index_select(0, ids), scales.index_select(0, ids), \

@@ -10,6 +10,7 @@ KINDS = {
     "compile-backend": "compile_backends",
     "quantization-method": "quantization_methods",
     "logits-processor": "logits_processors",
+    "matmul-kernel": "matmul_kernels",
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
@@ -132,7 +133,7 @@ def register(registry: Any) -> None:
 def compile(name: str, loaded: Any, config: Any) -> Any:
     """The callable run in place of the model: here the eager one, wrapped (replace with your compiler).
 
-    ``loaded.runnable`` is the kernel's eager callable (its prepacked weights included), with the
+    ``loaded.runnable`` is the kernel's eager callable (the plain model), with the
     model's signature ``(batch, kv_caches, **inputs)``; ``config.options`` are ``compile_options``.
     """
     inner = loaded.runnable
@@ -240,6 +241,43 @@ def parallelize(loaded: LoadedModel, parallel: Any) -> None:
     """The split happened while building; check it matches this rank."""
     check_built_for(loaded.model, parallel)
 ''',
+    "matmul-kernel": HEADER + '''
+import torch
+import torch.nn.functional as F
+
+from modelrunner.quantization import MatmulKernel, QuantizedWeight, WeightFormat, dequantize_planar
+
+
+class {cls}(MatmulKernel):
+    """A matmul kernel for quantized weights; starts as the kernel's ``reference`` (dequantize, then
+    ``F.linear``). Replace ``run`` (and ``bind``, for work done once per weight) with your kernel.
+
+    Its class attributes are its declared capabilities: where it runs, the storage layout it reads,
+    whether activations stay float.
+    """
+
+    name = "{name}"
+    devices = ("cpu",)
+    layout = "planar"  # the storage it reads (another layout: also implement pack / unpack)
+    exact = True  # float activations: the float matmul up to summation order
+    timed = False  # True: timed against the other kernels for every quantized layer; False: only kernel="{name}"
+
+    @classmethod
+    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
+        """The formats it claims: planar 4-bit and 8-bit weights, any group size, on the CPU."""
+        return format.bits in (4, 8) and torch.device(device).type in cls.devices
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """``x`` (float32 ``[M, cols]``, contiguous) times the weight: float32 ``[M, rows]``."""
+        w = dequantize_planar(*weight.storage, weight.format.group_size, weight.format.bits)
+        return F.linear(x, w)
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the kernel (quantization option ``kernel="{name}"`` pins it)."""
+    registry.matmul_kernels({cls})
+''',
 }
 """KIND → the plugin module (``{name}``, ``{cls}`` filled in)."""
 
@@ -250,6 +288,7 @@ SUMMARIES = {
     "compile-backend": "The {name} compile backend for modelrunner.",
     "quantization-method": "The {name} weight quantization method for modelrunner.",
     "logits-processor": "The {name} logits processor for modelrunner.",
+    "matmul-kernel": "The {name} matmul kernel for quantized weights in modelrunner.",
 }
 
 USAGE = {
@@ -260,6 +299,8 @@ USAGE = {
     "compile-backend": '`LLM(model, compile=True, compile_backend="{name}")`.',
     "quantization-method": '`LLM(model, quantization="{name}")`.',
     "logits-processor": '`llm.generate(prompt, SamplingParams(logits_processors=[("{name}", {{"token_ids": [7]}})]))`.',
+    "matmul-kernel": '`LLM(model, quantization="int4", quantization_options={{"kernel": "{name}"}})`; with `timed = True`\n'
+                     'it is timed against the other registered kernels for every quantized layer.',
 }
 
 TEST_OPTIONS = {

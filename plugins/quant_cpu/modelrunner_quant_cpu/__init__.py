@@ -1,13 +1,17 @@
 """modelrunner plugin: CPU matmul kernels for weight-quantized linear layers (4-bit and 8-bit weights
-with grouped float16 scales and optional mins), built on first use.
+with grouped float16 scales and optional mins).
 
-The package implements no hooks yet: quantization methods import it directly. It is an entry point
-so that ``modelrunner plugins`` lists it (and reports it if it fails to import).
+Its ``register`` hook declares the kernels as matmul kernels (:mod:`.matmul`): the kernel's
+quantization methods time them against the other registered kernels that claim a layer's format,
+and never import this package by name.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+from typing import Any
+
+from modelrunner.hookspecs import hookimpl
 
 from .kernel import (
     P16_KERNELS,
@@ -29,6 +33,7 @@ from .kernel import (
     simd,
     unpack_p16,
 )
+from .matmul import MATMUL_KERNELS
 from .reference import (
     reference_dequantize,
     reference_qlinear_q8,
@@ -40,7 +45,14 @@ try:
 except importlib.metadata.PackageNotFoundError:  # imported from a source tree
     __version__ = "0.0.0"
 
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the C++ kernels as matmul kernels (each claims a format only where its build loads)."""
+    registry.matmul_kernels(*MATMUL_KERNELS)
+
 __all__ = [
+    "MATMUL_KERNELS",
     "P16_KERNELS",
     "P16_ROWS",
     "KernelUnavailable",
@@ -60,6 +72,7 @@ __all__ = [
     "reference_dequantize",
     "reference_qlinear_q8",
     "reference_quantize_activations",
+    "register",
     "simd",
     "unpack_p16",
 ]

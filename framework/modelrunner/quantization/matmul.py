@@ -1,0 +1,215 @@
+"""The matmul-kernel plugin kind: what a kernel that multiplies activations by a quantized weight is.
+
+A plugin declares kernels with ``registry.matmul_kernels(MyKernel)`` in its ``register`` hook. A
+quantized layer's :class:`~.kernels.KernelSelector` asks the registry for the kernels that claim the
+layer's :class:`WeightFormat` on its device (:meth:`MatmulKernel.supports`), times them on the
+layer's real weights, and runs the fastest. The kernel never imports a kernel plugin by name.
+
+The data contract: a kernel receives the weight as a :class:`QuantizedWeight` — the storage tensors
+of the format (``data``, ``scales``, ``mins``) *in the kernel's own layout* (:attr:`MatmulKernel.layout`;
+``planar`` unless the kernel regroups them with :meth:`MatmulKernel.pack`), its format, and its
+logical ``rows × cols`` — and ``x``, a 2-D, contiguous float32 ``[M, cols]`` (``M`` ≥ 1). It returns
+float32 ``[M, rows]``: ``x @ W.T`` for the float ``W`` :func:`~.planar.dequantize_planar` gives.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from .planar import dequantize_planar
+
+PLANAR = "planar"
+"""The layout every quantized weight is loaded in (see :mod:`.planar`)."""
+
+
+class WeightFormat(NamedTuple):
+    """A quantization scheme as kernels claim it: ``int4:g32:mins``.
+
+    The values are planar (see :mod:`.planar`): ``bits`` per value, one float16 scale (and min, with
+    ``has_mins``) per ``group_size`` consecutive values of a row. (A named tuple, not an attrs class:
+    it is built inside traced code, and dynamo handles tuples.)
+    """
+
+    bits: int
+    """4 (uint8 storage, two values per byte) or 8 (int8)."""
+    group_size: int
+    """Values sharing one scale (a row's whole width where :attr:`per_row`)."""
+    has_mins: bool
+    """Whether groups have minimums (asymmetric)."""
+    per_row: bool = False
+    """One scale per output row (per-channel int8)."""
+
+    def __str__(self) -> str:
+        return f"int{self.bits}:g{self.group_size}:{'mins' if self.has_mins else 'sym'}"
+
+    @classmethod
+    def of(cls, scheme: Any) -> WeightFormat:
+        """The format of a :class:`~.planar.PlanarScheme`."""
+        return cls(scheme.bits, scheme.group_size, scheme.has_mins, scheme.per_row)
+
+
+class QuantizedWeight(NamedTuple):
+    """One weight as a kernel receives it: its storage in the kernel's layout, format and logical shape."""
+
+    data: torch.Tensor
+    """The quantized values (planar: uint8 ``[rows, cols / 2]`` for 4 bits, int8 ``[rows, cols]`` for 8)."""
+    scales: torch.Tensor
+    """float16 ``[rows, cols / group_size]`` (planar)."""
+    mins: torch.Tensor | None
+    """float16 like ``scales``, or None (symmetric)."""
+    format: WeightFormat
+    """How the values encode the weight."""
+    rows: int
+    """Output features (``W``'s rows; a packed layout may pad its tensors past them)."""
+    cols: int
+    """Input features (``x``'s last dimension)."""
+    layout: str = PLANAR
+    """The layout of ``data`` / ``scales`` / ``mins``."""
+
+    @property
+    def storage(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(data, scales, mins)``."""
+        return self.data, self.scales, self.mins
+
+
+class MatmulKernel:
+    """A matmul kernel for quantized weights, selectable by ``name`` (quantization option ``kernel``)
+    and timed against the others that claim a layer's format. Plugins declare one with
+    ``registry.matmul_kernels(Cls)``; the selector makes one instance per process.
+
+    Implement :meth:`run` (and :meth:`supports` when it claims less than every format on
+    :attr:`devices`); :meth:`bind` when per-call work can be done once per weight; :meth:`pack` /
+    :meth:`unpack` for a layout of your own.
+    """
+
+    name: ClassVar[str] = "?"
+    """Registry name (the ``kernel`` option pins it)."""
+    devices: ClassVar[tuple[str, ...] | None] = ("cpu",)
+    """Device types it runs on (None: any)."""
+    layout: ClassVar[str] = PLANAR
+    """The storage layout it reads. Another layout is made by :meth:`pack` from planar storage: in
+    place, on a layer that owns its storage, when this kernel wins every row bucket."""
+    exact: ClassVar[bool] = True
+    """Float activations (the float matmul up to summation order); False: it quantizes activations
+    (runs only where the method's ``activations`` option allows)."""
+    timed: ClassVar[bool] = True
+    """Whether timing may pick it (False: only ``kernel=`` runs it)."""
+    fallback: ClassVar[bool] = False
+    """A kernel every other candidate beats (the reference): timed only when it is alone."""
+    superseded_by: ClassVar[tuple[str, ...]] = ()
+    """Kernels that compute the same numbers faster at every row count: where one of them can run,
+    this one is not timed."""
+
+    @classmethod
+    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
+        """Whether it can run ``format`` on ``device`` here (the default: any planar format — 4 or 8
+        bits — on :attr:`devices`). Checked before every timing, so it may look at the CPU or whether
+        a native build loaded; it must not raise."""
+        return format.bits in (4, 8) and (cls.devices is None or torch.device(device).type in cls.devices)
+
+    @classmethod
+    def build_id(cls) -> str:
+        """What its speed depends on besides torch and the CPU (a version, a hash of its native
+        source): the timing cache measures again when it changes. Empty: nothing."""
+        return ""
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """``x @ W.T``: ``x`` float32 ``[M, cols]``, contiguous → float32 ``[M, rows]``.
+
+        Called with the layer's parameters on every call under a compiler (``torch.compile`` traces
+        it), so read the storage from ``weight`` here rather than from state kept elsewhere.
+        """
+        raise NotImplementedError
+
+    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`run` of one weight as a callable of ``x`` (checks and lookups done once): what a
+        layer calls on every eager step. The storage is written in place, never replaced."""
+        return functools.partial(self.run, weight)
+
+    def bind_gated_mlp(self, gate_up: QuantizedWeight, down: QuantizedWeight
+                       ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """``down(silu(gate(x)) * up(x))`` as one call, where this kernel runs both projections
+        (``gate_up`` holds the gate rows, then the up rows) — the same numbers as the three calls;
+        None: no fused form."""
+        return None
+
+    @classmethod
+    def pack(cls, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Planar storage → ``(data, scales, mins)`` in :attr:`layout` (planar kernels: unchanged)."""
+        return weight.storage
+
+    @classmethod
+    def unpack(cls, weight: QuantizedWeight, ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Storage in :attr:`layout` → its planar rows ``ids`` (all rows when None): the inverse of :meth:`pack`."""
+        data, scales, mins = weight.storage
+        if ids is None:
+            return data, scales, mins
+        return data.index_select(0, ids), scales.index_select(0, ids), \
+            None if mins is None else mins.index_select(0, ids)
+
+
+class ReferenceKernel(MatmulKernel):
+    """``reference``: dequantize to float32, then ``F.linear`` — every format, any device; exact and
+    slow (the kernel's default, beaten by any other candidate that can run)."""
+
+    name = "reference"
+    devices = None
+    fallback = True
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """``x`` times the dequantized weight."""
+        return F.linear(x.float(), dequantize_planar(*weight.storage, weight.format.group_size, weight.format.bits))
+
+
+class Int8RowwiseKernel(MatmulKernel):
+    """``int8_rowwise``: torch's int8 GEMM (``torch._int_mm``) with each activation row quantized to
+    int8 on its own (per-channel int8 weights only; no copy of the weight). Per row, so a token's
+    result does not depend on the other tokens of its batch (fbgemm's dynamic linear quantizes the
+    whole batch with one scale, which does) — but too lossy to be chosen by timing: SmolLM2's int8
+    perplexity +3.1% against +0.5% with per-32-value activation blocks (``timed = False``)."""
+
+    name = "int8_rowwise"
+    devices = None
+    exact = False
+    timed = False
+
+    @classmethod
+    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
+        """Per-row symmetric int8 weights, where this torch has ``_int_mm``."""
+        return format.bits == 8 and not format.has_mins and format.per_row and hasattr(torch, "_int_mm")
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """Each row of ``x`` quantized with its own scale, an int8 GEMM, both scales applied."""
+        x = x.float()
+        row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
+        xq = torch.round(x / row_scale).clamp_(-127, 127).to(torch.int8)
+        return torch._int_mm(xq, weight.data.t()).float() * row_scale * weight.scales.reshape(1, -1).float()
+
+
+DEFAULT_KERNELS = (ReferenceKernel, Int8RowwiseKernel)
+"""The kernel's own matmul kernels (declared by its default quantization plugin)."""
+
+
+def registered_kernels(plugins: Any) -> dict[str, type[MatmulKernel]]:
+    """Name → class of every loaded matmul kernel, installed plugins' first (registration order), the
+    kernel's defaults last; a name two installed plugins declare appears once per plugin as
+    ``plugin:name`` (install order never decides)."""
+    registry = plugins.registry
+    out: dict[str, type[MatmulKernel]] = {}
+    names = registry.providers["matmul_kernels"]
+    for name in names:
+        owners = registry.candidates("matmul_kernels", name)
+        for owner in owners:
+            key = name if len(owners) == 1 else f"{owner}:{name}"
+            out[key] = registry.get_class("matmul_kernels", name, owner)
+    return out
+
+
+__all__ = ["DEFAULT_KERNELS", "PLANAR", "Int8RowwiseKernel", "MatmulKernel", "QuantizedWeight", "ReferenceKernel",
+           "WeightFormat", "registered_kernels"]

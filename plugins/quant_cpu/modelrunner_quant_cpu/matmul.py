@@ -1,0 +1,182 @@
+"""The plugin's C++ kernels as registered matmul kernels (``registry.matmul_kernels``), which the
+kernel's quantization methods time against the others that claim a layer's format:
+
+- ``cpu_exact`` / ``cpu_q8``: planar storage; float32 activations, or activations quantized to int8
+  per 32-element block, as llama.cpp does.
+- ``cpu_p16``: ``cpu_q8``'s arithmetic on weights regrouped in tiles of 16 rows (the ``p16`` layout),
+  2-3x faster at every row count; where it can run it replaces ``cpu_q8`` among the timed candidates.
+- ``cpu_p16_exact``: ``cpu_exact``'s arithmetic (float activations) on the p16 layout (AVX-512),
+  1.3-1.6x ``cpu_exact`` at one row and at 64 on SmolLM2's shapes.
+- ``cpu_p16_split``: as exact as ``cpu_p16_exact`` through VNNI dot products (each block of the
+  activations split into three int8 digits), 2x ``cpu_p16_exact`` at one row on SmolLM2's LM head,
+  slower at 64 rows (AVX-512 VNNI).
+
+Every kernel needs the build loaded (:func:`~.kernel.available`), blocks of 32 values (group sizes
+that are multiples of 32) and a CPU tensor; the p16 ones also the p16 kernel for the weight's bits.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+from collections.abc import Callable
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from modelrunner.quantization import MatmulKernel, QuantizedWeight, WeightFormat
+
+from . import kernel as native
+
+
+@functools.cache
+def build_id() -> str:
+    """The plugin's version and a hash of its kernel source (a changed kernel is timed again)."""
+    try:
+        version = importlib.metadata.version("modelrunner-quant-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        version = "0.0.0"
+    digest = hashlib.sha256()
+    for source in sorted(Path(__file__).parent.glob("*.cpp")):
+        digest.update(source.read_bytes())
+    return f"{version}-{digest.hexdigest()[:12]}"
+
+
+class _CPUKernel(MatmulKernel):
+    """What the plugin's kernels share: the build loaded here, 32-value blocks, CPU tensors."""
+
+    devices = ("cpu",)
+
+    @classmethod
+    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
+        """A CPU tensor in 32-value blocks (the columns, a multiple of the group, follow), with the build loaded."""
+        return super().supports(format, device) and format.group_size % 32 == 0 and native.available()
+
+    @classmethod
+    def build_id(cls) -> str:
+        """The plugin's version and source hash."""
+        return build_id()
+
+
+class CPUExact(_CPUKernel):
+    """``cpu_exact``: float32 activations times the weight's integers, then the groups' scales and mins
+    (the float matmul with the dequantized weight, up to summation order)."""
+
+    name = "cpu_exact"
+    mode: ClassVar[str] = "exact"
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """:func:`~.kernel.qlinear` of planar storage."""
+        fmt = weight.format
+        return native.qlinear(x, *weight.storage, fmt.group_size, fmt.bits, mode=self.mode)
+
+    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:func:`~.kernel.bind_qlinear`: the checks and op lookup done once."""
+        return native.bind_qlinear(*weight.storage, weight.format.group_size, weight.format.bits, mode=self.mode)
+
+
+class CPUQ8(CPUExact):
+    """``cpu_q8``: llama.cpp's scheme, activations quantized to int8 per 32-element block (relative
+    error about 1e-2); ``cpu_p16`` computes the same numbers faster wherever it runs."""
+
+    name = "cpu_q8"
+    mode = "q8"
+    exact = False
+    superseded_by = ("cpu_p16",)
+
+
+class _P16Kernel(_CPUKernel):
+    """A kernel on the p16 layout: planar rows regrouped in tiles of 16 (:func:`~.kernel.pack_p16`)."""
+
+    layout = "p16"
+    kind: ClassVar[str] = "?"
+    """The plugin's name for the kernel (:data:`~.kernel.P16_KERNELS`)."""
+
+    @classmethod
+    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
+        """Also: this build has the kernel for the weight's bits."""
+        return super().supports(format, device) and cls._supported(format.bits)
+
+    @classmethod
+    def _supported(cls, bits: int) -> bool:
+        raise NotImplementedError
+
+    @classmethod
+    def pack(cls, weight: QuantizedWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Planar storage regrouped in tiles of 16 rows (rows padded with zero weights)."""
+        return native.pack_p16(*weight.storage, weight.format.group_size, weight.format.bits)
+
+    @classmethod
+    def unpack(cls, weight: QuantizedWeight, ids: torch.Tensor | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The planar rows ``ids`` of p16 storage (plain indexing: cheap for an embedding lookup)."""
+        return native.unpack_p16(*weight.storage, weight.rows, weight.format.bits, ids)
+
+    def _part(self, weight: QuantizedWeight) -> tuple:
+        return (*weight.storage, weight.rows, weight.format.group_size, weight.format.bits)
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """The bound kernel of ``weight``, called once."""
+        return self.bind(weight)(x)
+
+    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """The p16 operator of one weight as a callable of ``x``."""
+        return self._binder()(*self._part(weight))
+
+    def _binder(self) -> Callable[..., Callable[[torch.Tensor], torch.Tensor]]:
+        raise NotImplementedError
+
+    def bind_gated_mlp(self, gate_up: QuantizedWeight, down: QuantizedWeight
+                       ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """:func:`~.kernel.bind_gated_mlp_p16`: both projections and the activation in one operator call."""
+        return native.bind_gated_mlp_p16(self._part(gate_up), self._part(down), kernel=self.kind)
+
+
+class CPUP16(_P16Kernel):
+    """``cpu_p16``: ``cpu_q8``'s arithmetic on the p16 layout (any AVX2 CPU for 4 bits; VNNI for 8)."""
+
+    name = "cpu_p16"
+    kind = "q8"
+    exact = False
+
+    @classmethod
+    def _supported(cls, bits: int) -> bool:
+        return native.p16_supported(bits)
+
+    def _binder(self) -> Callable[..., Callable[[torch.Tensor], torch.Tensor]]:
+        return native.bind_qlinear_p16
+
+
+class CPUP16Exact(_P16Kernel):
+    """``cpu_p16_exact``: ``cpu_exact``'s arithmetic on the p16 layout (AVX-512)."""
+
+    name = "cpu_p16_exact"
+    kind = "exact"
+
+    @classmethod
+    def _supported(cls, bits: int) -> bool:
+        return native.p16_exact_supported(bits)
+
+    def _binder(self) -> Callable[..., Callable[[torch.Tensor], torch.Tensor]]:
+        return native.bind_qlinear_p16_exact
+
+
+class CPUP16Split(_P16Kernel):
+    """``cpu_p16_split``: as exact as ``cpu_p16_exact``, through VNNI dot products on digits of ``x``."""
+
+    name = "cpu_p16_split"
+    kind = "split"
+
+    @classmethod
+    def _supported(cls, bits: int) -> bool:
+        return native.p16_split_supported(bits)
+
+    def _binder(self) -> Callable[..., Callable[[torch.Tensor], torch.Tensor]]:
+        return native.bind_qlinear_p16_split
+
+
+MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split)
+"""The kernels the plugin registers, in the order the kernel's selector lists them."""
+
+__all__ = ["MATMUL_KERNELS", "CPUExact", "CPUP16", "CPUP16Exact", "CPUP16Split", "CPUQ8", "build_id"]
