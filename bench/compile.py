@@ -124,8 +124,8 @@ def child(args: argparse.Namespace) -> None:
     if args.backend != "eager":
         from modelrunner.layers.dense import prepack_weights
 
-        # The eager model timed beside the backend, as the eager backend runs it (compiled graphs keep
-        # their own weights).
+        # The eager model timed beside the backend, its weights packed as the default CPU backend
+        # (cpu_fused) packs them (compiled graphs keep their own weights).
         prepack_weights(llm.runner.loaded.model)
     for rows in args.batches:
         ours, eager = time_decode(llm.runner, rows, args.steps, first_seq_id=10_000 + rows * 1000)

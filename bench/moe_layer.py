@@ -44,7 +44,7 @@ def build(seed: int = 0):
     ours_experts = FusedMoE(EXPERTS, TOP_K, HIDDEN, INTERMEDIATE, renormalize=True)
     ours_experts.w13_weight.weight_loader(ours_experts.w13_weight, w13)
     ours_experts.w2_weight.weight_loader(ours_experts.w2_weight, w2)
-    prepack_weights(ours_experts)  # as the eager compile backend does for a loaded model
+    prepack_weights(ours_experts)  # as the cpu_fused compile backend does for a loaded model
 
     def ours(hidden: torch.Tensor) -> torch.Tensor:
         return ours_experts(hidden, torch.nn.functional.linear(hidden, gate))

@@ -67,7 +67,7 @@ def check_supported(plugins: Any, config: Any, device: torch.device, architectur
             if qcaps.get("tensor_parallel") is False and tp > 1:
                 raise UnsupportedCombinationError(f"quantization {quantization!r} does not support "
                                                   f"tensor_parallel_size={tp} (it declares tensor_parallel=False)")
-    backend = config.compile.backend_name
+    backend = config.compile.backend_for(device, registry.names("compile_backends"))
     owner = registry.owner("compile_backends", backend)
     if owner is not None:
         ccaps = registry.capabilities("compile_backends", backend, owner)

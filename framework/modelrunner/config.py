@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from typing import Any
 
 import attrs
@@ -134,8 +135,9 @@ class ParallelConfig:
 class CompileConfig:
     """Which compile backend produces the callable the runner executes."""
 
-    enabled: bool = attrs.field(default=False, validator=_bool)
-    """Compile at all; when False the ``eager`` backend runs."""
+    enabled: bool | None = attrs.field(default=None, validator=attrs.validators.optional(_bool))
+    """True: run ``backend``; False (``enforce_eager=True``): the plain ``eager`` backend; None (not
+    set): the device's preferred backend where it is installed, else ``eager`` (:meth:`backend_for`)."""
     backend: str = attrs.field(default="inductor", validator=_name)
     """Name of the compile backend plugin used when enabled."""
     mode: str = attrs.field(default="default", validator=_name)
@@ -147,8 +149,24 @@ class CompileConfig:
 
     @property
     def backend_name(self) -> str:
-        """The backend that will actually run."""
+        """The backend named by the config alone: ``backend`` when enabled, else ``eager`` (what runs
+        when ``enabled`` is None also depends on the device and the installed backends: :meth:`backend_for`)."""
         return self.backend if self.enabled else "eager"
+
+    def backend_for(self, device: Any, installed: Collection[str]) -> str:
+        """The backend that runs on ``device`` (a ``torch.device`` or its type) when the ``installed``
+        compile backends are these: :attr:`backend_name` when ``enabled`` is set, else the first of
+        :data:`PREFERRED_BACKENDS` for the device that is installed, else ``eager``."""
+        if self.enabled is not None:
+            return self.backend_name
+        kind = getattr(device, "type", str(device))
+        return next((name for name in PREFERRED_BACKENDS.get(kind, ()) if name in installed), "eager")
+
+
+PREFERRED_BACKENDS: dict[str, tuple[str, ...]] = {"cpu": ("cpu_fused",)}
+"""Device type → compile backends run by default there when installed (``compile`` not set), best
+first. ``cpu_fused`` (plugin ``modelrunner-compile-cpu-fused``) adds fused CPU ops, decode-step graphs
+and prepacked weights to the plain model; elsewhere the default is ``eager``."""
 
 
 @attrs.frozen
@@ -297,8 +315,8 @@ def _translate_vllm(d: dict[str, Any]) -> dict[str, Any]:
     out = {}
     for key, value in d.items():
         if key in VLLM_ONLY:
-            raise ValueError(f"{key!r} is a vLLM option that modelrunner does not have; remove it (the README's "
-                             "'Coming from vLLM' table lists what maps and what does not)")
+            raise ValueError(f"{key!r} is a vLLM option that modelrunner does not have; remove it (the docs' "
+                             "'Coming from vLLM' table, docs/guide/offline.md, lists what maps and what does not)")
         if key == "enforce_eager":
             if not isinstance(value, bool):
                 raise ValueError(f"enforce_eager must be True or False, got {value!r}")

@@ -131,11 +131,17 @@ class ModelRunner(ArticleAPI):
 
     # -- loading -------------------------------------------------------------------------------
 
+    @property
+    def compile_backend(self) -> str:
+        """The compile backend this runner uses (:meth:`~modelrunner.config.CompileConfig.backend_for`
+        its device and the installed backends)."""
+        return self.config.compile.backend_for(self.device, self.plugins.registry.names("compile_backends"))
+
     def check_config(self) -> None:
         """Fail now, before anything loads, on names no plugin provides and on settings the chosen
         pieces cannot serve (e.g. a ``block_size`` above the attention backend's limit)."""
         cfg = self.config
-        self.plugins.require("compile_backends", cfg.compile.backend_name)
+        self.plugins.require("compile_backends", self.compile_backend)
         self.plugins.require("allocators", cfg.cache.kv_allocator)
         if cfg.model.attention_backend is not None:
             backend = self.plugins.attention_backend_class(cfg.model.attention_backend)
@@ -188,7 +194,7 @@ class ModelRunner(ArticleAPI):
         if cfg.model.tokenizer is not None:
             loaded.tokenizer = load_tokenizer_from(cfg.model.tokenizer)
         loaded.runnable = loaded.model  # what the compile hook may wrap (the eager backend keeps it)
-        loaded.runnable = self.plugins.compile_model(cfg.compile.backend_name, loaded, cfg.compile)
+        loaded.runnable = self.plugins.compile_model(self.compile_backend, loaded, cfg.compile)
         self.loaded = loaded
         self._init_kv_cache()
         return loaded

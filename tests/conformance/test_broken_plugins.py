@@ -109,7 +109,7 @@ def register(registry):
 @hookimpl
 def compile(loaded, config):
     '''The eager model, plus a compiled helper whose graphs are thrown away every step.'''
-    run = eager_model(loaded, {"prepack_weights": False})
+    run = eager_model(loaded)
 
     def step(batch, kv_caches, **kwargs):
         torch._dynamo.reset()
@@ -132,7 +132,7 @@ def register(registry):
 @hookimpl
 def compile(loaded, config):
     '''The eager model, with decode steps' hidden states 1% too large.'''
-    run = eager_model(loaded, {"prepack_weights": False})
+    run = eager_model(loaded)
 
     def step(batch, kv_caches, **kwargs):
         out = run(batch, kv_caches, **kwargs)

@@ -37,4 +37,4 @@ for _name in BACKENDS:
 
 
 def test_the_project_backends_are_installed():
-    assert {"eager", "inductor", "aot", "counting"} <= set(BACKENDS)
+    assert {"eager", "cpu_fused", "inductor", "aot", "counting"} <= set(BACKENDS)

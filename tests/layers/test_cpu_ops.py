@@ -1,10 +1,10 @@
 """The fused CPU layer ops (RMSNorm with its residual add, rotary embeddings, the logits scans)
-against torch's versions of the same layers, and their refusals of bad input."""
+against torch's versions of the same layers (the plain layers; the ops run through the forwards the
+``cpu_fused`` compile backend binds onto them), and their refusals of bad input."""
 
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -18,51 +18,43 @@ from modelrunner.layers import (
     cpu_ops,
     sdpa_attention,
 )
+from modelrunner import native, native_build
+from modelrunner_compile_cpu_fused import fused_ops
 
-pytestmark = pytest.mark.skipif(cpu_ops.ops() is None, reason="the fused CPU ops cannot be built here")
-
-
-def _torch_version(monkeypatch: pytest.MonkeyPatch, fn, *args):
-    """``fn(*args)`` with the layers on torch's ops."""
-    with monkeypatch.context() as m:
-        m.setattr("modelrunner.layers.norm.fused", lambda x: None)
-        m.setattr("modelrunner.layers.rotary.fused", lambda x: None)
-        m.setattr("modelrunner.layers.activation.fused", lambda x: None)
-        m.setattr("modelrunner.layers.sdpa_attention.fused", lambda x: None)
-        return fn(*args)
+pytestmark = pytest.mark.skipif(cpu_ops.ops() is None, reason="the fused CPU ops were not built at install")
 
 
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("width", [576, 100])
-def test_rms_norm_matches_torch(monkeypatch, rows, width):
+def test_rms_norm_matches_torch(rows, width):
     gen = torch.Generator().manual_seed(rows)
     norm = RMSNorm(width, 1e-5)
     norm.weight.data = torch.randn(width, generator=gen)
     x, residual = torch.randn(rows, width, generator=gen) * 3, torch.randn(rows, width, generator=gen)
-    torch.testing.assert_close(norm(x), _torch_version(monkeypatch, norm, x), rtol=1e-5, atol=1e-5)
-    out, summed = norm(x, residual)
-    want_out, want_sum = _torch_version(monkeypatch, norm, x, residual)
+    torch.testing.assert_close(fused_ops.rms_norm(norm, x), norm(x), rtol=1e-5, atol=1e-5)
+    out, summed = fused_ops.rms_norm(norm, x, residual)
+    want_out, want_sum = norm(x, residual)
     assert torch.equal(summed, want_sum)  # the residual stream is exact
     torch.testing.assert_close(out, want_out, rtol=1e-5, atol=1e-5)
-    assert norm(torch.zeros(0, width)).shape == (0, width)
+    assert fused_ops.rms_norm(norm, torch.zeros(0, width)).shape == (0, width)
 
 
-def test_rotary_matches_torch_on_a_strided_view(monkeypatch):
+def test_rotary_matches_torch_on_a_strided_view():
     rope = RotaryEmbedding(64, 4096, {"rope_type": "default", "rope_theta": 100000.0})
     qkv = torch.randn(5, 15 * 64)
     qk = qkv[:, : 12 * 64].view(5, 12, 64)  # q and k heads of a fused projection: not contiguous
     positions = torch.tensor([0, 3, 100, 4095, 7])
-    got = rope.rotate(positions, qk)
+    got = fused_ops.rotate(rope, positions, qk)
     assert got.is_contiguous() and got.shape == (5, 12, 64)
-    torch.testing.assert_close(got, _torch_version(monkeypatch, rope.rotate, positions, qk), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got, rope.rotate(positions, qk), rtol=1e-6, atol=1e-6)
 
 
-def test_silu_and_mul_matches_torch(monkeypatch):
+def test_silu_and_mul_matches_torch():
     x = torch.randn(3, 2 * 96) * 4
-    torch.testing.assert_close(SiluAndMul()(x), _torch_version(monkeypatch, SiluAndMul(), x), rtol=0, atol=0)
+    torch.testing.assert_close(fused_ops.silu_and_mul(SiluAndMul(), x), SiluAndMul()(x), rtol=0, atol=0)
 
 
-def test_kv_write_matches_torch(monkeypatch):
+def test_kv_write_matches_torch():
     kv_heads, head_dim = 3, 8
     kv = torch.zeros(2, 4, 2, kv_heads, head_dim)  # 4 blocks of 2 slots
     qkv = torch.randn(3, (2 + 2 * kv_heads) * head_dim)
@@ -70,8 +62,8 @@ def test_kv_write_matches_torch(monkeypatch):
     value = qkv[:, (2 + kv_heads) * head_dim:].view(3, kv_heads, head_dim)
     slots = torch.tensor([5, 0, 7])
     want = kv.clone()
-    _torch_version(monkeypatch, sdpa_attention._store_kv, want, slots, key, value)
-    sdpa_attention._store_kv(kv, slots, key, value)
+    sdpa_attention._store_kv(want, slots, key, value)
+    fused_ops.write_kv(sdpa_attention.TorchSDPABackend(), kv, slots, key, value)
     assert torch.equal(kv, want) and torch.equal(kv[0].view(-1, kv_heads, head_dim)[5], key[0])
 
 
@@ -144,15 +136,14 @@ _CHECK_BUILD = textwrap.dedent("""
 """)
 
 
-@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="x86-64 code paths")
-@pytest.mark.parametrize("march", ["x86-64-v3", "x86-64"])
-def test_the_avx2_and_portable_builds_agree(march):
-    with open("/proc/cpuinfo") as f:
-        if march == "x86-64-v3" and "avx2" not in f.read():
-            pytest.skip("this CPU cannot run AVX2 code")
-    env = {**os.environ, cpu_ops.MARCH_ENV: march}
+@pytest.mark.parametrize("variant", cpu_ops.VARIANTS)
+def test_every_installed_build_this_cpu_runs_agrees(variant):
+    # The AVX-512 build where the CPU has it, the AVX2 code Zen 1-3 run, the portable code for the rest.
+    if not native.runnable(next(v for v in native_build.VARIANTS if v.name == variant)):
+        pytest.skip(f"this CPU cannot run the {variant} build")
+    env = {**os.environ, native.VARIANT_ENV: variant}
     result = subprocess.run([sys.executable, "-c", _CHECK_BUILD], check=False, capture_output=True, text=True,
-                            env=env, timeout=600)
+                            env=env, timeout=300)
     assert result.returncode == 0 and "OK" in result.stdout, result.stderr[-3000:]
 
 

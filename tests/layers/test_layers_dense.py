@@ -107,12 +107,13 @@ def test_prepacked_experts_give_the_same_mixture():
     assert (moe(hidden, logits) - expected).abs().max().item() < 1e-5
 
 
-def test_eager_backend_plans_by_default_and_reports_it(tiny_llama_dir):
-    kw = dict(dtype="float32", device="cpu", kv_cache_memory=2**20, block_size=4)
+def test_cpu_fused_plans_dense_weights_and_reports_it(tiny_llama_dir):
+    kw = dict(dtype="float32", device="cpu", kv_cache_memory=2**20, block_size=4, compile=True,
+              compile_backend="cpu_fused")
     on = LLM(str(tiny_llama_dir), compile_options={"dense_path": "onednn_packed"}, **kw)
     off = LLM(str(tiny_llama_dir), compile_options={"prepack_weights": False}, **kw)
     packed = on.runner.stats()["compile"]
-    assert packed["backend"] == "eager" and packed["prepacked_weight_bytes"] > 0
+    assert packed["backend"] == "cpu_fused" and packed["prepacked_weight_bytes"] > 0
     assert packed["dense"]["released_plain_bytes"] > 0
     assert set(packed["dense"]["paths"].values()) == {"onednn_packed / onednn_packed"}
     assert off.runner.stats()["compile"]["prepacked_weight_bytes"] == 0
@@ -125,11 +126,13 @@ def test_eager_backend_plans_by_default_and_reports_it(tiny_llama_dir):
 @pytest.mark.parametrize("options, message", [
     ({"prepack_weights": "yes"}, r"'prepack_weights' must be true or false, got 'yes'"),
     ({"dense_path": "blas"}, r"'dense_path' must be 'auto' or one of mkl, onednn, onednn_packed, got 'blas'"),
-    ({"prepack": True}, r"the eager backend has no option 'prepack' \(options: prepack_weights, dense_path, decode_graphs\)"),
+    ({"prepack": True}, r"the cpu_fused backend has no option 'prepack' \(options: prepack_weights, fused_ops, "
+                        r"decode_graphs, unhooked_calls, dense_path\)"),
 ])
-def test_eager_options_are_checked(tiny_llama_dir, options, message):
+def test_cpu_fused_options_are_checked(tiny_llama_dir, options, message):
     with pytest.raises(ValueError, match=message):
-        LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=2**20, compile_options=options)
+        LLM(str(tiny_llama_dir), device="cpu", kv_cache_memory=2**20, compile=True, compile_backend="cpu_fused",
+            compile_options=options)
 
 
 @pytest.mark.parametrize("onednn", [True, False])

@@ -103,7 +103,7 @@ def resolved_choices(llm: Any) -> dict[str, Any]:
     return {
         "adapter": getattr(loaded, "adapter", None),
         "attention_backend": backends[0] if len(backends) == 1 else backends or None,
-        "compile_backend": config.compile.backend_name,
+        "compile_backend": getattr(runner, "compile_backend", config.compile.backend_name),
         "kv_allocator": config.cache.kv_allocator,
         "dtype": str(getattr(runner, "dtype", None)).removeprefix("torch."),
         "device": str(getattr(runner, "device", config.device)),

@@ -144,7 +144,7 @@ class CompileBackendSuite(Suite):
             path = tiny_checkpoint("LlamaForCausalLM", tmp.name)
             config = {"dtype": "float32", "device": self.device.type, "block_size": BLOCK_SIZE,
                       "kv_cache_memory": 16 * 2**20, "enable_prefix_caching": False}
-            eager = make_llm(path, plugins=self.plugins, compile_options={"prepack_weights": False}, **config)
+            eager = make_llm(path, plugins=self.plugins, compile=False, **config)
             try:
                 compiled = make_llm(path, plugins=self.plugins, compile=True, compile_backend=choice,
                                     compile_cache_dir=f"{tmp.name}/compile-cache", compile_options=self.options,

@@ -231,7 +231,7 @@ class LogitsProcessorSuite(Suite):
             path = tiny_checkpoint("LlamaForCausalLM", self._state["dir"].name)
             self._state["llm"] = make_llm(path, plugins=self.plugins, dtype="float32", device=self.device.type,
                                           kv_cache_memory=8 * 2**20, enable_prefix_caching=False,
-                                          compile_options={"prepack_weights": False})
+                                          compile=False)
         return self._state["llm"]
 
     def checks(self) -> list[Check]:

@@ -14,7 +14,6 @@ import torch
 from .activation import SiluAndMul
 from .attention import Attention
 from .attention_backend import AttentionBackend, GraphInputs
-from .direct import direct
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     ColumnParallelLinear,
@@ -49,7 +48,6 @@ __all__ = [
     "TorchSDPABackend",
     "VocabParallelEmbedding",
     "default_weight_loader",
-    "direct",
     "rope_parameters",
 ]
 

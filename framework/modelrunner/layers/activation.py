@@ -6,16 +6,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_ops import fused
-
 
 class SiluAndMul(nn.Module):
     """``silu(gate) * up`` for the fused ``gate_up`` projection output ``[..., 2 * intermediate]``."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[..., 2 * d]`` → ``[..., d]``."""
-        ops = fused(x)
-        if ops is not None:
-            return ops.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up

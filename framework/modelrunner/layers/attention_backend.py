@@ -94,7 +94,7 @@ class AttentionBackend(abc.ABC):
 
     def graph_inputs(self, metadata: Any) -> GraphInputs | None:
         """How decode steps with this ``metadata`` may be replayed as a recorded graph (see
-        :mod:`modelrunner.models.decode_graphs`), or None (the default): they run eagerly. A backend
+        the ``cpu_fused`` compile backend's decode graphs), or None (the default): they run eagerly. A backend
         returns a :class:`GraphInputs` only where its ``forward`` reads nothing from the metadata but
         those tensors and what the key fixes."""
         return None

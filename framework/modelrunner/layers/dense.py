@@ -5,7 +5,7 @@ Every linear layer of the kernel goes through :func:`dense`, so adapters get the
 free. On x86 CPUs three float32 paths compete: MKL's sgemm (``F.linear``), oneDNN's matmul on the
 plain weight, and oneDNN's matmul on a weight reordered once into its blocked layout. Which wins
 depends on the CPU and the shape (a Zen 1 machine prefers MKL at one row for shapes where Zen 3
-prefers oneDNN), so :func:`prepack_weights` — which the ``eager`` compile backend applies — times
+prefers oneDNN), so :func:`prepack_weights` — which the ``cpu_fused`` compile backend applies — times
 the three for each distinct weight shape at a decode-sized and a batch-sized input (once per
 machine: the choices are cached on disk, see :mod:`modelrunner.timing_cache`) and gives each weight a
 :class:`DensePlan`. Where the packed layout wins, the weight is kept *only* packed (the plain

@@ -6,7 +6,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .cpu_ops import fused
 from .linear import default_weight_loader
 
 
@@ -36,13 +35,6 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """``norm(x)``, or ``(norm(x + residual), x + residual)`` when a residual is given."""
-        ops = fused(x)
-        weight = self.weight
-        if ops is not None and weight.dtype is torch.float32 and x.is_contiguous():
-            if residual is None:
-                return ops.rms_norm(x, weight, self.eps)
-            if residual.dtype is torch.float32 and residual.is_contiguous() and residual.shape == x.shape:
-                return ops.add_rms_norm(x, residual, weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual

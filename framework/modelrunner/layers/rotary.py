@@ -13,8 +13,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from .cpu_ops import fused
-
 ROPE_TYPES = ("default", "linear", "llama3")
 """The ``rope_type`` values :class:`RotaryEmbedding` implements."""
 
@@ -112,10 +110,6 @@ class RotaryEmbedding(nn.Module):
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``[tokens, heads, head_dim]`` rotated by ``positions`` ``[tokens]`` (a new tensor)."""
-        ops = fused(x)
-        if (ops is not None and self.cos_sin_cache.dtype is torch.float32 and x.dim() == 3 and x.stride(-1) == 1
-                and positions.dtype is torch.int64):
-            return ops.rotary(positions, x, self.cos_sin_cache)
         cos, sin = self.cos_sin_cache.index_select(0, positions).unsqueeze(-2).chunk(2, dim=-1)
         x1, x2 = x.chunk(2, dim=-1)
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

@@ -36,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 from .attention_backend import AttentionBackend
-from .cpu_ops import fused
 
 if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch
@@ -44,10 +43,6 @@ if TYPE_CHECKING:
 
 
 def _store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
-    ops = fused(key)
-    if ops is not None and kv_cache.is_contiguous() and slot_mapping.dtype is torch.int64:
-        ops.store_kv(kv_cache, slot_mapping, key, value)
-        return
     kv_heads, head_dim = key.shape[1], key.shape[2]
     kv_cache[0].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     kv_cache[1].view(-1, kv_heads, head_dim).index_copy_(0, slot_mapping, value)
@@ -191,7 +186,7 @@ class TorchSDPABackend(AttentionBackend):
         metadata: SDPAMetadata | SDPASplitMetadata,
     ) -> torch.Tensor:
         # The op's dispatch costs ~10 us per layer in eager mode, where the plain write is already in place.
-        store = store_kv if torch.compiler.is_compiling() else _store_kv
+        store = store_kv if torch.compiler.is_compiling() else self.write_kv
         store(kv_cache, metadata.slot_mapping, key, value)
         if not isinstance(metadata, SDPASplitMetadata):
             return self.attend(layer, query, key, value, kv_cache, metadata)
@@ -202,6 +197,13 @@ class TorchSDPABackend(AttentionBackend):
             new_kv = (key.index_select(0, rows), value.index_select(0, rows)) if fresh else (None, None)
             out.index_copy_(0, rows, self.attend(layer, query.index_select(0, rows), *new_kv, kv_cache, part))
         return out
+
+    def write_kv(self, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
+                 value: torch.Tensor) -> None:
+        """Write a step's ``key``/``value`` (``[tokens, kv_heads, head_dim]``) into ``kv_cache`` at the
+        flat slots ``slot_mapping`` (outside compilers). A compile backend may bind a faster write onto
+        the instance (``cpu_fused`` does)."""
+        _store_kv(kv_cache, slot_mapping, key, value)
 
     def attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:

@@ -34,9 +34,7 @@ from ..layers import (
     TorchSDPABackend,
     VocabParallelEmbedding,
 )
-from ..layers.direct import direct, hooked
 from ..parallel_state import ParallelState
-from .decode_graphs import DecodeGraphs
 from .stages import StageMissingLayer
 
 
@@ -88,7 +86,7 @@ class DecoderAttention(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 metadata: Any) -> torch.Tensor:
         """``[tokens, hidden]`` → ``[tokens, hidden]``; stores the tokens' K/V in ``kv_cache``."""
-        qkv = direct(self.qkv_proj)(hidden)
+        qkv = self.qkv_proj(hidden)
         tokens, heads, kv_heads, head_dim = qkv.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
         qk_width = (heads + kv_heads) * head_dim
         # q and k sit side by side in the fused output: rotate them in one go. (narrow, not slicing or
@@ -96,7 +94,7 @@ class DecoderAttention(nn.Module):
         qk = self.rotary_emb.rotate(positions, qkv.narrow(1, 0, qk_width).view(tokens, heads + kv_heads, head_dim))
         q, k = qk.narrow(1, 0, heads), qk.narrow(1, heads, kv_heads)
         v = qkv.narrow(1, qk_width, kv_heads * head_dim).view(tokens, kv_heads, head_dim)
-        return direct(self.o_proj)(direct(self.attn)(q, k, v, kv_cache, metadata))
+        return self.o_proj(self.attn(q, k, v, kv_cache, metadata))
 
 
 class GatedMLP(nn.Module):
@@ -121,31 +119,7 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[tokens, hidden]`` → ``[tokens, hidden]``."""
-        fused = self.fused_path(x)
-        if fused is not None:
-            return fused(x)
-        return direct(self.down_proj)(direct(self.act_fn)(direct(self.gate_up_proj)(x)))
-
-    def fused_path(self, x: torch.Tensor) -> Any:
-        """The quantization scheme's one-call form of this block for ``x`` (see
-        :meth:`~modelrunner.quantization.planar.PlanarScheme.gated_mlp`), or None: only for a 2-D
-        contiguous float32 ``x`` outside compilers, one tensor-parallel rank, no biases, the kernel's
-        ``SiluAndMul``, and no forward hooks on the three parts (they would not run)."""
-        fusable = self.__dict__.get("_fusable")
-        if fusable is None:  # what cannot change once the model is built
-            gate_up, down = self.gate_up_proj, self.down_proj
-            scheme = gate_up.quant_scheme
-            fusable = self._fusable = (
-                scheme is not None and down.quant_scheme is not None and hasattr(scheme, "gated_mlp")
-                and type(self.act_fn) is SiluAndMul and down.tp_size == 1 and gate_up.tp_size == 1
-                and gate_up.bias is None and down.bias is None)
-        if (not fusable or x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous()
-                or torch.compiler.is_compiling()):
-            return None
-        gate_up, down = self.gate_up_proj, self.down_proj
-        if hooked(gate_up, self.act_fn, down):
-            return None
-        return gate_up.quant_scheme.gated_mlp(gate_up, down)
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -164,14 +138,13 @@ class DecoderLayer(nn.Module):
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, residual: torch.Tensor | None,
                 kv_cache: torch.Tensor, metadata: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """``(mlp output, residual stream)``; the next layer's input norm adds the two."""
-        norm = direct(self.input_layernorm)
         if residual is None:
-            residual, hidden = hidden, norm(hidden)
+            residual, hidden = hidden, self.input_layernorm(hidden)
         else:
-            hidden, residual = norm(hidden, residual)
-        hidden = direct(self.self_attn)(positions, hidden, kv_cache, metadata)
-        hidden, residual = direct(self.post_attention_layernorm)(hidden, residual)
-        return direct(self.mlp)(hidden), residual
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, metadata)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class DecoderModel(nn.Module):
@@ -277,7 +250,7 @@ class DecoderForCausalLM(nn.Module):
         metadata = self.attn_backend.build_metadata(batch, self.sliding_windows)
         positions = batch.positions
         if self.parallel.is_first_stage:
-            hidden = direct(self.model.embed_tokens)(batch.input_ids) if inputs_embeds is None else inputs_embeds
+            hidden = self.model.embed_tokens(batch.input_ids) if inputs_embeds is None else inputs_embeds
             residual = None
         elif stage_inputs is not None:
             hidden, residual = stage_inputs["hidden_states"], stage_inputs["residual"]
@@ -286,32 +259,22 @@ class DecoderForCausalLM(nn.Module):
             hidden = torch.zeros(batch.input_ids.shape[0], self.config.hidden_size, dtype=weight.dtype,
                                  device=weight.device)
             residual = torch.zeros_like(hidden)
-        graphs = self.__dict__.get("decode_graphs")
-        if graphs is not None and residual is None and self.parallel.is_last_stage:
-            replayed = graphs.run(positions, hidden, kv_caches, metadata)
-            if replayed is not None:
-                return replayed
+        return self.run_layers(layers, positions, hidden, residual, kv_caches, metadata)
+
+    def run_layers(self, layers: list[nn.Module], positions: torch.Tensor, hidden: torch.Tensor,
+                   residual: torch.Tensor | None, kv_caches: list[torch.Tensor],
+                   metadata: Any) -> torch.Tensor | dict[str, torch.Tensor]:
+        """What :meth:`forward` returns, from this stage's ``layers`` (with their ``kv_caches``) onwards:
+        the decoder layers, then the final norm on the last stage. ``residual`` is None where
+        ``hidden`` is the embeddings. (A compile backend may bind its own onto the instance, e.g. to
+        replay recorded decode steps.)"""
         for layer, kv_cache in zip(layers, kv_caches):
-            hidden, residual = direct(layer)(positions, hidden, residual, kv_cache, metadata)
+            hidden, residual = layer(positions, hidden, residual, kv_cache, metadata)
         if not self.parallel.is_last_stage:
             return {"hidden_states": hidden, "residual": residual}
-        hidden, _ = direct(self.model.norm)(hidden, residual)
+        hidden, _ = self.model.norm(hidden, residual)
         return hidden
-
-    def enable_decode_graphs(self) -> bool:
-        """Replay decode steps from recorded graphs from now on (:mod:`~modelrunner.models.decode_graphs`;
-        the eager compile backend calls this unless its ``decode_graphs`` option is false). Only
-        for one process (no tensor or pipeline parallelism) on the CPU; returns whether it is on."""
-        if self.parallel.tp_size != 1 or self.parallel.pp_size != 1:
-            return False
-        weight = self.model.norm.weight
-        if weight.device.type != "cpu":
-            return False
-        if self.__dict__.get("decode_graphs") is None:
-            layers = list(self.model.layers)[self.model.start_layer:self.model.end_layer]
-            self.decode_graphs = DecodeGraphs(layers, self.model.norm, self.attn_backend)
-        return True
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Vocabulary logits ``[rows, vocab_size]`` for final hidden states ``[rows, hidden]``."""
-        return direct(self.lm_head)(hidden)
+        return self.lm_head(hidden)

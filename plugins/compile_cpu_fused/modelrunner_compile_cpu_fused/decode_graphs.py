@@ -1,4 +1,5 @@
-"""Decode steps replayed from a recorded graph: the decoder layers without Python in between.
+"""Decode steps replayed from a recorded graph: the decoder layers without Python in between
+(the ``cpu_fused`` backend's ``decode_graphs`` option, on by default).
 
 A decode step of a small model spends about half of its time in Python: each layer makes ~130
 calls to go through norms, projections, rotary, the cache write and attention, for ~10 kernel
@@ -17,7 +18,9 @@ A graph is recorded only where nothing can differ between steps but tensor value
 - every module in the layers, and every linear layer's quantization scheme, is of a class known
   to decide in Python only from shapes, dtypes and settings, never from tensor values (a recording
   freezes such decisions): the kernel's own layers and schemes, and the classes plugins add with
-  :func:`register_graph_safe`. An MoE block, whose routing reads values, keeps the model eager;
+  :func:`register_graph_safe` (a class the backend gave a hook-checking ``__call__``, see
+  :mod:`.unhooked`, counts as the class it was built as). An MoE block, whose routing reads values,
+  keeps the model eager;
 - the recording's first replay gives exactly the eager step's outputs. A key whose recording
   fails or differs runs eagerly from then on, with one log line.
 
@@ -34,13 +37,17 @@ tensors they are: in-place updates are seen; a parameter or module *replaced* by
 from __future__ import annotations
 
 import logging
+import types
 import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
+from modelrunner.models.decoder import DecoderForCausalLM
 from torch import nn
 from torch.nn.modules import module as _module
+
+from .unhooked import plain_type
 
 logger = logging.getLogger(__name__)
 
@@ -68,13 +75,17 @@ def register_graph_safe(cls: type) -> type:
 def _kernel_classes() -> None:
     if _SAFE:
         return
-    from ..layers.activation import SiluAndMul
-    from ..layers.attention import Attention
-    from ..layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-    from ..layers.norm import RMSNorm
-    from ..layers.rotary import RotaryEmbedding
-    from ..quantization.planar import PlanarScheme
-    from .decoder import DecoderAttention, DecoderLayer, GatedMLP
+    from modelrunner.layers import (
+        Attention,
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RMSNorm,
+        RotaryEmbedding,
+        RowParallelLinear,
+        SiluAndMul,
+    )
+    from modelrunner.models.decoder import DecoderAttention, DecoderLayer, GatedMLP
+    from modelrunner.quantization.planar import PlanarScheme
 
     for cls in (SiluAndMul, Attention, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, RMSNorm,
                 RotaryEmbedding, PlanarScheme, DecoderAttention, DecoderLayer, GatedMLP):
@@ -87,8 +98,9 @@ def unsafe_part(modules: Sequence[nn.Module]) -> str | None:
     _kernel_classes()
     for module in modules:
         for part in (module, getattr(module, "quant_scheme", None)):
-            if part is not None and type(part) not in _SAFE:
-                return f"{type(part).__module__}.{type(part).__qualname__}"
+            cls = plain_type(part) if part is not None else None
+            if cls is not None and cls not in _SAFE:
+                return f"{cls.__module__}.{cls.__qualname__}"
     return None
 
 
@@ -205,4 +217,32 @@ class DecodeGraphs:
         return out
 
 
-__all__ = ["MAX_GRAPHS", "MAX_ROWS", "SIGHTINGS", "DecodeGraphs", "register_graph_safe", "unsafe_part"]
+def run_layers(self: DecoderForCausalLM, layers: list[nn.Module], positions: torch.Tensor, hidden: torch.Tensor,
+               residual: torch.Tensor | None, kv_caches: list[torch.Tensor], metadata: Any) -> Any:
+    """:meth:`DecoderForCausalLM.run_layers` replayed from ``self.decode_graphs`` where it can be."""
+    if residual is None:
+        replayed = self.decode_graphs.run(positions, hidden, kv_caches, metadata)
+        if replayed is not None:
+            return replayed
+    return DecoderForCausalLM.run_layers(self, layers, positions, hidden, residual, kv_caches, metadata)
+
+
+def bind_decode_graphs(model: nn.Module) -> DecodeGraphs | None:
+    """Replay ``model``'s decode steps from recorded graphs from now on: sets ``model.decode_graphs``
+    and binds :func:`run_layers` onto the instance. Only for a :class:`DecoderForCausalLM` whose
+    ``run_layers`` is the kernel's, in one process (no tensor or pipeline parallelism), on the CPU;
+    returns the graphs, or None where they do not apply."""
+    if (not isinstance(model, DecoderForCausalLM) or type(model).run_layers is not DecoderForCausalLM.run_layers
+            or model.parallel.tp_size != 1 or model.parallel.pp_size != 1
+            or model.model.norm.weight.device.type != "cpu"):
+        return None
+    graphs = model.__dict__.get("decode_graphs")
+    if graphs is None:
+        layers = list(model.model.layers)[model.model.start_layer:model.model.end_layer]
+        graphs = model.decode_graphs = DecodeGraphs(layers, model.model.norm, model.attn_backend)
+        model.run_layers = types.MethodType(run_layers, model)
+    return graphs
+
+
+__all__ = ["MAX_GRAPHS", "MAX_ROWS", "SIGHTINGS", "DecodeGraphs", "bind_decode_graphs", "register_graph_safe",
+           "run_layers", "unsafe_part"]

@@ -1,5 +1,8 @@
-"""Decode steps replayed from recorded graphs (the eager backend's ``decode_graphs``, on by default):
-the same tokens as eager steps, hooks still run, and the switch and its errors."""
+"""Decode steps replayed from recorded graphs (the ``cpu_fused`` backend's ``decode_graphs``, on by
+default): the same tokens as eager steps, hooks still run, and the switch and its errors.
+
+Where this CPU's torch refuses to record (``torch.jit.trace`` fails on some builds), the graphs turn
+themselves off with the reason in ``stats()``, and the tests that need a recording are skipped with it."""
 
 from __future__ import annotations
 
@@ -7,9 +10,8 @@ import pytest
 import torch
 
 from modelrunner import LLM, SamplingParams
-from modelrunner.models.decode_graphs import SIGHTINGS
-
-from .test_llama_parity import _checkpoint
+from llama.test_llama_parity import _checkpoint
+from modelrunner_compile_cpu_fused.decode_graphs import SIGHTINGS
 
 PROMPTS = [[5, 9, 17], [3, 44, 21, 8, 90, 11, 2], [70, 71]]
 KW = dict(dtype="float32", kv_cache_memory=2**20, max_model_len=128, block_size=4)
@@ -34,9 +36,16 @@ def test_replayed_decode_steps_give_the_eager_steps_tokens_and_logprobs(tmp_path
     eager = LLM(str(tmp_path), compile_options={"decode_graphs": False}, **KW)
     assert _generate(replayed) == _generate(eager)
     stats = replayed.runner.stats()["compile"]["decode_graphs"]
+    _skip_if_recording_failed(stats)
     # Three sequences decode together for 11 steps: one key, recorded at its SIGHTINGS-th step.
     assert stats["graphs"] == 1 and stats["replays"] == 11 - SIGHTINGS and stats["refused"] == {}
     assert "decode_graphs" not in eager.runner.stats()["compile"]
+
+
+def _skip_if_recording_failed(stats: dict) -> None:
+    failed = [reason for reason in stats["refused"].values() if reason.startswith("recording failed")]
+    if failed:
+        pytest.skip(f"torch cannot record decode graphs on this machine: {failed[0]}")
 
 
 def test_a_hook_added_after_recording_runs_on_every_step(tmp_path):
@@ -44,6 +53,7 @@ def test_a_hook_added_after_recording_runs_on_every_step(tmp_path):
     llm = LLM(str(tmp_path), **KW)
     before = _tokens(_generate(llm))  # later runs hit the prefix cache: the same tokens, logprobs ~1e-7 apart
     graphs = llm.runner.runner.loaded.model.decode_graphs
+    _skip_if_recording_failed(graphs.stats())
     replays = graphs.replays
     calls = []
     handle = llm.runner.runner.loaded.model.model.layers[1].mlp.register_forward_hook(
@@ -58,7 +68,7 @@ def test_a_hook_added_after_recording_runs_on_every_step(tmp_path):
 
 
 def test_a_part_not_declared_graph_safe_keeps_every_step_eager(tmp_path):
-    from modelrunner.models.decode_graphs import register_graph_safe, unsafe_part
+    from modelrunner_compile_cpu_fused.decode_graphs import register_graph_safe, unsafe_part
     from modelrunner.models.decoder import GatedMLP
 
     class LoggingMLP(GatedMLP):
@@ -84,7 +94,7 @@ class _CountingActivation(torch.nn.Module):
 
 
 def test_a_recording_whose_replay_differs_is_refused_and_the_key_stays_eager(tmp_path):
-    from modelrunner.models.decode_graphs import register_graph_safe
+    from modelrunner_compile_cpu_fused.decode_graphs import register_graph_safe
 
     _checkpoint("llama-gqa-tied", tmp_path)
     llm = LLM(str(tmp_path), **KW)
@@ -98,6 +108,7 @@ def test_a_recording_whose_replay_differs_is_refused_and_the_key_stays_eager(tmp
     graphs.clear()
     _generate(llm)
     stats = graphs.stats()
+    _skip_if_recording_failed(stats)
     assert stats["graphs"] == 0 and stats["replays"] == 0
     assert [reason.split(" (")[0] for reason in stats["refused"].values()] == ["replay differs from the eager step"]
     calls = mlp.act_fn.calls
