@@ -11,6 +11,8 @@ export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 # Threads that spin while waiting starve when other processes share the cores.
 export OMP_WAIT_POLICY := PASSIVE
+# mkdocs 1.x prints a banner about its successor on every build; the build itself is unaffected.
+export NO_MKDOCS_2_WARNING := 1
 
 .PHONY: demo test bench install clean
 
