@@ -14,8 +14,8 @@ from modelrunner.engine import LLMEngine
 from modelrunner.forward_batch import ForwardOutput
 
 from conftest import VOCAB, FakeRunner
+from engine_steps import drain
 
-MAX_STEPS = 200
 SAMPLED = dict(temperature=0.8, seed=11, max_tokens=5, ignore_eos=True)
 GREEDY = dict(temperature=0.0, max_tokens=5, ignore_eos=True)
 
@@ -28,21 +28,12 @@ BREAKERS = {
 }
 
 
-def _drain(engine: LLMEngine) -> dict:
-    done = {}
-    for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    raise AssertionError("the engine is stuck")
 
 
 def _alone(params: SamplingParams) -> list[int]:
     engine = LLMEngine(FakeRunner())
     engine.add_request("alone", [4, 5, 6], params)
-    return _drain(engine)["alone"].outputs[0].token_ids
+    return drain(engine)["alone"].outputs[0].token_ids
 
 
 def _run_beside_a_good_request(bad: SamplingParams, good: SamplingParams, runner: FakeRunner | None = None) -> dict:
@@ -50,7 +41,7 @@ def _run_beside_a_good_request(bad: SamplingParams, good: SamplingParams, runner
     engine = LLMEngine(runner)
     engine.add_request("bad", [1, 2, 3], bad)
     engine.add_request("good", [4, 5, 6], good)
-    done = _drain(engine)
+    done = drain(engine)
     assert runner.allocator.stats().used_blocks == 0
     return done
 
@@ -105,7 +96,7 @@ def test_model_logits_of_the_wrong_dtype_or_width_are_refused_not_sampled(kind):
     runner.breaker = breaker
     engine = LLMEngine(runner)
     engine.add_request("r", [1, 2, 3], SamplingParams(**GREEDY))
-    out = _drain(engine)["r"]
+    out = drain(engine)["r"]
     assert out.outputs[0].finish_reason == "error" and out.outputs[0].token_ids == []
     assert out.error.startswith("the model returned ") and re.search(message, out.error), out.error
     assert all(t < VOCAB for t in out.outputs[0].token_ids)

@@ -12,25 +12,17 @@ from modelrunner.engine.block_owners import BlockOwnershipError
 from modelrunner.kv_cache.paged import PagedBlockAllocator
 from modelrunner.plugins import get_plugins
 
+from engine_steps import drain
+
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-MAX_STEPS = 500
 
 
-def _drain(engine: LLMEngine) -> dict:
-    done = {}
-    for _ in range(MAX_STEPS):
-        if not engine.has_unfinished_requests():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    raise AssertionError(f"the engine is stuck: {engine.get_num_unfinished_requests()} requests never finish")
 
 
 def _solo(fake_runner, prompt, params, **runner_kw) -> list[int]:
     engine = LLMEngine(fake_runner(**runner_kw))
     engine.add_request("solo", prompt, params)
-    return _drain(engine)["solo"].outputs[0].token_ids
+    return drain(engine)["solo"].outputs[0].token_ids
 
 
 def test_a_processor_that_raises_fails_only_its_request_and_nothing_is_held(fake_runner):
@@ -41,7 +33,7 @@ def test_a_processor_that_raises_fails_only_its_request_and_nothing_is_held(fake
     engine = LLMEngine(runner)
     engine.add_request("bad", [1, 2, 3], SamplingParams(max_tokens=5, logits_processors=[boom], **GREEDY))
     engine.add_request("good", [4, 5, 6], SamplingParams(max_tokens=5, **GREEDY))
-    done = _drain(engine)
+    done = drain(engine)
     assert done["bad"].outputs[0].finish_reason == "error"
     assert "logits processor 'callables' failed: RuntimeError: boom" in done["bad"].error
     assert done["good"].outputs[0].token_ids == _solo(fake_runner, [4, 5, 6], SamplingParams(max_tokens=5, **GREEDY))
@@ -54,7 +46,7 @@ def test_top_k_far_above_the_vocabulary_means_all_tokens(fake_runner):
     engine = LLMEngine(fake_runner())
     engine.add_request("huge", [1, 2], SamplingParams(top_k=10**19, **sampled))
     engine.add_request("other", [3, 4], SamplingParams(max_tokens=6, **GREEDY))
-    done = _drain(engine)
+    done = drain(engine)
     assert done["huge"].error is None
     assert done["huge"].outputs[0].token_ids == _solo(fake_runner, [1, 2], SamplingParams(top_k=0, **sampled))
 
@@ -76,7 +68,7 @@ def test_nan_logits_fail_their_request_with_a_clear_error(fake_runner):
     engine = LLMEngine(runner)
     engine.add_request("broken", [1, 42, 3], SamplingParams(max_tokens=4, **GREEDY))
     engine.add_request("fine", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
-    done = _drain(engine)
+    done = drain(engine)
     assert done["broken"].outputs[0].finish_reason == "error" and done["broken"].outputs[0].token_ids == []
     assert "logits for request 'broken' contain NaN or +inf" in done["broken"].error
     assert len(done["fine"].outputs[0].token_ids) == 4 and done["fine"].error is None
@@ -87,13 +79,13 @@ def test_masking_every_token_fails_the_request_instead_of_sampling_garbage(fake_
     engine = LLMEngine(fake_runner())
     params = SamplingParams(max_tokens=3, allowed_token_ids=[5], logit_bias={5: -100}, **GREEDY)
     engine.add_request("r", [1, 2], params)
-    out = _drain(engine)["r"]
+    out = drain(engine)["r"]
     assert out.outputs[0].finish_reason == "length"  # -100 is a bias, not a mask: token 5 stays sampleable
     assert out.outputs[0].token_ids == [5, 5, 5]
     engine.add_request("masked", [1, 2], SamplingParams(max_tokens=3, allowed_token_ids=[5],
                                                         logits_processors=[lambda ids, row: row - float("inf")],
                                                         **GREEDY))
-    out = _drain(engine)["masked"]
+    out = drain(engine)["masked"]
     assert out.outputs[0].finish_reason == "error" and "every token is excluded" in out.error
 
 
@@ -118,7 +110,7 @@ def test_a_transient_failure_of_a_lone_request_is_retried(fake_runner):
     engine.add_request("alone", [1, 2, 3], SamplingParams(max_tokens=4, **GREEDY))
     engine.step()
     runner.fail_next = 1  # the next forward fails once; alone in its step, the request reruns alone
-    out = _drain(engine)["alone"]
+    out = drain(engine)["alone"]
     assert out.error is None and out.outputs[0].token_ids == _solo(fake_runner, [1, 2, 3],
                                                                     SamplingParams(max_tokens=4, **GREEDY))
 
@@ -140,7 +132,7 @@ def test_changing_params_after_adding_does_not_change_the_request(fake_runner):
     params = SamplingParams(max_tokens=3, **GREEDY)
     engine.add_request("r", [1, 2], params)
     params.max_tokens = 9
-    assert len(_drain(engine)["r"].outputs[0].token_ids) == 3
+    assert len(drain(engine)["r"].outputs[0].token_ids) == 3
     params.min_tokens = 20  # each field is checked when set; the rule between them when added
     with pytest.raises(ValueError, match=r"min_tokens must be <= max_tokens \(9\), got 20"):
         engine.add_request("again", [1, 2], params)

@@ -19,19 +19,11 @@ from modelrunner.sampling.builtin import (AllowedTokensProcessor, BadWordsProces
 from modelrunner.sampling.logits_processor import LogitsRow, ProcessorContext
 
 from conftest import VOCAB, FakeRunner, FakeTokenizer
+from engine_steps import drain
 
 GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=6)
 
 
-def _drain(engine: LLMEngine) -> dict:
-    done = {}
-    for _ in range(200):
-        if not engine.has_unfinished_requests():
-            return done
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-    raise AssertionError("the engine is stuck")
 
 
 def _python_lines(fn) -> int:
@@ -75,7 +67,7 @@ def test_a_field_past_its_limit_is_refused_naming_field_size_and_limit(field, va
         engine.add_request("big", [1, 2], SamplingParams(**GREEDY, **{field: value}))
     assert not engine.has_unfinished_requests()
     engine.add_request("next", [1, 2], SamplingParams(**GREEDY))
-    assert len(_drain(engine)["next"].outputs[0].token_ids) == 6
+    assert len(drain(engine, 200)["next"].outputs[0].token_ids) == 6
     assert runner.allocator.stats().used_blocks == 0
 
 
@@ -90,7 +82,7 @@ def test_the_limits_are_settings_of_the_engine_config():
     with pytest.raises(ValueError, match=r"stop has 3 strings; the limit is max_stop_strings=2"):
         engine.add_request("r", [1], SamplingParams(stop=["a", "b", "c"]))
     engine.add_request("at-the-limits", [1], SamplingParams(**GREEDY, logit_bias={1: 1, 2: 1, 3: 1}, stop=["a", "b"]))
-    assert _drain(engine)["at-the-limits"].error is None
+    assert drain(engine, 200)["at-the-limits"].error is None
 
 
 def test_a_server_answers_an_engine_limit_with_a_400_naming_the_field():
@@ -172,7 +164,7 @@ def test_stop_token_ids_are_a_set_lookup_per_step_not_a_scan():
     engine.add_request("many-stops", [1, 2], SamplingParams(**GREEDY, stop_token_ids=stops, min_tokens=6))
     engine.step()  # the first token: the request's stop ids are prepared once
     _CountedId.compared = 0
-    out = _drain(engine)["many-stops"]
+    out = drain(engine, 200)["many-stops"]
     assert out.outputs[0].finish_reason == "length" and len(out.outputs[0].token_ids) == 6
     assert _CountedId.compared <= 5, f"{_CountedId.compared} comparisons against stop_token_ids in 5 steps"
 
