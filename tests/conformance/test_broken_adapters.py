@@ -1,11 +1,13 @@
 """Deliberately broken plugins, installed as real distributions, that the conformance suites must
 catch with a message naming the defect: adapters built on modelrunner-llama's model that load a
-weight transposed or drop Mistral's sliding window, and int4 methods whose matmul drops the scale or
-takes the next group's."""
+weight transposed or drop Mistral's sliding window; int4 methods whose matmul drops the scale or
+takes the next group's, or whose stored scales of one layer are 1% too large; and an int8 method
+that accepts GGUF files but not their blocks."""
 
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -72,7 +74,7 @@ import torch
 import torch.nn.functional as F
 
 from modelrunner import hookimpl
-from modelrunner.quantization.methods import Int4Method
+from modelrunner.quantization.methods import Int4Method, Int8Method
 from modelrunner.quantization.planar import PlanarScheme, dequantize_planar
 
 
@@ -114,9 +116,30 @@ class NothingInt4(Int4Method):
         pass
 
 
+class ScaledInt4(Int4Method):
+    """int4 with the stored scales of one layer 1% too large: a storage-side error that moves the
+    logits of a tiny model by far less than int4's own rounding does."""
+
+    name = "int4_scaled"
+
+    def process_after_loading(self, model):
+        name = next(n for n in self.layers if n.endswith("layers.1.mlp.down_proj"))
+        model.get_submodule(name).weight_scales.data.mul_(1.01)
+        super().process_after_loading(model)
+
+
+class AnySourceInt8(Int8Method):
+    """int8 that does not refuse GGUF files: their Q4_0 blocks reach its per-channel int8 storage."""
+
+    name = "int8_anysource"
+
+    def check_source(self, source):
+        pass
+
+
 @hookimpl
 def register(registry):
-    registry.quantization_methods(NoScaleInt4, NextGroupInt4, NothingInt4)
+    registry.quantization_methods(NoScaleInt4, NextGroupInt4, NothingInt4, ScaledInt4, AnySourceInt8)
 '''
 
 
@@ -193,9 +216,27 @@ def test_a_wrong_int4_matmul_fails_the_tolerance_and_layer_checks(tmp_path, root
     assert f"with quantization {method!r}: max |logits - dense logits| is" in results["logits"].message
     assert "above the method's conformance_tolerance 0.3" in results["logits"].message
     assert results["layers"].status == "failed"
-    assert "qkv_proj (1 rows): output differs from F.linear with its own dequantized weight" in \
-        results["layers"].message
+    assert "model.layers.0.self_attn.qkv_proj (1 rows a call): " in results["layers"].message
+    assert "F.linear with the checkpoint's float weight" in results["layers"].message
     assert results["batch-independence"].status == "passed"  # wrong, but consistently so
+
+
+def test_a_one_percent_scale_error_in_one_layer_fails_the_layer_check(tmp_path, root):
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+        checked = suite("quantization_methods", "int4_scaled", plugins=plugins, root=root, tensor_parallel=False)
+        layers = _results(checked, {"layers"})["layers"]
+    assert layers.status == "failed"
+    assert re.search(r"layers\.1\.mlp\.down_proj \(1 rows a call\): least-squares gain 1\.0(09|10|11)\d of the "
+                     r"output against F\.linear with the checkpoint's float weight", layers.message), layers.message
+
+
+def test_a_method_that_takes_gguf_files_but_not_their_blocks_fails_the_gguf_check(tmp_path, root):
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+        checked = suite("quantization_methods", "int8_anysource", plugins=plugins, root=root, tensor_parallel=False)
+        result = _results(checked, {"gguf-source"})["gguf-source"]
+    assert result.status == "failed"
+    assert "with quantization 'int8_anysource' raised" in result.message
+    assert "reach a layer's quant_loader as GGMLBlocks" in result.message
 
 
 def test_a_method_that_quantizes_nothing_fails_covers_layers(tmp_path, root):

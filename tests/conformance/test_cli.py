@@ -1,9 +1,14 @@
-"""``modelrunner check PLUGIN`` on the kernel's own attention plugin: the suite in a fresh process."""
+"""``modelrunner check PLUGIN`` on the kernel's own attention plugin: the suite in a fresh process; and
+the options that run the adapter and quantization suites on the author's own config or checkpoint."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
+import pytest
+from modelrunner.conformance import suite
+from modelrunner.plugins import get_plugins
 from plugin_dists import run_cli
 
 
@@ -26,3 +31,55 @@ def test_check_json_parses():
     assert {r["suite"] for r in report["results"]} == {"attention_backends:torch_sdpa"}
     assert {r["status"] for r in report["results"]} == {"passed"}
     assert "compiled/mixed-chunked-prefill/gqa4x2/window=3" in {r["check"] for r in report["results"]}
+
+
+def test_check_config_values_are_overrides_or_a_path(tmp_path):
+    from modelrunner.conformance.cli import parse_config
+    from modelrunner.conformance.models import tiny_config
+
+    assert parse_config(["use_parallel_residual=false", "layer_norm_eps=1e-6", "hidden_act=gelu", "x=None",
+                         'rope_parameters={"partial_rotary_factor": 0.5}']) == {
+        "use_parallel_residual": False, "layer_norm_eps": 1e-6, "hidden_act": "gelu", "x": None,
+        "rope_parameters": {"partial_rotary_factor": 0.5}}
+    tiny_config("GPTNeoXForCausalLM").to_json_file(str(tmp_path / "config.json"))
+    assert parse_config([str(tmp_path)]) == str(tmp_path)
+    config = parse_config([str(tmp_path / "config.json"), "use_parallel_residual=False"])
+    assert config.use_parallel_residual is False and config.architectures == ["GPTNeoXForCausalLM"]
+    with pytest.raises(ValueError, match=r"GPTNeoXConfig has no field 'no_such_field'"):
+        parse_config([str(tmp_path), "no_such_field=1"])
+
+
+def test_check_options_reach_the_suites_that_take_them(tmp_path):
+    from modelrunner.conformance import suites_for_plugin
+    from modelrunner.conformance.models import checkpoint_config
+
+    if "llama" not in get_plugins().infos:
+        pytest.skip("modelrunner-llama is not installed")
+    suites = suites_for_plugin("llama", config={"num_hidden_layers": 1, "rms_norm_eps": 1e-5}, root=tmp_path)
+    assert suites and all(s.kind == "architectures" for s in suites)
+    for checked in suites:
+        config = checkpoint_config(checked.checkpoint)
+        assert (config["num_hidden_layers"], config["rms_norm_eps"]) == (1, 1e-5)
+        assert config["architectures"] == [checked.name]
+    given = suites[0].checkpoint
+    assert suites_for_plugin("llama", checkpoint=given)[0].checkpoint == given
+    with pytest.raises(ValueError, match=r"config applies to the architectures suites; plugin 'default-sdpa' "
+                                         r"registers attention_backends"):
+        suites_for_plugin("default-sdpa", config={"num_hidden_layers": 1})
+    result = run_cli("check", "llama", "--checkpoint", str(tmp_path / "missing"))
+    assert result.returncode != 0 and "--checkpoint" in result.stderr and "no such file" in result.stderr
+
+
+def test_tiny_checkpoints_go_to_a_folder_of_this_process():
+    import subprocess
+    import sys
+
+    from modelrunner.conformance.models import scratch_root
+
+    root = scratch_root()
+    assert root == scratch_root() and root.is_dir() and root.name.startswith("modelrunner-conformance-")
+    assert suite("quantization_methods", "int4").root == root
+    probe = "from modelrunner.conformance.models import scratch_root as s; r = s(); print(r, r.is_dir())"
+    other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
+    assert other[0] != str(root) and other[1] == "True"  # another process (a concurrent check) has its own
+    assert not Path(other[0]).exists()  # removed when that process ended

@@ -32,6 +32,26 @@ def test_materialize_keeps_loaders_ties_and_recomputes_buffers():
     torch.testing.assert_close(model.rope.cos_sin_cache, RotaryEmbedding(2, 16).cos_sin_cache.bfloat16())
 
 
+def _fp8_storage(keep_dtype: bool | None) -> nn.Module:
+    """A layer whose quantization method swapped its weight for float16 storage (as an fp8 method would)."""
+    with torch.device("meta"):
+        layer = nn.Linear(8, 4, bias=False)
+    storage = nn.Parameter(torch.empty(4, 8, dtype=torch.float16, device="meta"), requires_grad=False)
+    storage.quant_loader = lambda param, tensor, dst, src=None: None
+    if keep_dtype is not None:
+        storage.keep_dtype = keep_dtype
+    layer.weight = storage
+    return nn.Sequential(layer)
+
+
+def test_materialize_refuses_quantized_storage_that_does_not_say_whether_it_keeps_its_dtype():
+    with pytest.raises(ValueError, match=r"quantized storage '0.weight' is float16 but does not set keep_dtype, so "
+                                         r"loading would cast it to the model's float32: set param.keep_dtype = True"):
+        materialize(_fp8_storage(None), "cpu", torch.float32)
+    assert materialize(_fp8_storage(True), "cpu", torch.float32)[0].weight.dtype == torch.float16
+    assert materialize(_fp8_storage(False), "cpu", torch.float32)[0].weight.dtype == torch.float32  # cast on purpose
+
+
 def test_load_weights_routes_packed_projections(tmp_path):
     tensors = {
         "embed.weight": torch.randn(10, 8),

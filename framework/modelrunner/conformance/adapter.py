@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Any
@@ -24,11 +24,14 @@ from ..registry import FALLBACK_ARCHITECTURE
 from .base import Check, ConformanceError, NotApplicable, Suite, expect
 from .models import (
     checkpoint_config,
+    load_config,
     make_llm,
     reference_greedy,
     reference_logits,
     reference_model,
+    scratch_root,
     tiny_checkpoint,
+    tiny_config,
 )
 
 LOGITS_ATOL = 1e-4
@@ -53,8 +56,6 @@ PREEMPTION_MAX_MODEL_LEN = 24
 """``max_model_len`` of the preemption run, whose KV cache holds exactly one such sequence."""
 GENERIC_ARCHITECTURES = ("GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoXForCausalLM", "BloomForCausalLM")
 """Architectures the fallback adapter is checked on by default: the first no loaded plugin registers."""
-DEFAULT_ROOT = Path(tempfile.gettempdir()) / "modelrunner-conformance"
-"""Where tiny checkpoints are written unless ``root=`` says otherwise."""
 _ALLOW_ENV, _BLOCK_ENV = "MODELRUNNER_PLUGINS", "MODELRUNNER_BLOCK_PLUGINS"
 
 
@@ -74,8 +75,12 @@ class AdapterSuite(Suite):
     :param plugins: the loaded plugins (default: the process's); the runs route through them.
     :param plugin: the adapter plugin under test (default: the one the kernel would pick).
     :param checkpoint: a transformers checkpoint directory of the architecture to use instead of a tiny one.
-    :param config: a transformers config to build the tiny checkpoint from (its ``architectures`` names the class).
-    :param root: where tiny checkpoints are written (default :data:`DEFAULT_ROOT`); reused when present.
+    :param config: what to build the tiny checkpoint from instead of the suite's tiny config of the
+        architecture: a transformers config (its ``architectures`` names the class; set to ``name``
+        when empty), a path to a config JSON file or a folder holding ``config.json``, or a mapping of
+        fields to override in the suite's tiny config (``{"use_parallel_residual": False}``).
+    :param root: where tiny checkpoints are written (default: this process's own scratch folder,
+        :func:`~.models.scratch_root`); reused when present.
     :param seed: the tiny checkpoint's weight seed.
     :param tensor_parallel: run the ``tensor-parallel=2`` check (it starts a worker process); False
         reports it skipped.
@@ -101,7 +106,7 @@ class AdapterSuite(Suite):
         """What the plugin declared for the architecture (``tensor_parallel``, ``devices`` …)."""
         self.fallback = name == FALLBACK_ARCHITECTURE
         """Whether the name under test is the generic fallback (checked on another architecture)."""
-        self.root = Path(root) if root is not None else DEFAULT_ROOT
+        self.root = Path(root) if root is not None else scratch_root()
         """Where tiny checkpoints go."""
         self.seed = seed
         """The tiny checkpoint's seed."""
@@ -109,7 +114,7 @@ class AdapterSuite(Suite):
         """Whether the tensor-parallel check runs."""
         self._checkpoint = None if checkpoint is None else Path(checkpoint)
         self._config = config
-        if self.fallback and checkpoint is None and config is None:
+        if self.fallback and checkpoint is None and (config is None or isinstance(config, Mapping)):
             taken = set(registry.providers["architectures"])
             self._generic = next((a for a in GENERIC_ARCHITECTURES if a not in taken), None)
         else:
@@ -124,20 +129,32 @@ class AdapterSuite(Suite):
         """The checkpoint directory every check runs (written on first use when tiny)."""
         if self._checkpoint is not None:
             path = self._checkpoint
-        elif self._config is not None:
-            path = tiny_checkpoint(self._config, self.root, self.seed)
-        elif self.fallback:
-            if self._generic is None:
+        elif self._config is not None and not isinstance(self._config, Mapping):
+            path = tiny_checkpoint(self._own_config(), self.root, self.seed)
+        else:
+            if self.fallback and self._generic is None:
                 raise ValueError(f"every architecture of {', '.join(GENERIC_ARCHITECTURES)} is registered by a loaded "
                                  f"plugin, so none reaches the fallback adapter {self.plugin!r}; pass checkpoint= or "
                                  "config= of an architecture no plugin registers")
-            path = tiny_checkpoint(self._generic, self.root, self.seed)
-        else:
-            path = tiny_checkpoint(self.name, self.root, self.seed)
+            architecture = self._generic if self.fallback else self.name
+            overrides = dict(self._config or {})
+            if not overrides and self.capabilities.get("model_type") is None:
+                path = tiny_checkpoint(architecture, self.root, self.seed)
+            else:
+                config = tiny_config(architecture, None if self.fallback else self.capabilities.get("model_type"),
+                                     overrides)
+                path = tiny_checkpoint(config, self.root, self.seed)
         problem = self._routing_problem(self.plugins, self._architecture_of(path))
         if problem is not None:
             raise ValueError(problem)
         return path
+
+    def _own_config(self) -> Any:
+        """The transformers config given as ``config=`` (an object, or read from a path)."""
+        config = self._config if hasattr(self._config, "to_json_string") else load_config(self._config)
+        if not getattr(config, "architectures", None) and not self.fallback:
+            config.architectures = [self.name]
+        return config
 
     @staticmethod
     def _architecture_of(path: Path) -> str | None:

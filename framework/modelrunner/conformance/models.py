@@ -27,32 +27,35 @@ _DENSE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_at
 _MOE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
-def _known_config(architecture: str) -> Any | None:
-    """The tiny config of an architecture the suites know by heart (None: any other)."""
+def _known_config(architecture: str, overrides: dict[str, Any] | None = None) -> Any | None:
+    """The tiny config of an architecture the suites know by heart, with ``overrides`` given to its
+    constructor (so fields derived from them, like Qwen2's ``layer_types``, follow); None: any other."""
     import transformers as tf
 
     common = dict(vocab_size=VOCAB_SIZE, max_position_embeddings=MAX_POSITION, bos_token_id=BOS, eos_token_id=EOS,
                   pad_token_id=UNK)
-    factories = {
-        "LlamaForCausalLM": lambda: tf.LlamaConfig(**_DENSE, **common, tie_word_embeddings=False),
-        "MistralForCausalLM": lambda: tf.MistralConfig(**_DENSE, **common, sliding_window=8, tie_word_embeddings=False),
-        "Qwen2ForCausalLM": lambda: tf.Qwen2Config(**_DENSE, **common, tie_word_embeddings=False),
+    known = {
+        "LlamaForCausalLM": (tf.LlamaConfig, dict(**_DENSE, **common, tie_word_embeddings=False)),
+        "MistralForCausalLM": (tf.MistralConfig, dict(**_DENSE, **common, sliding_window=8, tie_word_embeddings=False)),
+        "Qwen2ForCausalLM": (tf.Qwen2Config, dict(**_DENSE, **common, tie_word_embeddings=False)),
         # Every layer sparse, top-2 of 4, renormalised.
-        "MixtralForCausalLM": lambda: tf.MixtralConfig(**_MOE, **common, intermediate_size=96, num_local_experts=4,
-                                                       num_experts_per_tok=2, tie_word_embeddings=False),
+        "MixtralForCausalLM": (tf.MixtralConfig, dict(**_MOE, **common, intermediate_size=96, num_local_experts=4,
+                                                      num_experts_per_tok=2, tie_word_embeddings=False)),
         # Layer 0 dense, layer 1 sparse with the gated shared expert; not renormalised.
-        "Qwen2MoeForCausalLM": lambda: tf.Qwen2MoeConfig(
+        "Qwen2MoeForCausalLM": (tf.Qwen2MoeConfig, dict(
             **_MOE, **common, intermediate_size=96, moe_intermediate_size=32, shared_expert_intermediate_size=64,
             num_experts=8, num_experts_per_tok=2, decoder_sparse_step=2, mlp_only_layers=[], norm_topk_prob=False,
-            tie_word_embeddings=False),
+            tie_word_embeddings=False)),
         # 3 layers, layer 1 dense; q/k norms; renormalised top-2 of 8; tied embeddings.
-        "Qwen3MoeForCausalLM": lambda: tf.Qwen3MoeConfig(
+        "Qwen3MoeForCausalLM": (tf.Qwen3MoeConfig, dict(
             **{**_MOE, "num_hidden_layers": 3}, **common, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
             num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1], norm_topk_prob=True,
-            tie_word_embeddings=True),
+            tie_word_embeddings=True)),
     }
-    factory = factories.get(architecture)
-    return None if factory is None else factory()
+    if architecture not in known:
+        return None
+    config_class, kwargs = known[architecture]
+    return config_class(**{**kwargs, **(overrides or {})})
 
 
 _SCALED = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 128, "ffn_dim": 128, "n_inner": 128,
@@ -63,17 +66,22 @@ _SCALED = {"hidden_size": 64, "n_embd": 64, "d_model": 64, "intermediate_size": 
 """Config fields a generic architecture is scaled down with, where its config has them."""
 
 
-def _generic_config(architecture: str) -> Any:
-    """``AutoConfig.for_model`` of the model type whose causal-LM class is ``architecture``, scaled down."""
+def _generic_config(architecture: str, overrides: dict[str, Any] | None = None) -> Any:
+    """``AutoConfig.for_model`` of the model type whose causal-LM class is ``architecture``, scaled down
+    (``overrides`` given to the constructor, and kept)."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     model_type = next((t for t, cls in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items() if cls == architecture), None)
     if model_type is None:
         raise ValueError(f"no tiny checkpoint for architecture {architecture!r}: transformers has no causal LM of "
-                         "that name; pass a config object instead")
-    config = AutoConfig.for_model(model_type)
+                         "that name; declare the checkpoints' model_type (registry.architectures(..., "
+                         "model_type='llama')), or give the suite config= / checkpoint= (modelrunner check "
+                         "--config / --checkpoint)")
+    config = AutoConfig.for_model(model_type, **(overrides or {}))
     for key, value in _SCALED.items():
+        if key in (overrides or {}):
+            continue
         if key in config.to_dict() or hasattr(config, key):
             if key == "num_key_value_heads" and getattr(config, key, None) is None:
                 continue  # a model without grouped-query attention keeps it unset
@@ -81,14 +89,69 @@ def _generic_config(architecture: str) -> Any:
     return config
 
 
-def tiny_config(architecture: str) -> Any:
+def causal_lm_class(model_type: str) -> str | None:
+    """transformers' causal-LM class name for a config ``model_type`` (``gpt_neox`` → ``GPTNeoXForCausalLM``)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+
+
+def tiny_config(architecture: str, model_type: str | None = None, overrides: dict[str, Any] | None = None) -> Any:
     """The tiny transformers config :func:`tiny_checkpoint` writes for ``architecture`` (``architectures`` set).
 
-    :raises ValueError: transformers knows no causal LM of that name.
+    :param model_type: the config ``model_type`` of an architecture transformers has no class of that
+        name for (an adapter's own name for, say, a Llama-shaped model): the tiny config of that type.
+    :param overrides: config fields set on top (``{"use_parallel_residual": False}``).
+    :raises ValueError: transformers knows no causal LM of that name (or of ``model_type``), or an
+        override names a field the config does not have.
     """
-    config = _known_config(architecture) or _generic_config(architecture)
+    base = architecture
+    if model_type is not None and _known_config(architecture) is None and causal_lm_class(model_type) != architecture:
+        base = causal_lm_class(model_type)
+        if base is None:
+            raise ValueError(f"no tiny checkpoint for architecture {architecture!r}: transformers has no causal LM "
+                             f"for model_type {model_type!r}")
+    overrides = dict(overrides or {})
+    if overrides:
+        default = _known_config(base) or _generic_config(base)
+        unknown = [key for key in overrides if key not in default.to_dict() and not hasattr(default, key)]
+        if unknown:
+            raise ValueError(f"{type(default).__name__} has no field {unknown[0]!r} to set to {overrides[unknown[0]]!r}")
+    config = _known_config(base, overrides) or _generic_config(base, overrides)
     config.architectures = [architecture]
     return config
+
+
+def load_config(path: str | Path) -> Any:
+    """The transformers config in a JSON file, or in a checkpoint folder's ``config.json``.
+
+    :raises ValueError: no such file, or no ``model_type`` in it.
+    """
+    from transformers import AutoConfig
+
+    path = Path(path)
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"no transformers config at {path} (a config JSON file or a folder with config.json)")
+    if "model_type" not in json.loads(file.read_text()):
+        raise ValueError(f"{file} has no model_type: transformers cannot tell which config class it is")
+    return AutoConfig.from_pretrained(str(file))
+
+
+_SCRATCH: list[Path] = []
+
+
+def scratch_root() -> Path:
+    """This process's own folder for tiny checkpoints (made on first use, removed when the process
+    exits), so concurrent checks never share or race on one."""
+    if not _SCRATCH:
+        import atexit
+        import shutil
+        import tempfile
+
+        _SCRATCH.append(Path(tempfile.mkdtemp(prefix="modelrunner-conformance-")))
+        atexit.register(shutil.rmtree, _SCRATCH[0], True)
+    return _SCRATCH[0]
 
 
 def _slug(text: str) -> str:
@@ -158,6 +221,43 @@ def tiny_tokenizer(vocab_size: int = VOCAB_SIZE) -> Any:
                                    unk_token=f"t{UNK}", pad_token=f"t{UNK}", model_max_length=MAX_POSITION)
 
 
+BYTE_MERGES = (("{", '"'), ('"', ":"), ('"', ","), ("t", "r"), ("tr", "u"), ("tru", "e"), ("n", "o"), ("Ġ", '"'))
+"""The merges of :func:`byte_tokenizer` (multi-character tokens, so masks are checked across them)."""
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte → printable character table (what a byte-level BPE vocabulary is written in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + \
+        list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def byte_tokenizer() -> Any:
+    """A small byte-level BPE ``PreTrainedTokenizerFast`` (GPT-2 style, like SmolLM2's): ids 0–255 are
+    the bytes, then one token per :data:`BYTE_MERGES` entry, then ``<eos>`` and ``<bos>``. Any text
+    encodes, so grammar backends can be checked on real JSON without a real vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    table = _bytes_to_unicode()
+    vocab = {table[b]: b for b in range(256)}
+    for left, right in BYTE_MERGES:
+        vocab[left + right] = len(vocab)
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=list(BYTE_MERGES)))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, model_max_length=MAX_POSITION)
+    tokenizer.add_special_tokens({"eos_token": "<eos>", "bos_token": "<bos>"})
+    return tokenizer
+
+
 def reference_model(path: str | Path) -> Any:
     """transformers' own model on the checkpoint at ``path``, float32, in eval mode."""
     import torch
@@ -198,5 +298,6 @@ def checkpoint_config(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-__all__ = ["BOS", "EOS", "MAX_POSITION", "UNK", "VOCAB_SIZE", "checkpoint_config", "make_llm", "reference_greedy",
-           "reference_logits", "reference_model", "tiny_checkpoint", "tiny_config", "tiny_tokenizer"]
+__all__ = ["BOS", "EOS", "MAX_POSITION", "UNK", "VOCAB_SIZE", "causal_lm_class", "checkpoint_config", "load_config", "make_llm",
+           "reference_greedy", "reference_logits", "reference_model", "scratch_root", "tiny_checkpoint", "tiny_config",
+           "tiny_tokenizer"]

@@ -3,7 +3,12 @@ covers fused-MoE experts) loaded with ``quantization=NAME``, against the same mo
 
 A method that refuses a float checkpoint (``check_source``) is checked on a GGUF file of the same
 tiny Llama (:func:`~.gguf.write_llama_gguf`), whose dense reference is that file read with
-``quantization="none"``; give ``checkpoint=`` for a method that runs neither.
+``quantization="none"``; give ``checkpoint=`` for a method that runs neither. A method checked on
+floats is also fed that GGUF file (what the default model is), which it must refuse up front or run.
+
+Each covered layer is compared with the checkpoint's own float weight (the layer loaded with
+``quantization="none"``) by the least-squares gain of its outputs: the format's rounding leaves it at
+1, a storage-side error of 1% in a single layer does not — which the logits check cannot tell apart.
 """
 
 from __future__ import annotations
@@ -13,9 +18,8 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .adapter import DEFAULT_ROOT
 from .base import Check, ConformanceError, NotApplicable, Suite, expect
-from .models import make_llm, tiny_checkpoint
+from .models import make_llm, scratch_root, tiny_checkpoint
 
 BLOCK_SIZE = 4
 """KV-cache block size of every run (the prompts span several blocks)."""
@@ -26,7 +30,15 @@ DECODE = {0: [11], 1: [12]}
 OTHER_PROMPT = [40, 7, 7, 123, 90, 5, 5, 44]
 """The batch-mate of the batch-independence check (with ``PROMPTS[0]``: 15 rows, one kernel bucket)."""
 LAYER_ROWS = (1, 40)
-"""Input rows of the per-layer check: one decode-sized and one batch-sized input (each kernel choice)."""
+"""Input rows of each call of the per-layer check: one decode-sized and one batch-sized input (each kernel choice)."""
+LAYER_SAMPLES = 256
+"""Input rows per layer and row count of the per-layer check: enough outputs that the format's rounding
+moves the least-squares gain by well under :data:`GAIN_TOLERANCE`."""
+GAIN_TOLERANCE = 0.005
+"""Largest |gain − 1| of a layer's output against the float weight's, the gain being the least-squares
+fit ``g = <got, want> / <want, want>``: rounding errors are uncorrelated with the output and leave it
+near 1 (int4/g32 on these shapes: within 0.004 in 800 random draws), while a weight or scale off by 1%
+moves it by about 0.01 (at least 0.007 in the same draws)."""
 BATCH_ATOL = 1e-5
 """Largest |logit difference| of a row alone and the same row in a batch."""
 DETERMINISM_ATOL = 0.0
@@ -43,6 +55,18 @@ _ALLOW_ENV, _BLOCK_ENV = "MODELRUNNER_PLUGINS", "MODELRUNNER_BLOCK_PLUGINS"
 def _env_names(var: str) -> list[str] | None:
     value = os.environ.get(var)
     return None if value is None else [n.strip() for n in value.split(",") if n.strip()]
+
+
+def least_squares_gain(got: Any, want: Any) -> tuple[float, float]:
+    """``(g, r)``: the gain ``g`` that best fits ``got ≈ g · want`` (least squares), and the RMS of
+    ``got − g · want`` relative to the RMS of ``want`` (inf, inf when non-finite)."""
+    got, want = got.double().reshape(-1), want.double().reshape(-1)
+    power = want.dot(want).item()
+    if not (got.isfinite().all() and power > 0):
+        return float("inf"), float("inf")
+    gain = got.dot(want).item() / power
+    residual = ((got - gain * want).square().sum().item() / power) ** 0.5
+    return gain, residual
 
 
 def _relative(got: Any, want: Any) -> float:
@@ -62,7 +86,7 @@ class QuantizationMethodSuite(Suite):
     :param plugins: the loaded plugins (default: the process's).
     :param plugin: the plugin providing it (default: the one the kernel would pick).
     :param checkpoint: a checkpoint (directory or ``.gguf``) to check the method on instead of the tiny Llama.
-    :param root: where tiny checkpoints are written (default: the adapter suite's).
+    :param root: where tiny checkpoints are written (default: this process's scratch folder).
     :param seed: the tiny checkpoints' weight seed.
     :param options: the method's ``quantization_options`` for every run.
     :param tensor_parallel: run the ``tensor-parallel=2`` check (it starts a worker process); False
@@ -88,7 +112,7 @@ class QuantizationMethodSuite(Suite):
         """The ``quantization`` config value that picks this plugin's method."""
         self.options = dict(options or {})
         """``quantization_options`` of every run."""
-        self.root = Path(root) if root is not None else DEFAULT_ROOT
+        self.root = Path(root) if root is not None else scratch_root()
         """Where tiny checkpoints go."""
         self.seed = seed
         """The tiny checkpoints' seed."""
@@ -96,6 +120,7 @@ class QuantizationMethodSuite(Suite):
         """Whether the tensor-parallel check runs."""
         self._checkpoint = None if checkpoint is None else Path(checkpoint)
         self._models: dict[tuple[str, str], Any] = {}
+        self._methods: dict[tuple[str, str], Any] = {}
 
     # -- set-up, built once and shared by the checks ---------------------------------------------
 
@@ -163,13 +188,25 @@ class QuantizationMethodSuite(Suite):
         return config
 
     def model(self, path: Path, quantization: str) -> Any:
-        """``path`` loaded by its adapter with ``quantization`` (an :class:`~modelrunner.testing.AdapterUnderTest`)."""
+        """``path`` loaded by its adapter with ``quantization`` (an :class:`~modelrunner.testing.AdapterUnderTest`;
+        the method instance that prepared it is :meth:`method_of` it)."""
+        import attrs
+
+        from ..cache_dir import cache_root
         from ..capabilities import runs_quantization
+        from ..config import RunnerConfig
+        from ..quantization import select_quantization
+        from ..source import resolve_source
         from ..testing import load_adapter
 
         key = (str(path), quantization)
         if key not in self._models:
-            model = load_adapter(path, self.config(quantization), plugins=self.plugins)
+            config = RunnerConfig.from_dict(self.config(quantization))
+            source = resolve_source(str(path))
+            method = select_quantization(config.model.quantization, config.model.quantization_options, source,
+                                         self.plugins, cache_root(config.model.cache_dir))
+            model = load_adapter(attrs.evolve(source, quantization=method), config, plugins=self.plugins)
+            self._methods[key] = method
             loaded = model.loaded
             architecture = (getattr(loaded.hf_config, "architectures", None) or ["?"])[0]
             if loaded.kv_cache_spec is None or not runs_quantization(self.plugins, architecture, loaded.adapter,
@@ -179,6 +216,11 @@ class QuantizationMethodSuite(Suite):
                                  "that does (e.g. modelrunner-llama and modelrunner-moe) among the plugins")
             self._models[key] = model
         return self._models[key]
+
+    def method_of(self, path: Path, quantization: str) -> Any:
+        """The method instance that prepared ``path`` loaded with ``quantization`` (None: dense)."""
+        self.model(path, quantization)
+        return self._methods[(str(path), quantization)]
 
     def quantized(self, path: Path) -> Any:
         """``path`` loaded with the method under test."""
@@ -216,7 +258,7 @@ class QuantizationMethodSuite(Suite):
 
     def checks(self) -> list[Check]:
         """``covers-layers``, ``logits``, ``logits/moe``, ``layers``, ``layers/moe``, ``batch-independence``, ``determinism``,
-        ``tensor-parallel=2``, ``weight-bytes`` and ``options``."""
+        ``tensor-parallel=2``, ``weight-bytes``, ``gguf-source`` and ``options``."""
         return [
             Check("covers-layers", self.check_covers_layers),
             Check("logits", self.check_logits),
@@ -227,12 +269,14 @@ class QuantizationMethodSuite(Suite):
             Check("determinism", self.check_determinism),
             Check("tensor-parallel=2", self.check_tensor_parallel),
             Check("weight-bytes", self.check_weight_bytes),
+            Check("gguf-source", self.check_gguf_source),
             Check("options", self.check_options),
         ]
 
     def check_covers_layers(self) -> str:
         """The method gives the tiny Llama's layers quantized storage (``covers_layers``), or, for a
-        dense method, none; returns how many."""
+        dense method, none, and records each layer it covers in its ``layers`` (what ``stats()`` and
+        the weight-bytes check count); returns how many."""
         covered = self.covered(self.quantized(self.subject))
         if self.method_class.covers_layers:
             expect(bool(covered), f"quantization {self.name!r} gave no layer of {self.subject.name} quantized storage "
@@ -241,6 +285,12 @@ class QuantizationMethodSuite(Suite):
         elif covered:
             raise ConformanceError(f"quantization {self.name!r} declares covers_layers=False but gave "
                                    f"{len(covered)} layers quantized storage ({covered[0][0]}, …)")
+        recorded = set(getattr(self.method_of(self.subject, self.quantization), "layers", {}) or {})
+        unrecorded = [name for name, _ in covered if name not in recorded]
+        expect(not unrecorded, f"quantization {self.name!r} gave {len(covered)} layers a quant_scheme but did not "
+                               f"record {len(unrecorded)} of them in its `layers` ({unrecorded[0] if unrecorded else ''}"
+                               ", …): prepare() must also set self.layers[name] = scheme for each layer it covers "
+                               "(stats() counts those)")
         return f"{len(covered)} layers covered"
 
     def _expect_within_tolerance(self, path: Path, quantized: Any, what: str) -> str:
@@ -273,7 +323,17 @@ class QuantizationMethodSuite(Suite):
         return self._expect_within_tolerance(self.mixtral, self.moe_model(),
                                              f"{self.mixtral.name} with quantization {self.name!r}")
 
-    def _expect_layers_match(self, model: Any, moe: bool) -> str:
+    def _dense_twin(self, path: Path) -> Any:
+        """``path`` loaded with ``quantization="none"``: the checkpoint's float weights, layer by layer.
+
+        :raises NotApplicable: it does not load so.
+        """
+        try:
+            return self.model(path, "none")
+        except ValueError as e:
+            raise NotApplicable(f"no float reference: {path.name} does not load with quantization='none' ({e})") from e
+
+    def _expect_layers_match(self, path: Path, model: Any, moe: bool) -> str:
         import torch
         import torch.nn.functional as F
 
@@ -283,63 +343,82 @@ class QuantizationMethodSuite(Suite):
 
         tolerance = self.method_class.conformance_tolerance
         generator = torch.Generator().manual_seed(0)
-        worst, checked, covered = 0.0, 0, 0
+        worst_gain, worst_residual, checked, covered = 0.0, 0.0, 0, 0
+        dense = None
 
         def compare(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
-            nonlocal worst, checked
+            nonlocal worst_gain, worst_residual, checked
             expect(tuple(got.shape) == tuple(want.shape),
-                   f"{what}: output of shape {list(got.shape)}, F.linear with the dequantized weight gives "
+                   f"{what}: output of shape {list(got.shape)}, F.linear with the checkpoint's float weight gives "
                    f"{list(want.shape)}")
-            error = _relative(got, want)
-            expect(error <= tolerance, f"{what}: output differs from F.linear with its own dequantized weight by "
-                                       f"{error:.3g} of its largest magnitude, above the method's "
-                                       f"conformance_tolerance {tolerance:g}")
-            worst, checked = max(worst, error), checked + 1
+            gain, residual = least_squares_gain(got, want)
+            expect(abs(gain - 1) <= GAIN_TOLERANCE,
+                   f"{what}: least-squares gain {gain:.4f} of the output against F.linear with the checkpoint's float "
+                   f"weight (|gain - 1| at most {GAIN_TOLERANCE:g}): a systematic scale error in the stored weight "
+                   "or its kernel")
+            expect(residual <= tolerance,
+                   f"{what}: output differs from F.linear with the checkpoint's float weight by {residual:.3g} "
+                   f"(RMS of the residual after the gain, relative to the float output's RMS), above the method's "
+                   f"conformance_tolerance {tolerance:g}")
+            worst_gain, worst_residual = max(worst_gain, abs(gain - 1)), max(worst_residual, residual)
+            checked += 1
+
+        def outputs(run: Any, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> tuple[Any, Any]:
+            """``run`` and F.linear on :data:`LAYER_SAMPLES` rows in calls of ``rows`` rows."""
+            x = torch.randn(max(rows, LAYER_SAMPLES), weight.shape[1], generator=generator)
+            got = torch.cat([run(part) for part in x.split(rows)])
+            return got, F.linear(x, weight, bias)
 
         with torch.no_grad():
             for name, layer in self.covered(model):
-                scheme = layer.quant_scheme
                 if isinstance(layer, FusedMoE) != moe:
                     continue
                 covered += 1
+                scheme = layer.quant_scheme
+                if dense is None:
+                    dense = self._dense_twin(path).loaded.model
+                float_layer = dense.get_submodule(name)
                 if isinstance(layer, FusedMoE):
-                    if not (callable(getattr(scheme, "matmul", None)) and callable(getattr(scheme, "dequantized", None))):
+                    if not callable(getattr(scheme, "matmul", None)):
                         continue
                     for stack in STACKS:
-                        weights = scheme.dequantized(layer, stack)
+                        weights = getattr(float_layer, stack)
                         for expert in sorted({0, weights.shape[0] - 1}):
                             for rows in LAYER_ROWS:
-                                x = torch.randn(rows, weights.shape[2], generator=generator)
-                                compare(scheme.matmul(stack, expert, x), F.linear(x, weights[expert]),
-                                        f"{name}.{stack} expert {expert} ({rows} rows)")
+                                got, want = outputs(lambda x, s=stack, e=expert: scheme.matmul(s, e, x),
+                                                    weights[expert].float(), None, rows)
+                                compare(got, want, f"{name}.{stack} expert {expert} ({rows} rows a call)")
                     continue
-                if not callable(getattr(scheme, "dequantized", None)):
-                    continue
-                weight = scheme.dequantized(layer)
+                weight = float_layer.weight.float()
                 if isinstance(layer, VocabParallelEmbedding) and not isinstance(layer, ParallelLMHead):
-                    ids = torch.randint(0, weight.shape[0], (LAYER_ROWS[-1],), generator=generator)
-                    compare(layer.lookup(ids), weight.index_select(0, ids), f"{name} (embedding lookup)")
+                    ids = torch.randint(0, weight.shape[0], (LAYER_SAMPLES,), generator=generator)
+                    compare(layer.lookup(ids).float(), weight.index_select(0, ids), f"{name} (embedding lookup)")
                     continue
-                bias = getattr(layer, "bias", None)
+                bias = getattr(float_layer, "bias", None)
                 for rows in LAYER_ROWS:
-                    x = torch.randn(rows, weight.shape[1], generator=generator)
-                    compare(scheme.apply(layer, x, bias), F.linear(x, weight, bias), f"{name} ({rows} rows)")
+                    got, want = outputs(lambda x: scheme.apply(layer, x, getattr(layer, "bias", None)), weight,
+                                        None if bias is None else bias.float(), rows)
+                    compare(got.float(), want, f"{name} ({rows} rows a call)")
         if covered == 0:
             raise NotApplicable(f"quantization {self.name!r} covers no {'fused-MoE' if moe else 'linear or embedding'} "
                                 "layer")
         if checked == 0:
-            raise NotApplicable(f"quantization {self.name!r} exposes no dequantized weight of the layers it covers")
-        return f"{checked} layer outputs, worst {worst:.3g} of their largest magnitude (tolerance {tolerance:g})"
+            raise NotApplicable(f"quantization {self.name!r}'s fused-MoE schemes have no matmul(stack, expert, x)")
+        return (f"{checked} layer outputs against the float weights: worst |gain - 1| {worst_gain:.2g} (tolerance "
+                f"{GAIN_TOLERANCE:g}), worst residual {worst_residual:.3g} (tolerance {tolerance:g})")
 
     def check_layers(self) -> str:
         """Each layer the method covers in the tiny Llama: its scheme's ``apply`` (or embedding lookup) on
-        random inputs of :data:`LAYER_ROWS` rows within ``conformance_tolerance`` (relative) of
-        ``F.linear`` with the scheme's own ``dequantized(layer)``; returns the largest ratio."""
-        return self._expect_layers_match(self.quantized(self.subject), moe=False)
+        random inputs, :data:`LAYER_SAMPLES` rows in calls of each of :data:`LAYER_ROWS` rows, against
+        ``F.linear`` with the checkpoint's float weight (the same layer loaded with ``quantization="none"``):
+        the least-squares gain of the output within :data:`GAIN_TOLERANCE` of 1 (a systematic error of 1%
+        in one layer fails), and the residual after it within ``conformance_tolerance`` (the format's
+        rounding passes). Returns the worst of each."""
+        return self._expect_layers_match(self.subject, self.quantized(self.subject), moe=False)
 
     def check_moe_layers(self) -> str:
         """The same for each covered fused-MoE layer of the tiny Mixtral (first and last expert, both stacks)."""
-        return self._expect_layers_match(self.moe_model(), moe=True)
+        return self._expect_layers_match(self.mixtral, self.moe_model(), moe=True)
 
     def check_batch_independence(self) -> str:
         """A prompt's logits alone equal its logits next to another prompt within :data:`BATCH_ATOL`
@@ -420,13 +499,46 @@ class QuantizationMethodSuite(Suite):
             return runner.stats()["weights"]["resident_bytes"], runner
 
         quantized, runner = resident(self.quantization)
-        if runner.quantization is None or not runner.quantization.layers:
-            raise NotApplicable(f"quantization {self.name!r} covers no layer: nothing to compress")
+        covered = [m for m in runner.loaded.model.modules() if getattr(m, "quant_scheme", None) is not None]
+        if not covered:
+            raise NotApplicable(f"quantization {self.name!r} gives no layer a quant_scheme: nothing to compress")
         dense, _ = resident("none")
-        expect(quantized < dense, f"quantization {self.name!r} covers {len(runner.quantization.layers)} layers but "
+        expect(quantized < dense, f"quantization {self.name!r} covers {len(covered)} layers but "
                                   f"keeps {quantized:,} resident weight bytes, not fewer than the dense model's "
                                   f"{dense:,}")
         return f"{quantized / dense:.3f} of dense"
+
+    def check_gguf_source(self) -> str:
+        """A GGUF file (what the default model is): the method refuses it in ``check_source`` with a
+        ``ValueError``, or runs it — its quantized tensors reach the layers' loaders as
+        :class:`~modelrunner.quantization.GGMLBlocks`, not tensors — with logits within
+        ``conformance_tolerance`` of the file read with ``quantization="none"`` and every covered layer
+        passing the per-layer check. Returns which."""
+        if self._checkpoint is not None:
+            raise NotApplicable("the suite was given checkpoint= and checks that checkpoint only")
+        import importlib.util
+
+        if importlib.util.find_spec("gguf") is None:
+            raise NotApplicable("writing the GGUF file needs the gguf package (pip install gguf)")
+        path = self.llama_gguf
+        if self.subject == path:
+            raise NotApplicable(f"quantization {self.name!r} is checked on {path.name} by every other check")
+        reason = self._refusal(path)
+        if reason is not None:
+            return f"refuses GGUF files up front: {reason}"
+        try:
+            model = self.quantized(path)
+        except Exception as e:  # noqa: BLE001 - what the default model would hit, reported with the remedy
+            raise ConformanceError(
+                f"loading {path.name} (Q4_0/Q4_1/Q8_0 blocks, like the default model) with quantization {self.name!r} "
+                f"raised {type(e).__name__}: {e}. Quantized GGUF tensors reach a layer's quant_loader as GGMLBlocks "
+                "(dequantize() gives floats, to_planar() the planar triple); take them, or refuse GGUF sources "
+                "in check_source() with a ValueError") from e
+        if not self.method_class.covers_layers:
+            return f"runs {path.name}"
+        logits = self._expect_within_tolerance(path, model, f"{path.name} with quantization {self.name!r}")
+        layers = self._expect_layers_match(path, model, moe=False)
+        return f"runs {path.name}: logits {logits}; {layers}"
 
     def check_options(self) -> None:
         """An unknown option, and each known option given a value no option accepts, are refused with a
@@ -447,4 +559,4 @@ class QuantizationMethodSuite(Suite):
             raise ConformanceError(f"quantization {self.name!r} options: " + "; ".join(problems))
 
 
-__all__ = ["BATCH_ATOL", "DETERMINISM_ATOL", "TP_ATOL", "QuantizationMethodSuite"]
+__all__ = ["BATCH_ATOL", "DETERMINISM_ATOL", "GAIN_TOLERANCE", "TP_ATOL", "QuantizationMethodSuite", "least_squares_gain"]

@@ -13,7 +13,7 @@ import torch
 
 from .activation import SiluAndMul
 from .attention import Attention
-from .attention_backend import AttentionBackend, GraphInputs
+from .attention_backend import AttentionBackend, AttentionLayer, GraphInputs
 from .embedding import ParallelLMHead, VocabParallelEmbedding
 from .linear import (
     ColumnParallelLinear,
@@ -32,6 +32,7 @@ from .sdpa_attention import TorchSDPABackend
 __all__ = [
     "Attention",
     "AttentionBackend",
+    "AttentionLayer",
     "GraphInputs",
     "ColumnParallelLinear",
     "LinearBase",

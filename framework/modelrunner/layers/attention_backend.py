@@ -13,13 +13,30 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch
-    from .attention import Attention
+
+
+class AttentionLayer(Protocol):
+    """What a backend reads from the layer it attends for: the layer's shape on this rank.
+
+    :class:`~.attention.Attention` is one; the backend depends on this, not on the layer's module.
+    """
+
+    num_heads: int
+    """Query heads on this rank."""
+    num_kv_heads: int
+    """Key/value heads on this rank."""
+    head_dim: int
+    """Size of each head."""
+    scale: float
+    """Multiplier of ``QKᵀ``."""
+    sliding_window: int | None
+    """Window of visible past positions (None: full causal attention)."""
 
 
 class GraphInputs(NamedTuple):
@@ -102,7 +119,7 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..cache_dir import cache_root
 from ..timing_cache import TIMING_ROWS, TimingCache, bucket, time_candidates
 
 logger = logging.getLogger(__name__)
@@ -206,7 +207,7 @@ def _released(weight: nn.Parameter) -> nn.Parameter:
 def prepack_weights(model: nn.Module, cache_dir: Any = None, path: str = "auto") -> int:
     """Give every weight a module lists in ``DENSE_WEIGHTS`` its :class:`DensePlan`, packing it for
     oneDNN where the packed path measures fastest (timed per shape on this machine, cached under
-    ``cache_dir``; default the cache directory of :func:`modelrunner.source.cache_root`).
+    ``cache_dir``; default the cache directory of :func:`modelrunner.cache_dir.cache_root`).
 
     Only float32 CPU weights are planned (elsewhere :func:`dense` does not use oneDNN). A weight whose
     packed path wins (or is within :data:`PACKED_ONLY_TOLERANCE` in the other bucket) is kept only
@@ -223,8 +224,6 @@ def prepack_weights(model: nn.Module, cache_dir: Any = None, path: str = "auto")
     if not onednn_usable():
         return 0
     unpack_weights(model)
-    from ..source import cache_root
-
     cache = TimingCache(cache_root(cache_dir))
     counts: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):

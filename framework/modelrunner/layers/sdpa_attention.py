@@ -35,11 +35,10 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 
-from .attention_backend import AttentionBackend
+from .attention_backend import AttentionBackend, AttentionLayer
 
 if TYPE_CHECKING:
     from ..forward_batch import ForwardBatch
-    from .attention import Attention
 
 
 def _store_kv(kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -178,7 +177,7 @@ class TorchSDPABackend(AttentionBackend):
 
     def forward(
         self,
-        layer: Attention,
+        layer: AttentionLayer,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -205,7 +204,7 @@ class TorchSDPABackend(AttentionBackend):
         the instance (``cpu_fused`` does)."""
         _store_kv(kv_cache, slot_mapping, key, value)
 
-    def attend(self, layer: Attention, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
+    def attend(self, layer: AttentionLayer, query: torch.Tensor, key: torch.Tensor | None, value: torch.Tensor | None,
                kv_cache: torch.Tensor, metadata: SDPAMetadata) -> torch.Tensor:
         """Attention of ``query`` (``[tokens, heads, head_dim]``) over the cache for one part of a step
         (the whole step, or its decodes or its other sequences when split), the new keys/values already

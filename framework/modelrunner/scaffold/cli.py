@@ -1,4 +1,4 @@
-"""``modelrunner new-plugin KIND NAME [--dir D]``."""
+"""``modelrunner new-plugin KIND NAME [-o DIR]``."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("new-plugin", help="write a working skeleton of a plugin distribution")
     parser.add_argument("kind", help=f"one of: {', '.join(KINDS)}")
     parser.add_argument("name", help="lowercase name: the entry point, module suffix and registered name")
-    parser.add_argument("--dir", default=".", help="where to create modelrunner-NAME/ (default: here)")
+    parser.add_argument("-o", "--output", "--dir", dest="dir", default=".", metavar="DIR",
+                        help="the folder to create modelrunner-NAME/ in (default: here)")
 
 
 def run(args: argparse.Namespace) -> int:

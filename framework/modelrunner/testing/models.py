@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 import torch
 
+from ..cache_dir import cache_root
 from ..config import CacheConfig, RunnerConfig
 from ..forward_batch import ForwardBatch, ForwardOutput
 from ..kv_cache.paged import PagedBlockAllocator
@@ -19,7 +20,7 @@ from ..parallel_state import ParallelState
 from ..plugins import Plugins, get_plugins
 from ..runner import resolve_max_model_len
 from ..quantization import select_quantization
-from ..source import ModelSource, cache_root, resolve_source
+from ..source import ModelSource, resolve_source
 
 
 @attrs.define
