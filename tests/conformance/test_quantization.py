@@ -18,6 +18,9 @@ CASES = {
     "int8": ("int8", {"tensor_parallel": False}),
     # Activations quantized per 32-value block: still batch independent, within int8's tolerance.
     "int8-int8-activations": ("int8", {"tensor_parallel": False, "options": {"activations": "int8"}}),
+    # Activations rounded to bfloat16 (torch's packed int4 / int8 ops): per row, so batch independent too.
+    "int4-bf16-activations": ("int4", {"tensor_parallel": False, "options": {"activations": "bf16"}}),
+    "int8-bf16-activations": ("int8", {"tensor_parallel": False, "options": {"activations": "bf16"}}),
     "int4": ("int4", {"tensor_parallel": True}),
 }
 """Test id → (method, suite options)."""

@@ -176,6 +176,34 @@ def test_exact_kernels_agree_and_each_shape_keeps_one_family(checkpoints):
         assert layouts == {layout_of(layer)}, (chosen, layer.weight.shape)
 
 
+def test_a_gated_mlps_projections_take_one_family_chosen_over_both(checkpoints, monkeypatch, tmp_path):
+    # Timed alone, gate_up would take the float family (1.0 against 1.1) and down the int8 one
+    # (2.0 against 1.0), and the fused one-call MLP could not run. A module's fused_projections are
+    # chosen together: int8, 2.1 against 3.0 summed over both.
+    from modelrunner.quantization.kernels import KernelSelector
+
+    plugin = quant_cpu()
+    if plugin is None:
+        pytest.skip("the quant-cpu kernels did not load here: one family only")
+
+    def measure(self, scheme, layer, bucket_name, names):
+        down = layer.weight.logical_shape[0] < layer.weight.logical_shape[1]
+        cost = {"float": 2.0, "int8": 1.0} if down else {"float": 1.0, "int8": 1.1}
+        # bf16 (torch's int8 op) slowest: the choice stays between float and int8
+        return {n: cost.get(self.family_of(n).split("-")[0], 9.0) + 0.01 * i for i, n in enumerate(names)}
+
+    monkeypatch.setattr(KernelSelector, "_measure", measure)
+    monkeypatch.setenv("MODELRUNNER_CACHE_DIR", str(tmp_path))  # no choice read back from earlier runs
+    model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4,
+                                                "quantization_options": {"activations": "auto"}})
+    for layer in model.loaded.model.model.layers:
+        mlp = layer.mlp
+        selector = mlp.gate_up_proj.quant_scheme.kernels
+        families = {selector.family_of(selector._choice(proj.quant_scheme, proj, bucket))
+                    for proj in (mlp.gate_up_proj, mlp.down_proj) for bucket in ("decode", "batch")}
+        assert len(families) == 1 and families.pop().startswith("int8"), families
+
+
 @pytest.mark.parametrize("kernel", ["cpu_p16", "cpu_p16_exact", "cpu_p16_split"])
 def test_a_gated_mlp_on_p16_weights_is_one_call_with_the_same_numbers(checkpoints, kernel):
     from modelrunner_compile_cpu_fused.fused_ops import gated_mlp, gated_mlp_call, gated_mlp_fusable

@@ -104,6 +104,10 @@ class GatedMLP(nn.Module):
     :param bias: biases on all three projections (default ``config.mlp_bias``).
     """
 
+    fused_projections = ("gate_up_proj", "down_proj")
+    """The child layers that run back to back with only the activation between: a quantization
+    method gives them one kernel family, so a compile backend may run the MLP as one fused call."""
+
     def __init__(self, config: Any, parallel: ParallelState, intermediate_size: int | None = None,
                  bias: bool | None = None) -> None:
         super().__init__()

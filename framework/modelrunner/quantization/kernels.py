@@ -2,10 +2,11 @@
 
 The candidates are the loaded plugins' matmul kernels (:class:`~.matmul.MatmulKernel`, declared with
 ``registry.matmul_kernels(...)``) that claim the layer's weight format on its device. The kernel's own
-are ``reference`` (dequantize, then ``F.linear``: every format, exact, slow) and ``int8_rowwise``
-(``torch._int_mm``, pinned only); the ``modelrunner-quant-cpu`` plugin adds its C++ kernels
-(``cpu_exact``, ``cpu_q8`` on planar storage; ``cpu_p16``, ``cpu_p16_exact``, ``cpu_p16_split`` on its
-p16 layout). Nothing here imports a kernel plugin.
+are ``reference`` (dequantize, then ``F.linear``: every format, exact, slow), ``int8_rowwise``
+(``torch._int_mm``, pinned only) and the library kernels of :mod:`.library` (``torch_int4pack``,
+``torch_int8pack``, ``onednn_bf16``: bfloat16 activations); the ``modelrunner-quant-cpu`` plugin adds
+its C++ kernels (``cpu_exact``, ``cpu_q8`` on planar storage; ``cpu_p16``, ``cpu_p16_exact``,
+``cpu_p16_split`` on its p16 layout). Nothing here imports a kernel plugin.
 
 For every distinct ``(format, rows × columns)`` of a model and for two input sizes — ``decode``
 (up to :data:`DECODE_ROWS` rows: one token per sequence) and ``batch`` (more) — each allowed
@@ -18,17 +19,19 @@ candidates are allowed:
 - a kernel of another layout than planar only on a layer that owns its storage (it is regrouped in
   place, which an expert's view of its stack cannot be), and a layer already regrouped runs only
   kernels of its layout (and the fallback, which reads any layout back as planar rows);
-- kernels that quantize activations (``exact = False``) only where the method's ``activations``
-  option allows them; ``timed = False`` kernels only when pinned (``kernel=``);
+- a kernel's kind of activations (:meth:`~.matmul.MatmulKernel.activation_kind`: ``float``,
+  ``int8`` or ``bf16``) only where the method's ``activations`` option allows it — ``float`` only
+  float, ``int8`` / ``bf16`` that kind (float where no kernel of it claims the format), ``auto`` any;
+  ``timed = False`` kernels only when pinned (``kernel=``);
 - the fallback (``reference``) only when nothing else can run; a kernel whose ``superseded_by``
   names an allowed one steps aside (the same arithmetic, slower at every row count).
 
-A shape's kernels for both buckets come from one *family* — the kind of activations (float or int8)
-and the layout — the one whose fastest kernels take least time summed over the timed row counts, so
-that a layer's storage has one layout and a request's activations are taken one way (float or int8)
-however many rows share its step. A layer whose family has another layout has its storage regrouped
-in place by that kernel's :meth:`~.matmul.MatmulKernel.pack` (no second copy), and
-:meth:`~.planar.PlanarScheme.planar_storage` reads it back through the kernel's ``unpack``.
+A shape's kernels for both buckets come from one *family* — the kind of activations (float, int8 or
+bf16) and the layout — the one whose fastest kernels take least time summed over the timed row
+counts, so that a layer's storage has one layout and a request's activations are taken one way
+(float, int8 or bf16) however many rows share its step. A layer whose family has another layout has
+its storage regrouped in place by that kernel's :meth:`~.matmul.MatmulKernel.pack` (no second copy),
+and :meth:`~.planar.PlanarScheme.planar_storage` reads it back through the kernel's ``unpack``.
 """
 
 from __future__ import annotations
@@ -55,8 +58,10 @@ from .planar import dequantize_planar
 
 logger = logging.getLogger(__name__)
 
-KERNEL_VERSION = 6
+KERNEL_VERSION = 8
 """Bumped when the selection rules change, so cached choices are remade."""
+ACTIVATIONS = ("float", "int8", "bf16", "auto")
+"""The values of the quantization methods' ``activations`` option (see :class:`KernelSelector`)."""
 
 
 def layout_of(layer: Any) -> str:
@@ -68,10 +73,10 @@ def layout_of(layer: Any) -> str:
 class KernelSelector:
     """Times the allowed registered kernels for each shape of a model once and remembers the fastest.
 
-    :param activations: ``float`` (exact kernels only), ``int8`` (kernels that quantize activations;
-        exact ones as fallback), ``auto`` (per shape, the kind whose kernels are fastest over the timed
-        row counts). Within what it allows, each shape takes one family (see the module's text) for
-        every row count.
+    :param activations: ``float`` (exact kernels only), ``int8`` (kernels that quantize activations
+        to int8; exact ones as fallback), ``bf16`` (kernels that round them to bfloat16; exact ones as
+        fallback), ``auto`` (per shape, the kind whose kernels are fastest over the timed row counts).
+        Within what it allows, each shape takes one family (see the module's text) for every row count.
     :param cache_dir: where ``kernels.json`` keeps the choices (None: not kept).
     :param kernel: one registered kernel for every shape it can run (to measure one against
         another); None: timed.
@@ -81,8 +86,8 @@ class KernelSelector:
 
     def __init__(self, activations: str = "float", cache_dir: Path | None = None, kernel: str | None = None,
                  plugins: Any = None) -> None:
-        if activations not in ("float", "int8", "auto"):
-            raise ValueError(f"activations must be 'float', 'int8' or 'auto', got {activations!r}")
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations must be 'float', 'int8', 'bf16' or 'auto', got {activations!r}")
         if kernel is not None and not (isinstance(kernel, str) and kernel):
             # The name itself is checked against the registry once the plugins are known (use_plugins).
             raise ValueError(f"kernel must be the name of a registered matmul kernel (or unset: timed), got {kernel!r}")
@@ -165,24 +170,29 @@ class KernelSelector:
         return kernel.layout == PLANAR or getattr(layer, "quant_scheme", None) is scheme
 
     def family_of(self, name: str) -> str:
-        """A kernel's family: its activations and the layout it reads, e.g. ``float-p16``."""
+        """A kernel's family: its kind of activations and the layout it reads, e.g. ``float-p16``,
+        ``bf16-int4pack``."""
         kernel = self.candidates[name]
-        return f"{'float' if kernel.exact else 'int8'}-{kernel.layout}"
+        return f"{kernel.activation_kind()}-{kernel.layout}"
 
     def _allowed(self, scheme: Any, layer: Any) -> list[str]:
-        kernels = self.candidates
-        names = [n for n, k in kernels.items() if k.timed and self.usable(n, scheme, layer)]
-        if self.activations == "float":
-            names = [n for n in names if kernels[n].exact]
-        elif self.activations == "int8":
-            names = [n for n in names if not kernels[n].exact] or [n for n in names if kernels[n].exact]
-        if len(names) > 1:
-            names = [n for n in names if not kernels[n].fallback] or names  # every other candidate beats it
-        names = [n for n in names if not any(s in names for s in kernels[n].superseded_by)]
+        names = self._unfiltered(scheme, layer)
         if self.kernel is None:
             family = self._family(scheme, layer, names)
             names = [n for n in names if self.family_of(n) == family]
         return names
+
+    def _unfiltered(self, scheme: Any, layer: Any) -> list[str]:
+        """The kernels allowed on ``layer`` before one family is chosen among them."""
+        kernels = self.candidates
+        names = [n for n, k in kernels.items() if k.timed and self.usable(n, scheme, layer)]
+        if self.activations != "auto":
+            kind = [n for n in names if kernels[n].activation_kind() == self.activations]
+            names = kind if kind or self.activations == "float" else \
+                [n for n in names if kernels[n].activation_kind() == "float"]  # exact where none of the kind can run
+        if len(names) > 1:
+            names = [n for n in names if not kernels[n].fallback] or names  # every other candidate beats it
+        return [n for n in names if not any(s in names for s in kernels[n].superseded_by)]
 
     def _family(self, scheme: Any, layer: Any, names: list[str]) -> str:
         """The family of ``layer``'s shape among those of ``names``, for every row count alike: the one
@@ -207,6 +217,38 @@ class KernelSelector:
             self.families[shape] = family
             logger.info("kernels for %s: %s", shape, family)
         return self.families[shape]
+
+    def share_family(self, layers: list[tuple[Any, Any]]) -> None:
+        """Give ``layers`` — ``(scheme, layer)`` pairs that run back to back, such as a gated MLP's two
+        projections — one family: among those every one of them can run, the one whose fastest
+        kernels take least time summed over all of them and the timed row counts. Then a kernel's
+        fused form (:meth:`~.matmul.MatmulKernel.bind_gated_mlp`) can run them in one call, where
+        choosing each shape alone could split them between families on a near tie. Shapes that
+        already have a family keep it; a pinned ``kernel`` leaves this to the pin."""
+        shapes = [self.key(s, layer, "any") for s, layer in layers]
+        if self.kernel is not None or all(shape in self.families for shape in shapes):
+            return
+        allowed = [self._unfiltered(s, layer) for s, layer in layers]
+        common = set.intersection(*({self.family_of(n) for n in names} for names in allowed))
+        if not common or any(shape in self.families for shape in shapes):
+            return
+        if len(common) == 1:
+            family = common.pop()
+        else:
+            qualified = f"family|{'+'.join(shapes)}|{';'.join(','.join(names) for names in allowed)}"
+            family = self.cache.get(qualified)
+            if family not in common:
+                total = dict.fromkeys(sorted(common), 0.0)
+                for (scheme, layer), names in zip(layers, allowed, strict=True):
+                    for bucket_name in TIMING_ROWS:
+                        times = self._measure(scheme, layer, bucket_name, names)
+                        for kind in total:
+                            total[kind] += min(t for n, t in times.items() if self.family_of(n) == kind)
+                family = min(total, key=total.get)
+                self.cache.put(qualified, family)
+        for shape in shapes:
+            self.families[shape] = family
+        logger.info("kernels for %s together: %s", " + ".join(shapes), family)
 
     # -- storage in a kernel's layout --------------------------------------------------------------
 
@@ -388,4 +430,5 @@ def quant_cpu() -> Any:
         return None
 
 
-__all__ = ["DECODE_ROWS", "KERNEL_VERSION", "KernelSelector", "dequantize_planar", "layout_of", "quant_cpu"]
+__all__ = ["ACTIVATIONS", "DECODE_ROWS", "KERNEL_VERSION", "KernelSelector", "dequantize_planar", "layout_of",
+           "quant_cpu"]

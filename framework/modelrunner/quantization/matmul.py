@@ -21,7 +21,7 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from .planar import dequantize_planar
+from .planar_layout import dequantize_planar
 
 PLANAR = "planar"
 """The layout every quantized weight is loaded in (see :mod:`.planar`)."""
@@ -95,8 +95,12 @@ class MatmulKernel:
     """The storage layout it reads. Another layout is made by :meth:`pack` from planar storage: in
     place, on a layer that owns its storage, when this kernel wins every row bucket."""
     exact: ClassVar[bool] = True
-    """Float activations (the float matmul up to summation order); False: it quantizes activations
-    (runs only where the method's ``activations`` option allows)."""
+    """Float activations (the float matmul up to summation order); False: it quantizes or rounds
+    activations (runs only where the method's ``activations`` option allows its kind, :attr:`activations`)."""
+    activations: ClassVar[str] = ""
+    """The kind of activations it computes with: ``float`` (float32: exact), ``int8`` (quantized) or
+    ``bf16`` (rounded to bfloat16) — with the layout, its *family* (see :mod:`.kernels`). Empty:
+    ``float`` where :attr:`exact`, else ``int8`` (:meth:`activation_kind`)."""
     timed: ClassVar[bool] = True
     """Whether timing may pick it (False: only ``kernel=`` runs it)."""
     fallback: ClassVar[bool] = False
@@ -111,6 +115,11 @@ class MatmulKernel:
         bits — on :attr:`devices`). Checked before every timing, so it may look at the CPU or whether
         a native build loaded; it must not raise."""
         return format.bits in (4, 8) and (cls.devices is None or torch.device(device).type in cls.devices)
+
+    @classmethod
+    def activation_kind(cls) -> str:
+        """:attr:`activations`, or where unset what :attr:`exact` implies (``float`` or ``int8``)."""
+        return cls.activations or ("float" if cls.exact else "int8")
 
     @classmethod
     def build_id(cls) -> str:
@@ -193,7 +202,8 @@ class Int8RowwiseKernel(MatmulKernel):
 
 
 DEFAULT_KERNELS = (ReferenceKernel, Int8RowwiseKernel)
-"""The kernel's own matmul kernels (declared by its default quantization plugin)."""
+"""The kernel's own matmul kernels of this module (declared by its default quantization plugin, with
+the library kernels of :mod:`.library`)."""
 
 
 def registered_kernels(plugins: Any) -> dict[str, type[MatmulKernel]]:

@@ -85,7 +85,14 @@ class _PlanarMethod(QuantizationMethod):
         """Times and remembers the matmul kernel of each shape."""
 
     def process_after_loading(self, model: nn.Module) -> None:
-        """Choose (time, or read back) the kernel of every covered layer for decode and batch sizes."""
+        """Choose (time, or read back) the kernel of every covered layer for decode and batch sizes;
+        the layers a module names in ``fused_projections`` (e.g. a gated MLP's two projections) get
+        one family, so that a fused kernel can run them in one call."""
+        for module in model.modules():
+            group = [getattr(module, name, None) for name in getattr(module, "fused_projections", ())]
+            if len(group) > 1 and all(isinstance(getattr(layer, "quant_scheme", None), PlanarScheme)
+                                      and layer.quant_scheme.kernels is self.kernels for layer in group):
+                self.kernels.share_family([(layer.quant_scheme, layer) for layer in group])
         for name, layer in quantizable_layers(model):
             scheme = layer.quant_scheme
             if isinstance(scheme, QuantizedExperts):
@@ -105,10 +112,11 @@ class GGUFMethod(_PlanarMethod):
     line naming them. Chosen automatically for ``.gguf`` files.
 
     Options: ``activations`` — ``float`` (default, exact: float32 activations, the file's weights
-    exactly), ``int8`` (activations quantized per 32-element block, as llama.cpp does) or ``auto``
-    (per shape, the faster of the two). Quantized activations are faster in batches but move a
-    result by a rounding step when float noise upstream differs (another batch composition), so
-    the default stays exact.
+    exactly), ``int8`` (activations quantized per 32-element block, as llama.cpp does), ``bf16``
+    (activations rounded to bfloat16: torch's packed int4 op, oneDNN's bf16 GEMM) or ``auto`` (per
+    shape, the fastest of the three). Quantized or rounded activations are faster in batches but
+    move a result by a rounding step when float noise upstream differs (another batch composition),
+    so the default stays exact.
     """
 
     name = "gguf"
@@ -186,7 +194,8 @@ class Int8Method(_LoadTimeMethod):
     """``int8``: symmetric per-output-channel int8 weights, quantized at load from any float checkpoint.
 
     ``activations``: ``float`` (int8 weights × float32 activations), ``int8`` (activations quantized
-    too, per token: torch's int8 GEMM or the quant-cpu kernel), ``auto`` (the faster, per shape; default).
+    too, per token: torch's int8 GEMM or the quant-cpu kernel), ``bf16`` (activations rounded to
+    bfloat16: torch's ``_weight_int8pack_mm``), ``auto`` (the fastest, per shape; default).
     """
 
     name = "int8"
@@ -200,7 +209,7 @@ class Int8Method(_LoadTimeMethod):
 class Int4Method(_LoadTimeMethod):
     """``int4``: asymmetric group-wise int4 weights (``group_size`` 32, 64 or 128), quantized at load.
 
-    ``activations``: ``float`` (default, exact int4 × float32), ``int8`` or ``auto``.
+    ``activations``: ``float`` (default, exact int4 × float32), ``int8``, ``bf16`` or ``auto``.
     """
 
     name = "int4"

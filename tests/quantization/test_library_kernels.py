@@ -1,0 +1,171 @@
+"""The kernel's library matmul kernels (``torch_int4pack``, ``torch_int8pack``, ``onednn_bf16``): their
+deviation from the dequantized reference on GGUF-like data, the int4pack layout's exact way back to
+planar, the ``bf16`` family of activations in the selector, and the conformance suite through
+``modelrunner check``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from modelrunner.conformance.matmul import _layer, planar_weight, reference_matmul
+from modelrunner.plugins import Plugins
+from modelrunner.quantization import QuantizedWeight, WeightFormat
+from modelrunner.quantization import library
+from modelrunner.quantization.kernels import KernelSelector, layout_of
+from modelrunner.quantization.library import OneDNNBF16, TorchInt4Pack, TorchInt8Pack
+from modelrunner.quantization.planar_layout import dequantize_planar, pack_int4
+
+from plugin_dists import run_cli
+
+BF16_RTOL = 1e-2
+"""Largest |difference| / max |reference| of a bf16-activation kernel (measured 3e-3 to 5e-3)."""
+
+needs_int4pack = pytest.mark.skipif(library.int4pack_order() is None,
+                                    reason="this torch has no int4 packing the kernel can read back")
+
+
+def relative(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got - want).abs().max() / want.abs().max()).item()
+
+
+def gguf_like(kind: str, rows: int = 72, cols: int = 256, seed: int = 0) -> QuantizedWeight:
+    """A planar weight as a GGUF file's blocks convert to it: Q4_1 (scale and min per 32), Q4_0 (scale,
+    min = -8·scale), Q8_0 (int8, scale per 32, no mins)."""
+    gen = torch.Generator().manual_seed(seed)
+    d = (torch.rand(rows, cols // 32, generator=gen) * 0.01 + 1e-3).half()
+    if kind == "Q8_0":
+        q = torch.randint(-127, 128, (rows, cols), generator=gen, dtype=torch.int8)
+        return QuantizedWeight(q, d, None, WeightFormat(8, 32, False), rows, cols)
+    q = pack_int4(torch.randint(0, 16, (rows, cols), generator=gen))
+    m = (-8 * d.float()).half() if kind == "Q4_0" else (torch.randn(rows, cols // 32, generator=gen) * 0.05).half()
+    return QuantizedWeight(q, d, m, WeightFormat(4, 32, True), rows, cols)
+
+
+def packed(weight: QuantizedWeight) -> QuantizedWeight:
+    return QuantizedWeight(*TorchInt4Pack.pack(weight), weight.format, weight.rows, weight.cols, "int4pack")
+
+
+@needs_int4pack
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_int4pack_maps_gguf_groups_exactly_and_reads_them_back(kind):
+    weight = gguf_like(kind, rows=72)  # not a multiple of the 64-row tile: padded
+    mine = packed(weight)
+    assert mine.data.shape == (128, 128) and mine.scales.dtype == torch.bfloat16
+    # The planar bytes, scales and mins come back exactly: all rows, and a few (an embedding lookup).
+    for got, want in zip(TorchInt4Pack.unpack(mine), weight.storage):
+        assert torch.equal(got, want)
+    ids = torch.tensor([71, 0, 33, 5])
+    for got, want in zip(TorchInt4Pack.unpack(mine, ids), weight.storage):
+        assert torch.equal(got, want.index_select(0, ids))
+    if kind == "Q4_0":
+        assert not mine.scales[..., 1].any()  # zero = m + 8·d = 0
+    # With float32 activations and the same (d, m + 8·d) the op is the float matmul: the mapping is exact.
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(1))
+    want = reference_matmul(weight, x)
+    d, m = weight.scales.float(), weight.mins.float()
+    exact_pairs = torch.zeros(8, 128, 2)
+    exact_pairs[:, :72] = torch.stack((d, m + 8 * d), -1).transpose(0, 1)
+    fp32 = torch.ops.aten._weight_int4pack_mm_for_cpu(x, mine.data, 32, exact_pairs)[:, :72]
+    assert relative(fp32, want) < 1e-6
+    # The kernel itself takes bf16 activations and bf16 (d, z): within bf16's rounding.
+    kernel = TorchInt4Pack()
+    for got in (kernel.run(mine, x), kernel.bind(mine)(x)):
+        assert got.shape == (5, 72) and got.dtype == torch.float32 and got.is_contiguous()
+        assert relative(got, want) < BF16_RTOL
+
+
+def test_int8pack_claims_per_row_int8_only_and_stays_within_bf16_rounding():
+    assert TorchInt8Pack.supports(WeightFormat(8, 256, False, True), "cpu")
+    assert not TorchInt8Pack.supports(WeightFormat(8, 32, False), "cpu")  # Q8_0: a scale per 32, not per row
+    assert not TorchInt8Pack.supports(WeightFormat(4, 32, True), "cpu")
+    weight = planar_weight("int8:per-row:sym")
+    x = torch.randn(7, 256, generator=torch.Generator().manual_seed(2))
+    kernel = TorchInt8Pack()
+    for got in (kernel.run(weight, x), kernel.bind(weight)(x)):
+        assert relative(got, reference_matmul(weight, x)) < BF16_RTOL
+
+
+@pytest.mark.parametrize("kind", ["Q4_1", "Q8_0"])
+def test_onednn_bf16_works_in_bounded_chunks_and_is_timed_only_where_bf16_is_native(kind, monkeypatch):
+    weight = gguf_like(kind, rows=72)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(3))
+    want = reference_matmul(weight, x)
+    whole = OneDNNBF16().run(weight, x)
+    monkeypatch.setattr(library, "BF16_CHUNK_BYTES", 16 * 256 * 2)  # 16 rows at a time: 5 chunks
+    chunked = OneDNNBF16().run(weight, x)
+    assert relative(whole, want) < BF16_RTOL and relative(chunked, want) < BF16_RTOL
+    flags = library.cpu_flags()
+    assert OneDNNBF16.timed == bool({"amx_bf16", "avx512_bf16"} & flags)
+
+
+@pytest.fixture(scope="module")
+def plugins():
+    return Plugins(block=["quant-cpu"])  # the kernel's own kernels: their timings stay short
+
+
+@needs_int4pack
+@pytest.mark.parametrize("activations, kinds", [
+    ("float", {"float"}),
+    ("int8", {"float"}),  # no int8 kernel claims int4 without the quant-cpu plugin: exact ones run
+    ("bf16", {"bf16"}),
+    ("auto", {"bf16"}),  # the fallback (reference, float) steps aside where anything else runs
+])
+def test_the_bf16_family_runs_only_where_the_activations_option_allows_it(plugins, activations, kinds):
+    selector = KernelSelector(activations, plugins=plugins)
+    scheme, layer = _layer("int4:g32:mins", selector)
+    allowed = selector._unfiltered(scheme, layer)
+    assert {selector.candidates[n].activation_kind() for n in allowed} == kinds
+    assert ("torch_int4pack" in allowed) == ("bf16" in kinds)
+    assert ("onednn_bf16" in allowed) == (OneDNNBF16.timed and "bf16" in kinds)
+    assert selector.family_of("torch_int4pack") == "bf16-int4pack" and selector.family_of("reference") == "float-planar"
+
+
+def test_bf16_falls_back_to_exact_kernels_where_no_bf16_kernel_claims_the_format(plugins):
+    selector = KernelSelector("bf16", plugins=plugins)
+    scheme, layer = _layer("int8:g32:sym", selector)  # Q8_0: torch_int8pack takes per-row scales only
+    allowed = selector._unfiltered(scheme, layer)
+    assert allowed == (["onednn_bf16"] if OneDNNBF16.timed else ["reference"])
+    scheme, layer = _layer("int8:per-row:sym", KernelSelector("bf16", plugins=plugins))
+    assert "torch_int8pack" in scheme.kernels._unfiltered(scheme, layer)
+
+
+def test_an_unknown_activations_value_names_bf16():
+    with pytest.raises(ValueError, match=r"activations must be 'float', 'int8', 'bf16' or 'auto', got 'fp16'"):
+        KernelSelector("fp16")
+
+
+@needs_int4pack
+def test_a_layer_on_the_bf16_family_is_regrouped_in_place_and_reads_back_planar(plugins):
+    selector = KernelSelector("bf16", plugins=plugins)
+    scheme, layer = _layer("int4:g32:mins", selector)
+    planar = [t.clone() for t in scheme.storage(layer)]
+    want = F.linear(torch.ones(1, 256), dequantize_planar(*planar, 32, 4))
+    selector.prepare(scheme, layer)
+    assert layout_of(layer) == "int4pack"  # torch_int4pack for both buckets, its layout in place
+    assert {selector.choices[selector.key(scheme, layer, b)] for b in ("decode", "batch")} == {"torch_int4pack"}
+    assert all(torch.equal(a, b) for a, b in zip(scheme.planar_storage(layer), planar))
+    for rows in (1, 40):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows))
+        assert relative(scheme.apply(layer, x, None), x @ scheme.dequantized(layer).T) < BF16_RTOL
+    assert relative(scheme.apply(layer, torch.ones(1, 256), None), want) < BF16_RTOL
+
+
+def test_modelrunner_check_passes_the_library_kernels():
+    result = run_cli("check", "default-quantization", "--kind", "matmul_kernels", "--json")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = json.loads(result.stdout)
+    by_suite: dict[str, dict[str, str]] = {}
+    for r in report["results"]:
+        by_suite.setdefault(r["suite"], {})[r["check"]] = r["status"]
+    for name in ("torch_int4pack", "torch_int8pack", "onednn_bf16"):
+        statuses = by_suite[f"matmul_kernels:{name}"]
+        assert "failed" not in statuses.values(), statuses
+        assert statuses["refuses-unclaimed-formats"] == "passed"
+    assert by_suite["matmul_kernels:torch_int8pack"]["int8:per-row:sym/rows=64"] == "passed"
+    assert by_suite["matmul_kernels:onednn_bf16"]["int8:g32:sym/rows=5"] == "passed"
+    if library.int4pack_order() is not None:
+        assert by_suite["matmul_kernels:torch_int4pack"]["int4:g128:mins/rows=1"] == "passed"
