@@ -17,7 +17,8 @@ records every change to it. A plugin states the range it was built for as a modu
 ``PLUGIN_API = ">=1.0,<2"`` (a PEP 440 specifier); outside it, the plugin is listed as broken."""
 
 from .config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
-from .errors import ModelRunnerError, ModelSourceError, PluginConflictError, PluginError, UnknownNameError
+from .errors import (ModelRunnerError, ModelSourceError, PluginConflictError, PluginError, StructuredOutputError,
+                     UnknownNameError)
 from .forward_batch import ForwardBatch
 from .hookspecs import hookimpl
 from .loaded_model import LoadedModel
@@ -26,6 +27,8 @@ __all__ = [
     "PLUGIN_API_VERSION",
     "LLM",
     "SamplingParams",
+    "StructuredOutputsParams",
+    "GuidedDecodingParams",
     "ModelRunner",
     "RunnerConfig",
     "ModelConfig",
@@ -41,6 +44,7 @@ __all__ = [
     "PluginError",
     "UnknownNameError",
     "PluginConflictError",
+    "StructuredOutputError",
     "LLMEngine",
     "RequestOutput",
     "CompletionOutput",
@@ -51,6 +55,8 @@ __all__ = [
 _LAZY = {
     "LLM": ("modelrunner.llm", "LLM"),
     "SamplingParams": ("modelrunner.sampling.params", "SamplingParams"),
+    "StructuredOutputsParams": ("modelrunner.sampling.structured", "StructuredOutputsParams"),
+    "GuidedDecodingParams": ("modelrunner.sampling.structured", "GuidedDecodingParams"),
     "ModelRunner": ("modelrunner.runner", "ModelRunner"),
     "LLMEngine": ("modelrunner.engine.llm_engine", "LLMEngine"),
     "RequestOutput": ("modelrunner.engine.outputs", "RequestOutput"),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection
 from typing import Any
 
@@ -212,6 +213,23 @@ class RequestLimits:
     """Most entries in ``logits_processors``."""
 
 
+@attrs.frozen
+class StructuredOutputsConfig:
+    """How requests with ``structured_outputs`` are constrained (vLLM's ``structured_outputs_config``,
+    also accepted as ``LLM(structured_outputs_config={"backend": ...})``)."""
+
+    backend: str = attrs.field(default="auto", validator=_name)
+    """The grammar backend, by name: ``xgrammar``, ``guidance`` (llguidance) or another installed one
+    (``modelrunner plugins`` lists them); ``auto`` picks per request: xgrammar, or guidance for a
+    feature xgrammar lacks (as vLLM does). vLLM's older ``guided_decoding_backend`` sets it too."""
+    disable_any_whitespace: bool = attrs.field(default=False, validator=_bool)
+    """JSON outputs without whitespace between tokens, for every request (a request can ask for it
+    alone with ``StructuredOutputsParams(disable_any_whitespace=True)``)."""
+    compile_threads: int = attrs.field(default=2, validator=_positive)
+    """Threads that compile grammars off the engine's step (a request waits, unscheduled, until its
+    grammar is ready; compiled grammars are cached by backend and schema)."""
+
+
 def _device_default() -> str:
     return "auto"
 
@@ -232,6 +250,8 @@ class RunnerConfig:
     """Batching."""
     limits: RequestLimits = attrs.field(factory=RequestLimits)
     """Size limits on each request's sampling fields."""
+    structured_outputs: StructuredOutputsConfig = attrs.field(factory=StructuredOutputsConfig)
+    """Grammar backend for structured outputs."""
     device: str | int = attrs.field(factory=_device_default, validator=_device)
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or a GPU index."""
 
@@ -263,10 +283,10 @@ class RunnerConfig:
                 built[section] = section_cls(**sections[section])
             except ValueError as e:
                 msg = str(e)
-                if section == "compile":  # name the flat key the user wrote, not the field behind it
-                    for flat, field in _RENAMED.items():
-                        if msg.startswith(f"{field} must"):
-                            msg = flat + msg[len(field):]
+                # name the flat key the user wrote, not the field behind it
+                for flat, field in _RENAMED.get(section, {}).items():
+                    if msg.startswith(f"{field} must"):
+                        msg = flat + msg[len(field):]
                 raise ValueError(msg) from None
         return cls(**built, device=device)
 
@@ -278,16 +298,21 @@ _SECTIONS = {
     "compile": CompileConfig,
     "scheduler": SchedulerConfig,
     "limits": RequestLimits,
+    "structured_outputs": StructuredOutputsConfig,
 }
 
-_RENAMED = {"compile": "enabled", "compile_backend": "backend", "compile_mode": "mode",
-            "compile_cache_dir": "cache_dir", "compile_options": "options"}
+_RENAMED = {
+    "compile": {"compile": "enabled", "compile_backend": "backend", "compile_mode": "mode",
+                "compile_cache_dir": "cache_dir", "compile_options": "options"},
+    "structured_outputs": {f"structured_outputs_{f.name}": f.name for f in attrs.fields(StructuredOutputsConfig)},
+}
+"""Section → flat key → field, for the sections whose flat keys are not their fields' names."""
 
 FLAT_KEYS: dict[str, tuple[str, str]] = {}
 """Flat key → (section, field): every field of every section, compile's under ``compile_*``."""
 for _section, _cls in _SECTIONS.items():
     for _f in attrs.fields(_cls):
-        _flat = next((k for k, v in _RENAMED.items() if v == _f.name), _f.name) if _section == "compile" else _f.name
+        _flat = next((k for k, v in _RENAMED.get(_section, {}).items() if v == _f.name), _f.name)
         FLAT_KEYS[_flat] = (_section, _f.name)
 
 
@@ -302,7 +327,7 @@ VLLM_ONLY = ("swap_space", "cpu_offload_gb", "max_seq_len_to_capture", "disable_
              "enable_chunked_prefill", "num_scheduler_steps", "scheduling_policy", "worker_cls",
              "override_generation_config", "enable_sleep_mode", "calculate_kv_scales", "disable_async_output_proc",
              "skip_tokenizer_init", "data_parallel_size", "enable_expert_parallel", "max_cpu_loras",
-             "tokenizer_pool_size", "guided_decoding_backend", "reasoning_parser", "logits_processors",
+             "tokenizer_pool_size", "reasoning_parser", "logits_processors",
              "served_model_name", "allowed_local_media_path", "generation_config")
 """vLLM engine arguments modelrunner has no equivalent for; refused by name, never silently ignored."""
 
@@ -314,6 +339,17 @@ def _translate_vllm(d: dict[str, Any]) -> dict[str, Any]:
     """
     out = {}
     for key, value in d.items():
+        if key == "structured_outputs_config":
+            out.update(_flat_structured_outputs(value))
+            continue
+        if key == "guided_decoding_backend":
+            warnings.warn("guided_decoding_backend is deprecated (as in vLLM); use "
+                          "structured_outputs_config={'backend': ...}", DeprecationWarning, stacklevel=4)
+            if "structured_outputs_config" in d and _flat_structured_outputs(d["structured_outputs_config"]).get(
+                    "structured_outputs_backend", value) != value:
+                raise ValueError("guided_decoding_backend and structured_outputs_config['backend'] disagree; keep one")
+            out["structured_outputs_backend"] = value
+            continue
         if key in VLLM_ONLY:
             raise ValueError(f"{key!r} is a vLLM option that modelrunner does not have; remove it (the docs' "
                              "'Coming from vLLM' table, docs/guide/offline.md, lists what maps and what does not)")
@@ -327,3 +363,17 @@ def _translate_vllm(d: dict[str, Any]) -> dict[str, Any]:
             continue
         out[VLLM_ALIASES.get(key, key)] = value
     return out
+
+
+def _flat_structured_outputs(value: Any) -> dict[str, Any]:
+    """vLLM's ``structured_outputs_config`` (a dict or a :class:`StructuredOutputsConfig`) as flat keys."""
+    if isinstance(value, StructuredOutputsConfig):
+        value = attrs.asdict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"structured_outputs_config must be a dict like {{'backend': 'xgrammar'}}, got {value!r}")
+    known = [f.name for f in attrs.fields(StructuredOutputsConfig)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"unknown structured_outputs_config key {unknown[0]!r}{did_you_mean(unknown[0], known)} "
+                         f"(known: {', '.join(known)})")
+    return {f"structured_outputs_{k}": v for k, v in value.items()}

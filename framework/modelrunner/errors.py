@@ -35,6 +35,28 @@ class ModelSourceError(ModelRunnerError, ValueError):
     """The ``model`` given cannot be resolved to a local checkpoint."""
 
 
+class StructuredOutputError(ModelRunnerError, ValueError):
+    """A structured-output constraint that cannot be served: malformed parameters (no or several
+    constraint kinds, a schema that is not a JSON object, an invalid regex, an empty choice list) or
+    a feature the grammar backend does not support. The message names the bad value or the feature
+    and what is accepted; a server answers 400.
+
+    :param feature: what was refused (``"regex"``, ``"json schema keyword 'multipleOf'"``, ...).
+    :param backend: the grammar backend that refused it (None: refused before a backend saw it).
+    """
+
+    def __init__(self, message: str, *, feature: str | None = None, backend: str | None = None) -> None:
+        super().__init__(message)
+        self.feature = feature
+        """What was refused."""
+        self.backend = backend
+        """The grammar backend that refused it, if one did."""
+
+    def with_prefix(self, prefix: str) -> StructuredOutputError:
+        """The same error with ``prefix`` before its message (``"prompt 3: "``)."""
+        return StructuredOutputError(prefix + str(self), feature=self.feature, backend=self.backend)
+
+
 class FatalError(ModelRunnerError):
     """An error after which the runner cannot serve any request (e.g. a parallel worker died).
 

@@ -36,8 +36,8 @@ def register(registry: Registry) -> None:
     ``architectures`` names your load hook accepts, ``registry.allocators(...)`` with the KV-cache
     allocator names your allocate hook answers, ``registry.compile_backends(...)`` with your compile
     backend names, and ``registry.attention_backends(cls)`` / ``registry.logits_processors(cls)`` /
-    ``registry.quantization_methods(cls)`` / ``registry.matmul_kernels(cls)`` with classes of those
-    kinds. The kernel calls your other hooks only for the names you declare here.
+    ``registry.quantization_methods(cls)`` / ``registry.matmul_kernels(cls)`` /
+    ``registry.grammar_backends(cls)`` with classes of those kinds. The kernel calls your other hooks only for the names you declare here.
 
     :param registry: collects the names; it records which plugin gave each one.
     """

@@ -10,7 +10,7 @@ from .config import RunnerConfig
 from .engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import RequestOutput
-from .errors import ModelRunnerError
+from .errors import ModelRunnerError, StructuredOutputError
 from .executor import Executor, create_executor
 from .sampling.params import SamplingParams
 
@@ -92,7 +92,8 @@ class LLM:
         return self.engine.stats()
 
     def shutdown(self) -> None:
-        """Stop the worker processes, if any (also happens at exit)."""
+        """Stop the worker processes, if any, and the grammar compile threads (also happens at exit)."""
+        self.engine.structured_outputs.shutdown()
         self.engine.executor.shutdown()
 
     def generate(
@@ -109,7 +110,8 @@ class LLM:
         :param sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         :param use_tqdm: show a progress bar when there is more than one prompt.
         :raises ValueError: a prompt or its parameters are invalid (the message names its index);
-            nothing runs then.
+            nothing runs then. ``structured_outputs`` a grammar backend cannot serve raise
+            :class:`~modelrunner.errors.StructuredOutputError` (a ValueError) naming the feature.
         """
         batch = _as_prompt_list(prompts)
         params = _per_prompt_params(sampling_params, len(batch))
@@ -146,6 +148,8 @@ class LLM:
                 rid = self.engine.new_request_id()
                 try:
                     self.engine.add_request(rid, prompt, p, on_output=consumer)
+                except StructuredOutputError as exc:  # keeps its type: a server maps it to a 400
+                    raise exc.with_prefix(f"prompt {i}: ") from exc
                 except ValueError as exc:
                     raise ValueError(f"prompt {i}: {exc}") from exc
                 ids.append(rid)

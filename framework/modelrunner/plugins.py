@@ -34,6 +34,8 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-sdpa": "modelrunner.defaults.attention",
     "default-sampling": "modelrunner.defaults.sampling",
     "default-quantization": "modelrunner.defaults.quantization",
+    "default-grammars": "modelrunner.defaults.grammars",
+    "default-tool-parsers": "modelrunner.defaults.tool_parsers",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 
@@ -336,6 +338,14 @@ class Plugins:
     def logits_processor_class(self, name: str) -> type:
         """The :class:`~modelrunner.sampling.LogitsProcessor` subclass registered as ``name``."""
         return self._class("logits_processors", name)
+
+    def grammar_backend_class(self, name: str) -> type:
+        """The :class:`~modelrunner.structured_output.GrammarBackend` subclass registered as ``name``."""
+        return self._class("grammar_backends", name)
+
+    def tool_parser_class(self, name: str) -> type:
+        """The :class:`~modelrunner.tool_parser.ToolParser` subclass registered as ``name``."""
+        return self._class("tool_parsers", name)
 
     def quantization_method_class(self, name: str) -> type:
         """The :class:`~modelrunner.quantization.QuantizationMethod` subclass registered as ``name``."""

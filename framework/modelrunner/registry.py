@@ -17,14 +17,15 @@ from .errors import PluginConflictError, did_you_mean
 
 NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
-CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels")
+CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels",
+               "grammar_backends", "tool_parsers")
 """Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""
 
 CAPABILITIES: dict[str, dict[str, Any]] = {
     "architectures": {"tensor_parallel": None, "pipeline_parallel": None, "quantization": None, "devices": None,
-                      "attention_backends": None},
+                      "attention_backends": None, "model_type": None},
     "compile_backends": {"devices": None, "tensor_parallel": None, "pipeline_parallel": None},
     "allocators": {"prefix_caching": None},
 }
@@ -37,13 +38,18 @@ capability → its value when undeclared (None: not declared, so nothing is refu
 - ``devices``: device types (``"cpu"``, ``"cuda"``) it runs on.
 - ``attention_backends``: whether the adapter's layers run the configured attention backend
   (``attention_backend`` applies; ``False`` for a model with its own attention, like transformers').
+- ``model_type``: the config ``model_type`` of checkpoints of an architecture transformers has no
+  class of that name for (``"llama"`` for a Llama-shaped ``MyForCausalLM``): the adapter conformance
+  suite builds its tiny checkpoint, and transformers its reference model, from it.
 - ``prefix_caching``: the allocator reuses cached prompt prefixes.
 """
 CLASS_CAPABILITIES = {
     "attention_backends": ("max_block_size", "supports_sliding_window", "dtypes"),
     "quantization_methods": ("devices", "tensor_parallel"),
     "logits_processors": ("builtin", "order"),
-    "matmul_kernels": ("layout", "devices", "exact", "timed"),
+    "matmul_kernels": ("layout", "devices", "exact", "activations", "timed"),
+    "grammar_backends": ("constraints", "auto_order"),
+    "tool_parsers": ("start_markers", "parallel_calls"),
 }
 """Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
 
@@ -71,6 +77,14 @@ def _base_class(kind: str) -> type:
         from .quantization.matmul import MatmulKernel
 
         return MatmulKernel
+    if kind == "grammar_backends":
+        from .structured_output.backend import GrammarBackend
+
+        return GrammarBackend
+    if kind == "tool_parsers":
+        from .tool_parser import ToolParser
+
+        return ToolParser
     from .quantization.base import QuantizationMethod
 
     return QuantizationMethod
@@ -129,7 +143,7 @@ class Registry:
     def architectures(self, *names: str, **capabilities: Any) -> None:
         """Declare model architectures (HF ``architectures`` entries) the plugin's load hook accepts,
         with what the adapter supports (see :data:`CAPABILITIES`: ``tensor_parallel``,
-        ``pipeline_parallel``, ``quantization``, ``devices``, ``attention_backends``)."""
+        ``pipeline_parallel``, ``quantization``, ``devices``, ``attention_backends``, ``model_type``)."""
         self._declare("architectures", names, capabilities)
 
     def allocators(self, *names: str, **capabilities: Any) -> None:
@@ -161,6 +175,17 @@ class Registry:
         subclasses): each is timed against the others that claim a layer's weight format and device,
         and selectable by ``name`` (quantization option ``kernel``)."""
         self._add_classes("matmul_kernels", kernels)
+
+    def grammar_backends(self, *backends: type) -> None:
+        """Declare grammar backends for structured outputs (:class:`modelrunner.structured_output.GrammarBackend`
+        subclasses), selectable by ``name`` (config ``structured_outputs_config={"backend": NAME}``); those
+        with an ``auto_order`` take part in ``backend="auto"``."""
+        self._add_classes("grammar_backends", backends)
+
+    def tool_parsers(self, *parsers: type) -> None:
+        """Declare tool-call parsers (:class:`modelrunner.tool_parser.ToolParser` subclasses), selectable
+        by ``name`` (``modelrunner serve --enable-auto-tool-choice --tool-call-parser NAME``)."""
+        self._add_classes("tool_parsers", parsers)
 
     # -- looking up ----------------------------------------------------------------------------
 

@@ -250,3 +250,32 @@ def test_compile_backend_with_wrong_decode_output(install):
     assert {"logits/prefill", "logits/mixed-prefill-decode", "no-recompile-after-warm-up"} <= set(results["passed"])
     message = results["failed"]["logits/decode-only"]
     assert message.startswith("step 1 (decode, 2 sequences): logits differ from eager by")
+
+
+LEAKY_TOOL_PARSER = """
+from modelrunner import hookimpl
+from modelrunner.defaults.tool_parsers import HermesToolParser
+
+
+class LeakyHermes(HermesToolParser):
+    '''hermes, except that streaming sends everything, the start of the calls included.'''
+
+    name = "leaky_hermes"
+
+    def streamable(self, text):
+        return len(text)
+
+
+@hookimpl
+def register(registry):
+    registry.tool_parsers(LeakyHermes)
+"""
+
+
+def test_tool_parser_streaming_its_calls_as_content(install):
+    plugins = install("leaky_hermes", "mr_test_leaky_hermes", LEAKY_TOOL_PARSER)
+    results = _by_status(suite("tool_parsers", "leaky_hermes", plugins=plugins).run())
+    assert set(results["failed"]) == {"streaming"}
+    assert "sent a call's start as content" in results["failed"]["streaming"] or "which is not content" in \
+        results["failed"]["streaming"]
+    assert {"one-call", "several-calls", "plain-text", "unreadable-calls"} <= set(results["passed"])

@@ -7,6 +7,7 @@ suite of the names one plugin registered. See :mod:`.base` for what a suite is.
 from __future__ import annotations
 
 import importlib
+import inspect
 from typing import Any
 
 from .base import Check, CheckResult, ConformanceError, NotApplicable, Suite, expect, expect_close
@@ -19,6 +20,8 @@ SUITES = {
     "quantization_methods": "modelrunner.conformance.quantization:QuantizationMethodSuite",
     "logits_processors": "modelrunner.conformance.logits:LogitsProcessorSuite",
     "matmul_kernels": "modelrunner.conformance.matmul:MatmulKernelSuite",
+    "grammar_backends": "modelrunner.conformance.grammar:GrammarBackendSuite",
+    "tool_parsers": "modelrunner.conformance.tool_parser:ToolParserSuite",
 }
 """Registry kind → ``module:class`` of its suite (imported when used)."""
 
@@ -43,10 +46,18 @@ def suite(kind: str, name: str, plugins: Any = None, plugin: str | None = None, 
     return suite_class(kind)(name, plugins=plugins, plugin=plugin, **options)
 
 
-def suites_for_plugin(plugin: str, plugins: Any = None) -> list[Suite]:
+def accepts(kind: str, option: str) -> bool:
+    """Whether the suite of ``kind`` takes the setting ``option`` (an adapter suite's ``config`` …)."""
+    return option in inspect.signature(suite_class(kind).__init__).parameters
+
+
+def suites_for_plugin(plugin: str, plugins: Any = None, **options: Any) -> list[Suite]:
     """One suite per name ``plugin`` registered, of every kind that has a suite.
 
-    :raises ValueError: no such plugin is loaded (the message lists the loaded ones), or it is broken.
+    :param options: settings for the suites that take them (``checkpoint=`` for the adapter and
+        quantization suites, ``config=`` for the adapter suite); the others run without.
+    :raises ValueError: no such plugin is loaded (the message lists the loaded ones), it is broken, or
+        none of its suites takes one of ``options``.
     """
     from ..plugins import get_plugins
 
@@ -55,14 +66,21 @@ def suites_for_plugin(plugin: str, plugins: Any = None) -> list[Suite]:
         raise ValueError(f"no plugin {plugin!r} is loaded; loaded: {', '.join(sorted(plugins.infos))}")
     if plugin in plugins.broken:
         raise ValueError(f"plugin {plugin!r} is broken: {plugins.broken[plugin]}")
+    kinds = [kind for kind in plugins.registry.by_plugin(plugin) if kind in SUITES]
+    for option in options:
+        if not any(accepts(kind, option) for kind in kinds):
+            takers = [kind for kind in SUITES if accepts(kind, option)]
+            raise ValueError(f"{option} applies to the {', '.join(takers)} suites; plugin {plugin!r} registers "
+                             f"{', '.join(kinds) or 'nothing they check'}")
     out: list[Suite] = []
     for kind, names in plugins.registry.by_plugin(plugin).items():
         if kind not in SUITES:
             continue
+        mine = {k: v for k, v in options.items() if accepts(kind, k)}
         for name in names:
-            out.append(suite(kind, name, plugins=plugins, plugin=plugin))
+            out.append(suite(kind, name, plugins=plugins, plugin=plugin, **mine))
     return out
 
 
-__all__ = ["Check", "CheckResult", "ConformanceError", "NotApplicable", "SUITES", "Suite", "expect", "expect_close",
-           "suite", "suite_class", "suites_for_plugin"]
+__all__ = ["Check", "CheckResult", "ConformanceError", "NotApplicable", "SUITES", "Suite", "accepts", "expect",
+           "expect_close", "suite", "suite_class", "suites_for_plugin"]

@@ -1,10 +1,12 @@
-"""``modelrunner check PLUGIN [--json]``: every conformance suite that applies to one installed plugin."""
+"""``modelrunner check PLUGIN [--json] [--config KEY=VALUE|PATH] [--checkpoint DIR]``: every conformance
+suite that applies to one installed plugin."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 from typing import Any
 
 
@@ -14,9 +16,17 @@ def add_parser(subparsers: Any) -> None:
         "check", help="run the conformance suites of one installed plugin (every name it registered)")
     parser.add_argument("plugin", help="the plugin's entry-point name (as `modelrunner plugins` lists it)")
     parser.add_argument("--json", action="store_true", help="machine-readable results on stdout")
+    parser.add_argument("--config", action="append", default=None, metavar="KEY=VALUE|PATH",
+                        help="the adapter suite's model config: KEY=VALUE overrides the suite's tiny config "
+                             "(use_parallel_residual=false; values are JSON, else strings), PATH a transformers "
+                             "config JSON (or a folder with config.json) to build the tiny checkpoint from; "
+                             "repeatable")
+    parser.add_argument("--checkpoint", default=None, metavar="DIR",
+                        help="a real checkpoint on disk (an HF folder, or a .gguf file for a quantization method) "
+                             "to run the adapter and quantization suites on instead of tiny ones")
     parser.add_argument("--kind", action="append", default=None,
                         help="only these kinds (architectures, attention_backends, allocators, compile_backends, "
-                             "quantization_methods, logits_processors, matmul_kernels); repeatable")
+                             "quantization_methods, logits_processors, matmul_kernels, grammar_backends, tool_parsers); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,7 +37,14 @@ def run(args: argparse.Namespace) -> int:
         unknown = [k for k in args.kind if k not in SUITES]
         if unknown:
             raise ValueError(f"unknown kind {unknown[0]!r}; kinds: {', '.join(SUITES)}")
-    suites = [s for s in suites_for_plugin(args.plugin) if not args.kind or s.kind in args.kind]
+    options: dict[str, Any] = {}
+    if args.config:
+        options["config"] = parse_config(args.config)
+    if args.checkpoint:
+        if not Path(args.checkpoint).exists():
+            raise ValueError(f"--checkpoint {args.checkpoint}: no such file or folder")
+        options["checkpoint"] = args.checkpoint
+    suites = [s for s in suites_for_plugin(args.plugin, **options) if not args.kind or s.kind in args.kind]
     if not suites:
         print(f"modelrunner: plugin {args.plugin!r} registers no name a conformance suite checks", file=sys.stderr)
         return 1
@@ -44,6 +61,45 @@ def run(args: argparse.Namespace) -> int:
         counts = {s: sum(r.status == s for r in results) for s in ("passed", "failed", "skipped")}
         print(f"{args.plugin}: {counts['passed']} passed, {counts['failed']} failed, {counts['skipped']} skipped")
     return 1 if failed else 0
+
+
+def _value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return {"True": True, "False": False, "None": None}.get(text, text)
+
+
+def parse_config(values: list[str]) -> Any:
+    """``--config`` values → what the adapter suite takes as ``config=``: a dict of overrides, a path,
+    or (a path and overrides) the config read from the path with the overrides set.
+
+    :raises ValueError: two paths, an override without a name, or a field the config lacks.
+    """
+    overrides = {}
+    paths = []
+    for value in values:
+        key, sep, text = value.partition("=")
+        if sep and key.strip().isidentifier():
+            overrides[key.strip()] = _value(text.strip())
+        elif sep:
+            raise ValueError(f"--config {value!r}: expected KEY=VALUE with a config field name, or a path")
+        else:
+            paths.append(value)
+    if len(paths) > 1:
+        raise ValueError(f"--config names two config files ({paths[0]}, {paths[1]}); give one")
+    if not paths:
+        return overrides
+    if not overrides:
+        return paths[0]
+    from .models import load_config
+
+    config = load_config(paths[0])
+    for key, value in overrides.items():
+        if key not in config.to_dict() and not hasattr(config, key):
+            raise ValueError(f"--config {key}={value!r}: {type(config).__name__} has no field {key!r}")
+        setattr(config, key, value)
+    return config
 
 
 def format_results(results: list[Any]) -> str:

@@ -33,6 +33,8 @@ from ..runner import ModelRunner
 from ..sampling.logits_processor import ProcessorContext
 from ..sampling.logprobs import token_logprobs
 from ..sampling.params import SamplingParams
+from ..structured_output.backend import GrammarContext
+from ..structured_output.manager import GrammarFailed, StructuredOutputManager
 from .batch_builder import LogitsRowOwner, build_forward_batch
 from .detokenizer import start_detokenizer, text_delta
 from .input_processor import InputProcessor
@@ -136,6 +138,11 @@ class LLMEngine:
         """Tokenizes and validates new requests."""
         self.stop_checker = StopChecker(self.tokenizer, self.eos_token_ids, self.max_model_len)
         """Appends sampled tokens and decides when sequences end."""
+        self.structured_outputs = StructuredOutputManager(
+            executor.plugins, config.structured_outputs, GrammarContext(self.tokenizer, self.vocab_size,
+                                                                        self.eos_token_ids))
+        """Grammar backends, compiled grammars and each step's token bitmask for structured outputs."""
+        self._compiling: list[Sequence] = []  # requests waiting for their grammar, in arrival order
         self._shares_kv_on_fork = executor.kv_cache_spec is not None
         self._requests: dict[str, Request] = {}
         self._unclaimed: list[RequestOutput] = []
@@ -177,17 +184,23 @@ class LLMEngine:
         :param on_output: receives this request's outputs as steps produce them; without one they
             are returned by :meth:`step`.
         :raises ValueError: duplicate id, empty or too long prompt, token ids outside the
-            vocabulary, invalid sampling parameters or logits processors. Nothing is queued then.
+            vocabulary, invalid sampling parameters or logits processors; a
+            :class:`~modelrunner.errors.StructuredOutputError` (a ValueError) for ``structured_outputs``
+            the grammar backend cannot serve, naming the feature. Nothing is queued then.
         """
         request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique among live requests")
         p = self.input_processor.process(request_id, prompt, params, extra)
+        grammar = None
+        if p.params.structured_outputs is not None:
+            grammar = self.structured_outputs.prepare(p.params.structured_outputs)  # compiles off this thread
         request = Request(
             request_id=request_id, prompt=p.text, prompt_token_ids=p.token_ids, params=p.params,
             arrival=next(self._arrivals), metrics=RequestMetrics(arrival_time=time.monotonic()), extra=p.extra,
             extra_keys=p.extra_keys, processor_states=p.processor_states,
             prompt_logprobs=None if p.params.prompt_logprobs is None else [None] * len(p.token_ids),
+            grammar=grammar,
         )
         seed = p.params.seed
         generator = None if seed is None else torch.Generator().manual_seed(child_seed(seed, 0))
@@ -200,7 +213,10 @@ class LLMEngine:
         self._requests[request_id] = request
         if on_output is not None:
             self._consumers[request_id] = on_output
-        self.scheduler.add(seq)
+        if grammar is None:
+            self.scheduler.add(seq)
+        else:
+            self._compiling.append(seq)  # scheduled once its grammar is compiled (see _admit_compiled)
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its blocks are freed and its consumer (or the next :meth:`step`) gets a
@@ -266,9 +282,41 @@ class LLMEngine:
             else:
                 consumer(output)
 
+    def _admit_compiled(self) -> list[tuple[Request, str]]:
+        """Queue the waiting-for-grammar sequences whose grammar is compiled, each with a fresh matcher;
+        return the requests whose compilation failed, with why. With nothing else to run, wait
+        (briefly) for a compilation to finish rather than spin."""
+        if not self.scheduler.waiting and not self.scheduler.running:
+            self.structured_outputs.wait([s.request.grammar for s in self._compiling], timeout=0.05)
+        waiting: list[Sequence] = []
+        failed: dict[str, tuple[Request, str]] = {}
+        for seq in self._compiling:
+            grammar = seq.request.grammar
+            if seq.is_finished:
+                continue  # aborted while compiling
+            if not grammar.ready:
+                waiting.append(seq)
+                continue
+            reason = grammar.error
+            if reason is None:
+                try:
+                    seq.grammar = grammar.new_matcher()
+                except Exception as exc:  # noqa: BLE001 - a backend bug fails its request only
+                    reason = f"grammar backend {grammar.backend.name!r} could not start a matcher: " \
+                             f"{type(exc).__name__}: {exc}"
+            if reason is None:
+                self.scheduler.add(seq)
+            else:
+                failed[seq.request.request_id] = (seq.request, reason)
+        self._compiling = waiting
+        return list(failed.values())
+
     def _run_step(self) -> list[RequestOutput]:
+        failed_grammars = self._admit_compiled() if self._compiling else []
         out = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
+        for request, reason in failed_grammars:
+            self._fail(request, reason, outputs)
         changed: dict[str, Request] = {}
         for seq, reason in out.failed:
             self._fail(seq.request, reason, outputs)
@@ -429,15 +477,21 @@ class LLMEngine:
             seq = seqs[int(broken.nonzero()[0])]
             raise BrokenLogits(f"the model's logits for request {seq.request.request_id!r} contain NaN or +inf (or "
                                "are all -inf): a broken model or plugin; nothing was sampled")
-        # Without processors the rows are sampled as they are (checked above: not all -inf).
-        if any(seq.request.processor_states for seq in seqs):
-            logits = self.processors.apply(raw.clone(), seqs)
+        # Without processors or grammars the rows are sampled as they are (checked above: not all -inf).
+        constrained = any(seq.grammar is not None for seq in seqs)
+        if constrained or any(seq.request.processor_states for seq in seqs):
+            logits = raw.clone()
+            if constrained:  # the grammars' masks first, one bitmask for the batch
+                self.structured_outputs.apply_bitmasks(logits, [s.grammar for s in seqs],
+                                                       [s.request.grammar for s in seqs])
+            if any(seq.request.processor_states for seq in seqs):
+                logits = self.processors.apply(logits, seqs)
             masked = torch.isneginf(logits).all(1)
             if bool(masked.any()):
                 seq = seqs[int(masked.nonzero()[0])]
                 raise BrokenLogits(f"every token is excluded for request {seq.request.request_id!r} (by "
-                                   "allowed_token_ids, bad_words, logit_bias or a logits processor); nothing can be "
-                                   "sampled")
+                                   "allowed_token_ids, bad_words, logit_bias, a logits processor or its "
+                                   "structured_outputs grammar); nothing can be sampled")
         else:
             logits = raw
         params = [s.params for s in seqs]
@@ -496,11 +550,15 @@ class LLMEngine:
         request = seq.request
         if seq.is_finished:
             return
+        if seq.grammar is not None and not self._advance_grammar(seq, choice.token, outputs):
+            return
         try:
             finish = self.stop_checker.append_token(seq, choice.token)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
             self._fail(request, f"appending token {choice.token} failed: {type(exc).__name__}: {exc}", outputs)
             return
+        if finish is None and seq.grammar is not None and seq.grammar.is_terminated():
+            finish = ("stop", None)  # the constraint is complete: nothing but its end may follow
         if choice.logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(choice.logprobs)
             seq.cumulative_logprob += choice.logprobs[choice.token].logprob
@@ -515,11 +573,28 @@ class LLMEngine:
                 metrics.finished_time = now
         changed[request.request_id] = request
 
+    def _advance_grammar(self, seq: Sequence, token: int, outputs: list[RequestOutput]) -> bool:
+        """Move ``seq``'s matcher over its sampled token; on a refusal (the backend's own mask allowed the
+        token) fail the request, naming the backend. False when it failed."""
+        backend = seq.request.grammar.backend.name
+        try:
+            accepted = seq.grammar.accept_tokens([token])
+        except Exception as exc:  # noqa: BLE001 - a backend bug fails its request only
+            self._fail(seq.request, f"grammar backend {backend!r} raised accepting token {token}: "
+                                    f"{type(exc).__name__}: {exc}", outputs)
+            return False
+        if not accepted:
+            self._fail(seq.request, f"grammar backend {backend!r} refused token {token}, which its own mask allowed",
+                       outputs)
+        return bool(accepted)
+
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Create completions 1 … n-1 sharing the parent's freshly prefilled prompt blocks."""
         children = []
         for index in range(1, parent.request.params.n):
             child = parent.fork(next(self._seq_ids), index)
+            if parent.grammar is not None:  # forked before its first token: a fresh matcher is the same state
+                child.grammar = parent.request.grammar.new_matcher()
             parent.request.seqs.append(child)
             children.append(child)
             if self._shares_kv_on_fork:
@@ -649,8 +724,11 @@ class LLMEngine:
 
     def stats(self) -> dict[str, Any]:
         """Everything measured: ``kv_cache`` (:meth:`memory_stats`) plus the executor's ``model``,
-        ``compile`` and (parallel) ``parallel`` sections."""
-        return {"kv_cache": self.memory_stats(), **self.executor.stats()}
+        ``compile`` and (parallel) ``parallel`` sections, and ``structured_outputs`` once a request used them."""
+        out = {"kv_cache": self.memory_stats(), **self.executor.stats()}
+        if self.structured_outputs.used:
+            out["structured_outputs"] = self.structured_outputs.stats()
+        return out
 
 
 class BrokenLogits(ValueError):
@@ -658,6 +736,6 @@ class BrokenLogits(ValueError):
 
 
 def _sampling_error(exc: Exception) -> str:
-    if isinstance(exc, (BrokenLogits, ProcessorFailed)):
+    if isinstance(exc, (BrokenLogits, ProcessorFailed, GrammarFailed)):
         return str(exc)
     return f"sampling failed: {type(exc).__name__}: {exc}"

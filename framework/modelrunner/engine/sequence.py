@@ -23,14 +23,32 @@ class SequenceStatus(enum.Enum):
     """Done; its blocks are freed."""
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(value: int) -> int:
+    """SplitMix64's finaliser: every bit of ``value`` affects every bit of the result."""
+    value = (value + 0x9E3779B97F4A7C15) & _MASK64
+    value = ((value ^ (value >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    value = ((value ^ (value >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return value ^ (value >> 31)
+
+
 def child_seed(seed: int, index: int) -> int:
     """The generator seed of completion ``index`` of a request seeded with ``seed``.
 
-    Completion 0 uses ``seed`` itself, so ``n=1`` with a seed matches the first of ``n>1``.
+    Completion 0 of a seed in ``[0, 2**32)`` uses ``seed`` itself, so ``n=1`` with a seed matches
+    the first of ``n>1``. torch's CPU generator (mt19937) keeps only the low 32 bits of a seed, so
+    any other value (a seed of 2**32 or more, a negative one, a child's) is first mixed down to 32
+    bits: seeds that differ only above bit 31 (1 and 2**32 + 1) sample differently. (Negative seeds
+    are read as torch reads them, modulo 2**64: -1 and 2**64 - 1 are the same seed.)
     """
-    if index == 0:
-        return seed
-    return (seed * 6364136223846793005 + index * 1442695040888963407) % (2**63)
+    value = seed & _MASK64
+    if index:
+        value = (value * 6364136223846793005 + index * 1442695040888963407) & _MASK64
+    elif value < 1 << 32:
+        return value
+    return _splitmix64(value) >> 32
 
 
 @attrs.define(eq=False)
@@ -71,6 +89,9 @@ class Sequence:
     """Per generated token, its and the top tokens' log-probabilities (when the request asks)."""
     cumulative_logprob: float | None = None
     """Sum of the generated tokens' log-probabilities (when the request asks)."""
+    grammar: Any = None
+    """Where this completion is in its request's structured-output grammar (a
+    :class:`~modelrunner.structured_output.GrammarMatcher`; None: unconstrained, or not compiled yet)."""
 
     @property
     def prompt_len(self) -> int:
@@ -112,7 +133,7 @@ class Sequence:
         seed = self.request.params.seed
         generator = None if seed is None else torch.Generator().manual_seed(child_seed(seed, index))
         return attrs.evolve(self, seq_id=seq_id, index=index, token_ids=list(self.token_ids), generator=generator,
-                            logprobs=None if self.logprobs is None else list(self.logprobs))
+                            logprobs=None if self.logprobs is None else list(self.logprobs), grammar=None)
 
 
 @attrs.define(eq=False)
@@ -145,6 +166,9 @@ class Request:
     """Logits processor name → its state for this request (only the processors it uses)."""
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     """Per prompt position, the logprobs of the prompt token there (when the request asks)."""
+    grammar: Any = None
+    """Its structured-output constraint, compiled or compiling (a
+    :class:`~modelrunner.structured_output.manager.CompiledGrammar`; None: unconstrained)."""
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -9,10 +9,13 @@ own copy of a request's parameters, so changing an object afterwards never affec
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
+
+from .structured import StructuredOutputsParams, as_structured_outputs
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (as in vLLM): dividing logits by them overflows float32."""
@@ -43,6 +46,12 @@ def _number_in(low: float, high: float, *, low_open: bool = False, what: str = "
             raise ValueError(f"{attribute.name} must be a number in {interval}{what}, got {value!r}")
 
     return check
+
+
+def _repetition_penalty(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 < value < float("inf"):
+        raise ValueError(f"repetition_penalty must be a finite number > 0 (1 turns it off; above 1 discourages "
+                         f"repeating, below 1 encourages it), got {value!r}")
 
 
 def _temperature(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
@@ -169,6 +178,12 @@ def _processor_specs(instance: Any, attribute: attrs.Attribute, value: Any) -> N
                              f"{{'name': name, 'args': {{...}}}} or a callable; got {item!r}")
 
 
+def _structured_outputs(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, StructuredOutputsParams):
+        raise ValueError(f"{attribute.name} must be a StructuredOutputsParams (or a dict of its fields: json, regex, "
+                         f"choice, grammar, json_object, ...) or None, got {value!r:.120}")
+
+
 def _extra_args(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"extra_args must be a dict or None, got {value!r}")
@@ -202,8 +217,7 @@ class SamplingParams:
     """Subtracted from the logit of every token that appeared in the output so far."""
     frequency_penalty: float = _FIELD(default=0.0, validator=_number_in(-2.0, 2.0))
     """Subtracted from a token's logit once per time it appeared in the output so far."""
-    repetition_penalty: float = _FIELD(default=1.0, validator=_number_in(0.0, 2.0, low_open=True,
-                                                                          what=" (1 turns it off)"))
+    repetition_penalty: float = _FIELD(default=1.0, validator=_repetition_penalty)
     """Divides the positive (multiplies the negative) logits of tokens in the prompt or output so far."""
     logit_bias: dict[int, float] = _FIELD(factory=dict, converter=_logit_bias, validator=_check_logit_bias)
     """Token id → bias added to its logit (OpenAI's range: -100 … 100)."""
@@ -243,15 +257,34 @@ class SamplingParams:
     row by row."""
     extra_args: dict[str, Any] | None = _FIELD(default=None, validator=_extra_args)
     """Free-form arguments for plugins (vLLM's ``extra_args``); not interpreted by the kernel."""
+    structured_outputs: StructuredOutputsParams | None = _FIELD(default=None, converter=as_structured_outputs,
+                                                                validator=_structured_outputs)
+    """Constrain the completion to a JSON schema, a regex, a choice of strings, a grammar or any JSON
+    object (:class:`~.structured.StructuredOutputsParams`, or a dict of its fields); it ends with
+    ``finish_reason="stop"`` when the constraint is complete. None: unconstrained."""
+    guided_decoding: StructuredOutputsParams | None = _FIELD(default=None, converter=as_structured_outputs,
+                                                             validator=_structured_outputs)
+    """Deprecated: vLLM's older name of :attr:`structured_outputs`; a value given here moves there (with a
+    ``DeprecationWarning``) and this field reads None."""
 
     def __attrs_post_init__(self) -> None:
         self.validate()
+
+    def _move_guided_decoding(self) -> None:
+        if self.guided_decoding is None:
+            return
+        warnings.warn("SamplingParams(guided_decoding=...) is deprecated; use structured_outputs=... (same "
+                      "parameters, StructuredOutputsParams)", DeprecationWarning, stacklevel=5)
+        if self.structured_outputs is not None and self.structured_outputs != self.guided_decoding:
+            raise ValueError("structured_outputs and guided_decoding (its deprecated name) are both set; keep one")
+        self.structured_outputs, self.guided_decoding = self.guided_decoding, None
 
     def validate(self) -> SamplingParams:
         """Check every field and the rules between them; returns ``self``.
 
         :raises ValueError: naming the field and what it accepts.
         """
+        self._move_guided_decoding()
         for field in attrs.fields(type(self)):
             if field.validator is not None:
                 field.validator(self, field, getattr(self, field.name))

@@ -11,6 +11,8 @@ KINDS = {
     "quantization-method": "quantization_methods",
     "logits-processor": "logits_processors",
     "matmul-kernel": "matmul_kernels",
+    "grammar-backend": "grammar_backends",
+    "tool-parser": "tool_parsers",
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
@@ -204,29 +206,32 @@ import torch
 from modelrunner.loaded_model import LoadedModel
 from modelrunner.models import DecoderForCausalLM, build_and_load, check_built_for, loaded_for, run_stage
 
-ARCHITECTURE = "{cls}ForCausalLM"
-"""The ``architectures`` entry of the checkpoints this adapter loads (their config's model_type is
-``llama``: the kernel's pre-norm decoder is that architecture; change the model class for yours)."""
+ARCHITECTURE = "{arch}"
+"""The ``architectures`` entry of the checkpoints this adapter loads
+({arch_note})."""
 
 
-class {cls}ForCausalLM(DecoderForCausalLM):
-    """The model, built from the kernel's layers (so tensor parallelism and quantization apply).
-    Override ``make_attention`` / ``make_mlp`` / ``attention_biases`` for your architecture."""
+class {arch}(DecoderForCausalLM):
+    """The model, built from the kernel's layers (so tensor parallelism and quantization apply): the
+    pre-norm Llama decoder. Override ``make_attention`` / ``make_mlp`` / ``attention_biases`` for your
+    architecture."""
 
 
 @hookimpl
 def register(registry: Any) -> None:
     """Declare the architecture and what the adapter supports."""
     registry.architectures(ARCHITECTURE, tensor_parallel=True, pipeline_parallel=True, quantization=("*",),
-                           devices=("cpu", "cuda"))
+                           devices=("cpu", "cuda"){model_type})
 
 
 @hookimpl
 def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype, parallel: Any,
          attention_backend: Any, max_model_len: int) -> LoadedModel:
     """Build the model on the meta device, then stream this rank's weights in."""
-    model = build_and_load(lambda: {cls}ForCausalLM(source.hf_config, max_model_len, parallel, attention_backend),
-                           source, device, dtype)
+    def build() -> {arch}:
+        return {arch}(source.hf_config, max_model_len, parallel, attention_backend)
+
+    model = build_and_load(build, source, device, dtype)
     return loaded_for(model, source, config, dtype)
 
 
@@ -278,21 +283,212 @@ def register(registry: Any) -> None:
     """Declare the kernel (quantization option ``kernel="{name}"`` pins it)."""
     registry.matmul_kernels({cls})
 ''',
+    "grammar-backend": HEADER + '''
+from collections.abc import Sequence
+
+import torch
+
+from modelrunner.structured_output import (GrammarBackend, GrammarMatcher, GrammarSpec, bitmask_from_allowed,
+                                           decoded_vocabulary)
+
+
+class {cls}Grammar:
+    """One compiled ``choice`` constraint: every prefix of a choice is a state, with its token mask."""
+
+    def __init__(self, choices: list[str], masks: dict[str, torch.Tensor]) -> None:
+        self.choices = set(choices)
+        self.masks = masks  # state (text so far) -> int32 bitmask row of the tokens allowed next
+
+
+class {cls}Matcher(GrammarMatcher):
+    """Where one sequence is: the stack of states it went through (so rollback is a pop)."""
+
+    def __init__(self, grammar: {cls}Grammar, vocabulary: list[str | None], eos: frozenset[int]) -> None:
+        self.grammar, self.vocabulary, self.eos = grammar, vocabulary, eos
+        self.states: list[tuple[str, bool]] = [("", False)]  # (text so far, ended by EOS)
+
+    def fill_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
+        """The whole row: the precomputed mask of the current state."""
+        text, ended = self.states[-1]
+        bitmask[row] = 0 if ended else self.grammar.masks[text]
+
+    def accept_tokens(self, tokens: Sequence[int]) -> bool:
+        """Follow each token's text; EOS only after a complete choice."""
+        for token in tokens:
+            text, ended = self.states[-1]
+            if ended:
+                return False
+            if token in self.eos:
+                if text not in self.grammar.choices:
+                    return False
+                self.states.append((text, True))
+                continue
+            piece = self.vocabulary[token] if 0 <= token < len(self.vocabulary) else None
+            if piece is None or text + piece not in self.grammar.masks:
+                return False
+            self.states.append((text + piece, False))
+        return True
+
+    def rollback(self, num_tokens: int) -> None:
+        """Pop the last states."""
+        del self.states[len(self.states) - num_tokens:]
+
+    def is_terminated(self) -> bool:
+        """Ended by EOS (a choice that is a prefix of another may go on)."""
+        return self.states[-1][1]
+
+
+class {cls}(GrammarBackend):
+    """A grammar backend for ``choice`` constraints, in pure Python: the output is one of a list of
+    strings. Replace ``compile`` / ``matcher`` with a grammar library's to add kinds (and list them in
+    ``constraints``); ``check`` refuses, when a request is added, what ``compile`` could not honour.
+    """
+
+    name = "{name}"
+    constraints = ("choice",)  # the kinds it compiles: json, json_object, regex, choice, grammar
+    auto_order = None  # None: used only when named; a number: tried by backend="auto" (xgrammar 10, guidance 20)
+
+    def check(self, spec: GrammarSpec) -> None:
+        """Refuse undeclared kinds (the base class) and choices longer than 1000 characters."""
+        super().check(spec)
+        if sum(len(c) for c in spec.choices) > 1000:
+            raise self.unsupported(spec, "choices of more than 1000 characters in all")
+
+    def compile(self, spec: GrammarSpec) -> {cls}Grammar:
+        """For every prefix of every choice, the tokens whose text continues it (EOS where a choice ends).
+        Runs in a worker thread; the engine caches the result per distinct choice list."""
+        vocabulary = decoded_vocabulary(self.context)  # per token id its text; None: special or padding
+        choices = spec.choices
+        allowed: dict[str, set[int]] = {{c[:i]: set() for c in choices for i in range(len(c) + 1)}}
+        for token, piece in enumerate(vocabulary):
+            if not piece:
+                continue
+            for choice in choices:
+                for start in range(len(choice)):
+                    if choice.startswith(piece, start):
+                        allowed[choice[:start]].add(token)
+        for choice in choices:
+            allowed[choice] |= self.context.eos_token_ids
+        masks = {{text: bitmask_from_allowed(sorted(ids), self.context.vocab_size) for text, ids in allowed.items()}}
+        return {cls}Grammar(choices, masks)
+
+    def matcher(self, compiled: {cls}Grammar) -> {cls}Matcher:
+        """A matcher at the start (one per sequence)."""
+        return {cls}Matcher(compiled, decoded_vocabulary(self.context), self.context.eos_token_ids)
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the backend (``structured_outputs_config={{"backend": "{name}"}}`` picks it)."""
+    registry.grammar_backends({cls})
+''',
+    "tool-parser": HEADER + '''
+import json
+from collections.abc import Sequence
+
+from modelrunner.tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
+
+
+class {cls}(ToolParser):
+    """Tool calls written as ``<call>{{"name": ..., "arguments": {{...}}}}</call>``, text around them as
+    content. Change ``OPEN`` / ``CLOSE`` (and ``parse`` / ``format``) to your model family's format.
+
+    Its class attributes are what the server relies on while streaming: text up to the first start
+    marker is sent as content, the rest is held until the output is finished and parsed.
+    """
+
+    name = "{name}"
+    OPEN, CLOSE = "<call>", "</call>"
+    start_markers = (OPEN,)
+
+    def parse(self, text: str) -> ParsedOutput:
+        """Content and calls of a finished output; a block that is not a call stays content."""
+        calls, content, at = [], [], 0
+        while (start := text.find(self.OPEN, at)) >= 0:
+            end = text.find(self.CLOSE, start)
+            stop = end + len(self.CLOSE) if end >= 0 else len(text)
+            values = json_values(text[start + len(self.OPEN): end if end >= 0 else len(text)])
+            found = [ToolCall.of(v.get("name"), v.get("arguments")) if isinstance(v, dict) else None
+                     for v in values or []]
+            if found and all(found):
+                content.append(text[at:start])
+                calls.extend(found)
+            else:
+                content.append(text[at:stop])
+            at = stop
+        content.append(text[at:])
+        return ParsedOutput("".join(content).strip() or None, tuple(calls))
+
+    def format(self, calls: Sequence[ToolCall]) -> str:
+        """How the model writes ``calls``: one block each."""
+        return "".join(f"{{self.OPEN}}{{json.dumps({{'name': c.name, 'arguments': json.loads(c.arguments)}})}}"
+                       f"{{self.CLOSE}}" for c in calls)
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the parser (``modelrunner serve ... --enable-auto-tool-choice --tool-call-parser {name}``)."""
+    registry.tool_parsers({cls})
+''',
 }
-"""KIND → the plugin module (``{name}``, ``{cls}`` filled in)."""
+"""KIND → the plugin module (``{name}``, ``{cls}`` filled in; an adapter's ``{arch}`` too)."""
+
+ADAPTER_TRANSFORMERS = HEADER + """
+import torch
+
+from modelrunner.defaults import transformers_adapter
+from modelrunner.loaded_model import LoadedModel
+
+ARCHITECTURE = "{arch}"
+\"\"\"The ``architectures`` entry of the checkpoints this adapter loads (transformers' model_type ``{model_type}``).\"\"\"
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    \"\"\"Declare the architecture. It starts as transformers' own model (correct, one sequence at a time,
+    its own KV cache): build it from modelrunner's layers (``modelrunner.models.DecoderForCausalLM``) to
+    get the paged KV cache, attention backends, tensor parallelism and quantization, and declare them.\"\"\"
+    registry.architectures(ARCHITECTURE, tensor_parallel=False, pipeline_parallel=False, quantization=("none",),
+                           devices=("cpu", "cuda"), attention_backends=False)
+
+
+@hookimpl
+def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> LoadedModel | None:
+    \"\"\"transformers' model for the checkpoint.\"\"\"
+    return transformers_adapter.load(source, config, device, dtype)
+
+
+@hookimpl
+def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor:
+    \"\"\"Logits for the rows ``batch.logits_indices``, each sequence through transformers' own cache.\"\"\"
+    return transformers_adapter.forward(loaded, batch)
+
+
+@hookimpl
+def parallelize(loaded: LoadedModel, parallel: Any) -> None:
+    \"\"\"Refuse more than one process (transformers' model has no split plan here).\"\"\"
+    transformers_adapter.parallelize(loaded, parallel)
+"""
+"""The adapter module for a transformers family the kernel's Llama-shaped decoder does not run as is
+(``new-plugin adapter gpt_neox``): it starts on transformers' own model, so it passes its check at once."""
+
+LLAMA_SHAPED = ("llama", "mistral")
+"""transformers model types the adapter skeleton's kernel-built decoder loads and runs as they are."""
 
 SUMMARIES = {
-    "adapter": "A modelrunner model adapter for {cls}ForCausalLM checkpoints.",
+    "adapter": "A modelrunner model adapter for {arch} checkpoints.",
     "attention-backend": "The {name} paged-attention backend for modelrunner.",
     "allocator": "The {name} KV-cache block allocator for modelrunner.",
     "compile-backend": "The {name} compile backend for modelrunner.",
     "quantization-method": "The {name} weight quantization method for modelrunner.",
     "logits-processor": "The {name} logits processor for modelrunner.",
     "matmul-kernel": "The {name} matmul kernel for quantized weights in modelrunner.",
+    "grammar-backend": "The {name} grammar backend for structured outputs in modelrunner.",
+    "tool-parser": "The {name} tool-call parser for modelrunner's server.",
 }
 
 USAGE = {
-    "adapter": 'Checkpoints whose `config.json` says `"architectures": ["{cls}ForCausalLM"]` load through it:\n'
+    "adapter": 'Checkpoints whose `config.json` says `"architectures": ["{arch}"]` load through it:\n'
                '`LLM("path/to/checkpoint")`.',
     "attention-backend": '`LLM(model, attention_backend="{name}")`.',
     "allocator": '`LLM(model, kv_allocator="{name}")`.',
@@ -301,14 +497,11 @@ USAGE = {
     "logits-processor": '`llm.generate(prompt, SamplingParams(logits_processors=[("{name}", {{"token_ids": [7]}})]))`.',
     "matmul-kernel": '`LLM(model, quantization="int4", quantization_options={{"kernel": "{name}"}})`; with `timed = True`\n'
                      'it is timed against the other registered kernels for every quantized layer.',
+    "grammar-backend": '`LLM(model, structured_outputs_config={{"backend": "{name}"}})`, then\n'
+                       '`llm.generate(prompt, SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))`.',
+    "tool-parser": '`modelrunner serve MODEL --enable-auto-tool-choice --tool-call-parser {name}`: with\n'
+                   '`tool_choice="auto"` the calls the model writes come back as `tool_calls`.',
 }
 
-TEST_OPTIONS = {
-    "adapter": (
-        "from transformers import LlamaConfig\n\n",
-        ', config=LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,\n'
-        '                                     num_key_value_heads=2, vocab_size=256, max_position_embeddings=256,\n'
-        '                                     architectures=["{cls}ForCausalLM"])',
-    ),
-}
+TEST_OPTIONS: dict[str, tuple[str, str]] = {}
 """KIND → (imports, extra ``suite(...)`` arguments) of its test."""
