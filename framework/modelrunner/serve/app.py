@@ -1,8 +1,9 @@
-"""The FastAPI application: routes, authentication, body limit and error handling.
+"""The FastAPI application: routes, authentication, body limit, CORS and error handling.
 
 ``/v1/*``, ``/tokenize``, ``/detokenize``, ``/docs`` and ``/openapi.json`` need the API key when
 the server has one; ``/health``, ``/metrics`` and ``/version`` never do. Every error is OpenAI's
-error object.
+error object. CORS is the outermost layer, as in vLLM: a browser's preflight ``OPTIONS`` carries no
+key and is answered there, and every answer (errors included) carries the CORS headers.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
@@ -22,6 +24,7 @@ from .body_limit import BodyLimit
 from .chat_completions import create_chat_completion
 from .completions import create_completion
 from .errors import APIError, CatchInternalErrors, from_validation_errors
+from .responses_api import create_response
 from .state import ServerState
 from .tokenization import detokenize, tokenize
 
@@ -98,6 +101,13 @@ async def chat_completions(request: Request) -> Response:
     return await create_chat_completion(request, _state(request))
 
 
+@model_routes.post("/v1/responses", summary="OpenAI responses (plain text; text.format and tools not yet)")
+async def responses(request: Request) -> Response:
+    """Reply to ``input`` (text or messages) after ``instructions``, streamed as OpenAI's
+    ``response.*`` events or not."""
+    return await create_response(request, _state(request))
+
+
 @model_routes.post("/tokenize", summary="Text or messages to token ids (vLLM's shape)")
 async def tokenize_route(request: Request) -> dict[str, Any]:
     """``{"count", "max_model_len", "tokens", "token_strs"}``."""
@@ -154,4 +164,8 @@ def build_app(state: ServerState) -> FastAPI:
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_middleware(CatchInternalErrors)
     app.add_middleware(BodyLimit, max_bytes=state.settings.max_body_bytes)
+    settings = state.settings
+    app.add_middleware(CORSMiddleware, allow_origins=list(settings.allowed_origins),
+                       allow_methods=list(settings.allowed_methods), allow_headers=list(settings.allowed_headers),
+                       allow_credentials=settings.allow_credentials)
     return app

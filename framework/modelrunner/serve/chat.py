@@ -8,19 +8,26 @@ part at fault (``messages[1].content[0].image_url.url``).
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import attrs
 
 from .errors import bad_request
 from .images import decode_data_url
+from .tools import ToolPlan, template_supports_tools, tool_calls_of, written_calls
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Accepted message roles (``developer`` is given to the template as ``system``)."""
-MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls"})
-"""Accepted keys of a message (``name`` and ``tool_call_id`` are accepted and not used)."""
-PART_TYPES = ("text", "image_url")
-"""Accepted content part types."""
+MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "function_call", "refusal",
+                          "annotations", "audio"})
+"""Accepted keys of a message: OpenAI's, so that a reply's ``message.model_dump()`` can go back into
+the history (``annotations`` is accepted and not used; a ``refusal`` stands in for a missing
+``content``; an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` and ``name`` go to
+the template; ``function_call`` and ``audio`` must be null)."""
+PART_TYPES = ("text", "image_url", "refusal")
+"""Accepted content part types (an assistant's ``refusal`` part is its text)."""
+_UNSUPPORTED = {"function_call": "function calls", "audio": "audio replies"}
 
 
 @attrs.frozen
@@ -59,8 +66,9 @@ class ChatOptions:
 class ParsedMessages:
     """Messages checked and flattened for the template, and where their images are."""
 
-    conversation: list[dict[str, str]]
-    """``[{"role", "content"}]`` with string contents."""
+    conversation: list[dict[str, Any]]
+    """``[{"role", "content"}]`` with string contents; an assistant's calls under ``tool_calls`` (a list
+    of :class:`~modelrunner.tool_parser.ToolCall`), a tool message's ``tool_call_id`` and ``name``."""
     image_urls: list[tuple[str, str]]
     """``(data URL, request field)`` per image, in prompt order."""
 
@@ -87,14 +95,24 @@ def parse_messages(messages: Any, image_token: str | None, param: str = "message
         role = message.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", param=f"{where}.role")
-        if message.get("tool_calls"):
-            raise bad_request(f"{where}.tool_calls: tool calls are not supported by this server",
-                              param=f"{where}.tool_calls", code="unsupported")
+        calls = tool_calls_of(message, where) if message.get("tool_calls") else []
+        if calls and role != "assistant":
+            raise bad_request(f"{where}.tool_calls: only assistant messages carry tool calls",
+                              param=f"{where}.tool_calls")
+        for key in ("function_call", "audio"):
+            if message.get(key) is not None:
+                raise bad_request(f"{where}.{key}: {_UNSUPPORTED[key]} are not supported by this server (got "
+                                  f"{message[key]!r}); accepted: null", param=f"{where}.{key}", code="unsupported")
         content = message.get("content")
         if content is None and role == "assistant":
-            content = ""
+            content = message.get("refusal") or ""
         text = _flatten(content, f"{where}.content", image_token, image_urls)
-        conversation.append({"role": "system" if role == "developer" else role, "content": text})
+        entry: dict[str, Any] = {"role": "system" if role == "developer" else role, "content": text}
+        if calls:
+            entry["tool_calls"] = calls
+        if role == "tool":
+            entry.update({k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)})
+        conversation.append(entry)
     return ParsedMessages(conversation, image_urls)
 
 
@@ -112,6 +130,10 @@ def _flatten(content: Any, where: str, image_token: str | None, image_urls: list
             if not isinstance(part.get("text"), str):
                 raise bad_request(f"{at}.text must be a string", param=f"{at}.text")
             pieces.append(part["text"])
+        elif kind == "refusal":
+            if not isinstance(part.get("refusal"), str):
+                raise bad_request(f"{at}.refusal must be a string", param=f"{at}.refusal")
+            pieces.append(part["refusal"])
         elif kind == "image_url":
             if image_token is None:
                 raise bad_request(f"{at}: this model takes no images (it has no image placeholder token); send "
@@ -127,21 +149,26 @@ def _flatten(content: Any, where: str, image_token: str | None, image_urls: list
 
 
 def render(llm: Any, tokenizer: Any, parsed: ParsedMessages, options: ChatOptions,
-           param: str = "messages") -> dict[str, Any]:
+           param: str = "messages", tools: ToolPlan | None = None) -> dict[str, Any]:
     """The engine prompt for ``parsed``: ``{"prompt", "prompt_token_ids"}`` plus ``"images"`` when
     there are any (decoded here; call it off the event loop).
 
+    :param tools: the request's tools: a template with tool support gets them as ``tools=``; one
+        without gets a system message describing them (see :mod:`.tools`).
     :raises APIError: 400 for a bad image or a conversation the template cannot render.
     """
     images = [decode_data_url(url, where) for url, where in parsed.image_urls]
     if options.add_generation_prompt and options.continue_final_message:
         raise bad_request("add_generation_prompt and continue_final_message cannot both be true (continuing the "
                           "last message adds no new turn)", param="continue_final_message")
+    conversation, kwargs = parsed.conversation, options.chat_template_kwargs
+    if tools is not None or any("tool_calls" in m for m in conversation):
+        conversation, kwargs = _with_tools(llm, conversation, options, tools)
     try:
-        prompt = llm.chat_prompt(parsed.conversation, chat_template=options.chat_template,
+        prompt = llm.chat_prompt(conversation, chat_template=options.chat_template,
                                  add_generation_prompt=options.add_generation_prompt,
                                  continue_final_message=options.continue_final_message,
-                                 chat_template_kwargs=options.chat_template_kwargs)
+                                 chat_template_kwargs=kwargs)
     except ValueError as e:
         raise bad_request(f"{param}: {e}", param=param) from None
     if options.add_special_tokens:
@@ -149,3 +176,34 @@ def render(llm: Any, tokenizer: Any, parsed: ParsedMessages, options: ChatOption
     if images:
         prompt["images"] = images
     return prompt
+
+
+def _with_tools(llm: Any, conversation: list[dict[str, Any]], options: ChatOptions,
+                tools: ToolPlan | None) -> tuple[list[dict[str, Any]], dict[str, Any] | None]:
+    """The conversation and template variables for a request with tools or earlier calls: tool-aware
+    templates get ``tools=`` and each call with its arguments as a dict (as vLLM gives them); others
+    get the calls written into the assistant's text and a system message describing the tools."""
+    kwargs = dict(options.chat_template_kwargs or {})
+    out: list[dict[str, Any]] = []
+    if template_supports_tools(llm, options.chat_template):
+        if tools is not None:
+            kwargs.setdefault("tools", tools.template_tools())
+        for message in conversation:
+            if "tool_calls" in message:
+                message = {**message, "tool_calls": [
+                    {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
+                    for c in message["tool_calls"]]}
+            out.append(message)
+        return out, kwargs
+    write = tools.format_calls if tools is not None else written_calls
+    for message in conversation:
+        if "tool_calls" in message:
+            text = "\n".join(t for t in (message["content"], write(message["tool_calls"])) if t)
+            message = {"role": message["role"], "content": text}
+        out.append(message)
+    if tools is not None and tools.calls_tools:
+        if out and out[0]["role"] == "system":
+            out[0] = {**out[0], "content": f"{out[0]['content']}\n\n{tools.prompt()}"}
+        else:
+            out.insert(0, {"role": "system", "content": tools.prompt()})
+    return out, kwargs or None

@@ -18,7 +18,9 @@ from .deltas import CompletionDelta, OutputDelta
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, parse_body
 from .responses import chat_logprobs, new_id, now, prompt_logprobs_json, usage
-from .sampling import build_sampling_params
+from .sampling import build_sampling_params, check_room
+from .structured import constrain, structured_outputs_of
+from .tools import ToolPlan, tool_plan
 from .state import ServerState
 from .streaming import DONE, EventStream, event, finals_unless_disconnected
 
@@ -37,6 +39,8 @@ class ChatJob:
     return_token_ids: bool
     prompt_logprobs: bool
     tokenizer: Any
+    tools: ToolPlan | None = None
+    """How answers may call tools (None: plain text)."""
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -60,13 +64,23 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
         max_tokens = (served.defaults.get("max_tokens"), "max_completion_tokens")
     params = build_sampling_params(body, defaults=served.defaults, max_tokens=max_tokens,
                                    logprobs=(top_logprobs, "top_logprobs"))
+    tools = tool_plan(body, state.settings)
+    constraint, field = structured_outputs_of(body)
+    if tools is not None and tools.forced:
+        if constraint is not None:
+            raise bad_request(f"{field} and tool_choice {tools.choice!r} both constrain the output; give one",
+                              param=field)
+        constraint, field = tools.structured_outputs(), "tools"
     parsed = parse_messages(body.messages, served.image_token)
     options = ChatOptions.from_request(body, state.settings)
-    prompt = await run_in_threadpool(render, served.llm, served.tokenizer, parsed, options)
+    prompt = await run_in_threadpool(render, served.llm, served.tokenizer, parsed, options, "messages", tools)
+    requested = body.max_completion_tokens is not None or body.max_tokens is not None
+    check_room([prompt], params, served.max_model_len, max_tokens[1] if requested else None, "messages")
+    await constrain(served, params, constraint, field)
     job = ChatJob(id=new_id("chatcmpl"), created=now(), model=state.settings.model_name, n=params.n,
                   top_logprobs=top_logprobs, include_usage=include_usage, continuous_usage=continuous_usage,
                   return_token_ids=bool(body.return_token_ids), prompt_logprobs=body.prompt_logprobs is not None,
-                  tokenizer=served.tokenizer)
+                  tokenizer=served.tokenizer, tools=tools if tools is not None and tools.calls_tools else None)
     generation = await state.generate(job.id, [prompt], params, "messages", stream=body.streaming)
     if body.streaming:
         return EventStream(chat_events(generation, job), generation)
@@ -91,10 +105,17 @@ def chat_body(output: RequestOutput, job: ChatJob) -> dict[str, Any]:
         raise APIError(500, f"generation failed: {output.error}", code="generation_failed")
     choices = []
     for completion in output.outputs:
-        choice: dict[str, Any] = {"index": completion.index,
-                                  "message": {"role": "assistant", "content": completion.text},
+        message: dict[str, Any] = {"role": "assistant", "content": completion.text}
+        finish_reason = completion.finish_reason
+        if job.tools is not None:
+            parsed = job.tools.parse(completion.text)
+            message["content"] = parsed.content
+            if parsed.tool_calls:
+                message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
+                finish_reason = "tool_calls"
+        choice: dict[str, Any] = {"index": completion.index, "message": message,
                                   "logprobs": _logprobs(job, completion.token_ids, completion.logprobs),
-                                  "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
+                                  "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
         if job.return_token_ids:
             choice["token_ids"] = completion.token_ids
         choices.append(choice)
@@ -128,6 +149,7 @@ async def chat_events(generation: Generation, job: ChatJob) -> AsyncIterator[byt
     finished: set[int] = set()
     latest: OutputDelta | None = None
     prompt_ids_sent = False
+    calls = {index: ToolStream() for index in range(job.n)} if job.tools is not None else None
     async for _, output in generation:
         latest = output
         if output.error:
@@ -136,14 +158,17 @@ async def chat_events(generation: Generation, job: ChatJob) -> AsyncIterator[byt
         for completion in output.outputs:
             if completion.index in finished:
                 continue
-            choice = _delta_choice(completion, job)
-            if choice is None:
-                continue
-            payload = chunk([choice], output)
-            if job.return_token_ids and not prompt_ids_sent:  # vLLM: in the first chunk with tokens
-                payload["prompt_token_ids"] = output.prompt_token_ids
-                prompt_ids_sent = True
-            yield event(payload)
+            if calls is not None:
+                choices = calls[completion.index].choices(completion, job)
+            else:
+                choice = _delta_choice(completion, job)
+                choices = [] if choice is None else [choice]
+            for choice in choices:
+                payload = chunk([choice], output)
+                if job.return_token_ids and not prompt_ids_sent:  # vLLM: in the first chunk with tokens
+                    payload["prompt_token_ids"] = output.prompt_token_ids
+                    prompt_ids_sent = True
+                yield event(payload)
             if completion.finished:
                 finished.add(completion.index)
     else:
@@ -164,4 +189,58 @@ def _delta_choice(completion: CompletionDelta, job: ChatJob) -> dict[str, Any] |
                               "finish_reason": completion.finish_reason, "stop_reason": completion.stop_reason}
     if job.return_token_ids:
         choice["token_ids"] = completion.delta_token_ids
+    return choice
+
+
+class ToolStream:
+    """One streamed choice of a request with tools: content is sent as far as the tool plan says it is
+    surely content; when the answer finishes, its calls follow as OpenAI streams them (per call, a
+    delta with its index, id, type, name and empty arguments, then one with the arguments) and the
+    finishing delta says ``finish_reason="tool_calls"``."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        """The answer so far."""
+        self.sent = 0
+        """How many of its characters were sent as content."""
+
+    def choices(self, completion: CompletionDelta, job: ChatJob) -> list[dict[str, Any]]:
+        """The chunk choices for what ``completion`` added in one step."""
+        assert job.tools is not None
+        self.text += completion.delta_text
+        logprobs = _logprobs(job, completion.delta_token_ids, completion.delta_logprobs)
+        tokens = completion.delta_token_ids if job.return_token_ids else None
+        if not completion.finished:
+            cut = max(self.sent, job.tools.streamable(self.text))
+            piece, self.sent = self.text[self.sent:cut], cut
+            if not piece and not ((job.top_logprobs is not None or tokens) and completion.delta_token_ids):
+                return []
+            return [_choice(completion.index, {"content": piece} if piece else {}, logprobs, tokens=tokens,
+                            job=job)]
+        parsed = job.tools.parse(self.text)
+        if not parsed.tool_calls:
+            rest = self.text[self.sent:]
+            return [_choice(completion.index, {"content": rest} if rest else {}, logprobs, completion.finish_reason,
+                            completion.stop_reason, tokens, job)]
+        sent = self.text[:self.sent].strip()
+        content = parsed.content or ""
+        rest = content[len(sent):] if content.startswith(sent) else ""
+        out = [_choice(completion.index, {"content": rest} if rest else {}, logprobs, tokens=tokens, job=job)]
+        for i, call in enumerate(parsed.tool_calls):
+            out.append(_choice(completion.index, {"tool_calls": [
+                {"index": i, "id": call.id, "type": "function", "function": {"name": call.name, "arguments": ""}}]},
+                job=job))
+            arguments = {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}
+            out.append(_choice(completion.index, arguments, job=job))
+        out.append(_choice(completion.index, {}, None, "tool_calls", completion.stop_reason, [] if tokens is not None
+                           else None, job))
+        return out
+
+
+def _choice(index: int, delta: dict[str, Any], logprobs: dict[str, Any] | None = None, finish_reason: str | None = None,
+            stop_reason: Any = None, tokens: list[int] | None = None, job: ChatJob | None = None) -> dict[str, Any]:
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason,
+                              "stop_reason": stop_reason}
+    if job is not None and job.return_token_ids:
+        choice["token_ids"] = tokens or []
     return choice

@@ -24,7 +24,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p = subparsers.add_parser(
         "serve", help="serve a model over an OpenAI-compatible HTTP API",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-                    "/v1/models, /tokenize, /detokenize, /health, /metrics) until SIGINT/SIGTERM.")
+                    "/v1/responses, /v1/models, /tokenize, /detokenize, /health, /metrics) until SIGINT/SIGTERM.")
     p.add_argument("--model", default="smollm2", help="HF directory, .gguf file or 'smollm2' (default)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0 picks a free one)")
@@ -53,7 +53,46 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="let requests bring their own chat_template (refused by default)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
                    help="server log verbosity (info adds the access log; default warning)")
+    cors = p.add_argument_group("CORS (vLLM's options and defaults)")
+    cors.add_argument("--allowed-origins", type=string_list, default=["*"], metavar="JSON_LIST",
+                      help='origins whose pages may call the API, e.g. \'["https://app.example"]\' (default ["*"])')
+    cors.add_argument("--allowed-methods", type=string_list, default=["*"], metavar="JSON_LIST",
+                      help='HTTP methods allowed cross-origin (default ["*"])')
+    cors.add_argument("--allowed-headers", type=string_list, default=["*"], metavar="JSON_LIST",
+                      help='request headers allowed cross-origin (default ["*"])')
+    cors.add_argument("--allow-credentials", action="store_true",
+                      help="let browsers send cookies and HTTP authentication cross-origin (default off)")
+    tools = p.add_argument_group("tool calling (vLLM's options)")
+    tools.add_argument("--enable-auto-tool-choice", action="store_true",
+                       help='serve tool_choice "auto" (the default with tools): the model\'s own text is parsed '
+                            'for calls by --tool-call-parser; "required" and named functions work without it')
+    tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                       help="the tool-call parser for the model's format: hermes (Qwen, Hermes), llama3_json, "
+                            "mistral, or a plugin's (modelrunner plugins lists them)")
     return p
+
+
+def string_list(text: str) -> list[str]:
+    """A CORS option's value: a JSON list of strings as vLLM takes it (``'["*"]'``), or one bare value
+    or a comma-separated list (``*``, ``GET,POST``).
+
+    :raises argparse.ArgumentTypeError: for JSON that is not a list of strings.
+    """
+    import json
+
+    if text.lstrip().startswith("["):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON list ({e}); accepted: e.g. '[\"*\"]' or "
+                                             "'[\"https://a.example\", \"https://b.example\"]'") from None
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of non-empty strings, got {text!r}")
+        return value
+    items = [item.strip() for item in text.split(",") if item.strip()]
+    if not items:
+        raise argparse.ArgumentTypeError("expected a JSON list of strings such as '[\"*\"]', got an empty value")
+    return items
 
 
 def settings_from_args(args: argparse.Namespace) -> ServeSettings:
@@ -77,7 +116,10 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         served_model_names=tuple(args.served_model_name or ()), max_waiting_requests=args.max_waiting_requests,
         max_body_bytes=args.max_body_bytes, max_stream_buffer=args.max_stream_buffer,
         grace_period_s=args.grace_period, chat_template=template,
-        trust_request_chat_template=args.trust_request_chat_template, log_level=args.log_level)
+        trust_request_chat_template=args.trust_request_chat_template, log_level=args.log_level,
+        allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
+        allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
 
 
 def api_key_from(option: str | None) -> str | None:

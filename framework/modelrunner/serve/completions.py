@@ -22,7 +22,8 @@ from .deltas import CompletionDelta, OutputDelta
 from .errors import APIError, bad_request
 from .protocol import CompletionRequest, parse_body
 from .responses import completion_logprobs, new_id, now, prompt_logprobs_json, usage
-from .sampling import build_sampling_params
+from .sampling import build_sampling_params, check_room
+from .structured import constrain, structured_outputs_of
 from .state import ServedModel, ServerState
 from .streaming import DONE, EventStream, event, finals_unless_disconnected
 
@@ -80,6 +81,8 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     prompts = body.prompts()
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
     inputs = await run_in_threadpool(_encode_all, served, prompts, add_special)
+    check_room(inputs, params, served.max_model_len, "max_tokens", "prompt")
+    await constrain(served, params, *structured_outputs_of(body))
     job = CompletionJob(
         id=new_id("cmpl"), created=now(), model=state.settings.model_name, n=params.n, echo=echo,
         logprobs=body.logprobs, score_only=score_only, include_usage=include_usage,

@@ -3,11 +3,18 @@
 Bodies are read and parsed here rather than by FastAPI, so that every failure — a body that is not
 JSON, an unknown field, a value of the wrong type — is one 400 naming the field. Values are checked
 for type here and for range by :class:`~modelrunner.SamplingParams` (see :mod:`.sampling`).
+
+Every field of openai-python's request types is accepted (a test walks them), so a client that
+sends OpenAI's own fields is never refused for them: those that have no meaning here are ignored
+with one debug log line per request (``ignored_fields``), those asking for what this server does
+not do are refused saying so (``check_unsupported``), and any other field is still an unknown one
+(a 400 that catches typos, as OpenAI's own API does).
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+import logging
+from typing import Any, ClassVar, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
 from starlette.requests import Request
@@ -15,7 +22,43 @@ from starlette.requests import Request
 from .errors import bad_request, from_validation_errors
 from .json_body import load_json
 
+logger = logging.getLogger("modelrunner.serve")
+
 _STRICT = ConfigDict(extra="forbid", strict=True)
+
+
+class OpenAIRequest(BaseModel):
+    """A request body: unknown fields refused, OpenAI's meaningless ones ignored, unsupported ones refused."""
+
+    model_config = _STRICT
+    ignored_fields: ClassVar[tuple[str, ...]] = ()
+    """OpenAI's fields that have no meaning on this server: accepted, and ignored with a debug line."""
+    accepted_values: ClassVar[dict[str, str]] = {}
+    """What an unsupported field accepts, for its error message (default: leaving it out)."""
+
+    def check_unsupported(self) -> None:
+        """Refuse what the server does not implement, then name the ignored fields the request sets
+        in one debug line.
+
+        :raises APIError: 400 ``unsupported`` naming the field, its value and what it accepts.
+        """
+        for name, value, fine in self._unsupported():
+            if value is not None and not fine:
+                accepted = self.accepted_values.get(name, "leave it out")
+                raise bad_request(f"{name} is not supported by this server (got {_shown(value)}); accepted: "
+                                  f"{accepted}", param=name, code="unsupported")
+        ignored = [name for name in self.ignored_fields if getattr(self, name) is not None]
+        if ignored and logger.isEnabledFor(logging.DEBUG):
+            logger.debug("%s: ignoring %s (no meaning on this server)", type(self).__name__, ", ".join(ignored))
+
+    def _unsupported(self) -> list[tuple[str, Any, bool]]:
+        """``(field, value, acceptable)`` for each field the server implements only in part."""
+        return []
+
+
+def _shown(value: Any, limit: int = 120) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
 class StreamOptions(BaseModel):
@@ -26,12 +69,14 @@ class StreamOptions(BaseModel):
     """Send a last chunk with the usage of the whole request (``choices`` empty)."""
     continuous_usage_stats: bool | None = None
     """vLLM: put the usage so far in every chunk."""
+    include_obfuscation: bool | None = None
+    """OpenAI: pad chunks against side channels (accepted and ignored: nothing here needs it)."""
 
 
-class SamplingRequest(BaseModel):
+class SamplingRequest(OpenAIRequest):
     """The fields completions and chat completions share."""
 
-    model_config = _STRICT
+    ignored_fields = ("user",)
     model: str | None = None
     n: int | None = None
     temperature: float | None = None
@@ -61,6 +106,16 @@ class SamplingRequest(BaseModel):
     extra_args: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     add_special_tokens: bool | None = None
+    # structured outputs (see .structured): OpenAI's response_format, vLLM's structured_outputs and
+    # its older guided_* fields
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: Any = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_whitespace_pattern: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -87,16 +142,6 @@ class SamplingRequest(BaseModel):
             raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
         return bool(options.include_usage), bool(options.continuous_usage_stats)
 
-    def check_unsupported(self) -> None:
-        """:raises APIError: 400 for OpenAI fields this server does not implement."""
-        for name, value, fine in self._unsupported():
-            if value is not None and not fine:
-                raise bad_request(f"{name} is not supported by this server (got {value!r})", param=name,
-                                  code="unsupported")
-
-    def _unsupported(self) -> list[tuple[str, Any, bool]]:
-        return []
-
 
 class CompletionRequest(SamplingRequest):
     """``POST /v1/completions``."""
@@ -107,6 +152,8 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+
+    accepted_values = {"best_of": "the same value as n, or leave it out"}
 
     def _unsupported(self) -> list[tuple[str, Any, bool]]:
         return [("suffix", self.suffix, False), ("best_of", self.best_of, self.best_of == (self.n or 1))]
@@ -134,19 +181,45 @@ class ChatCompletionRequest(SamplingRequest):
     max_completion_tokens: int | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # OpenAI's fields for what this server does not do: refused unless they ask for nothing
+    audio: Any = None
+    modalities: list[str] | None = None
+    functions: list[Any] | None = None
+    function_call: Any = None
+    # OpenAI's fields with no meaning here (ignored_fields)
+    store: Any = None
+    metadata: Any = None
+    service_tier: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+    prompt_cache_key: Any = None
+    prompt_cache_retention: Any = None
+    prompt_cache_options: Any = None
+    safety_identifier: Any = None
+    moderation: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+
+    ignored_fields = ("user", "store", "metadata", "service_tier", "reasoning_effort", "verbosity", "prompt_cache_key",
+                      "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation",
+                      "prediction", "web_search_options")
+    accepted_values = {"audio": "leave it out (replies are text)", "modalities": "['text'] or leave it out",
+                       "functions": "leave them out, or function_call 'none'",
+                       "function_call": "'none' or leave it out"}
 
     def _unsupported(self) -> list[tuple[str, Any, bool]]:
-        text_format = self.response_format is None or self.response_format.get("type") == "text"
-        no_tools = not self.tools or self.tool_choice == "none"
-        return [("response_format", self.response_format, text_format), ("tools", self.tools or None, no_tools),
-                ("tool_choice", self.tool_choice, no_tools)]
+        no_functions = not self.functions or self.function_call == "none"
+        return [("audio", self.audio, False),
+                ("modalities", self.modalities, set(self.modalities or ()) <= {"text"}),
+                ("functions", self.functions or None, no_functions),
+                ("function_call", self.function_call, no_functions)]
 
 
 class TokenizeRequest(BaseModel):

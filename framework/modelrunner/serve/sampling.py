@@ -8,7 +8,6 @@ from typing import Any
 
 from ..sampling.params import SamplingParams
 from .errors import APIError, bad_request, leading_field
-from .protocol import SamplingRequest
 
 PASSED_THROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
                   "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "seed", "stop",
@@ -20,9 +19,10 @@ GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetitio
 omits them (as vLLM does)."""
 
 
-def build_sampling_params(request: SamplingRequest, *, defaults: dict[str, Any],
+def build_sampling_params(request: Any, *, defaults: dict[str, Any],
                           max_tokens: tuple[int | None, str], logprobs: tuple[int | None, str]) -> SamplingParams:
-    """SamplingParams for ``request``.
+    """SamplingParams for ``request`` (a :class:`~.protocol.SamplingRequest`, or any request body:
+    the :data:`PASSED_THROUGH` fields it lacks are left at their defaults).
 
     :param defaults: the checkpoint's generation defaults (:data:`GENERATION_CONFIG_FIELDS`).
     :param max_tokens: the value and the request field it came from (``max_completion_tokens`` …).
@@ -32,7 +32,7 @@ def build_sampling_params(request: SamplingRequest, *, defaults: dict[str, Any],
     names = {"max_tokens": max_tokens[1], "logprobs": logprobs[1]}
     values: dict[str, Any] = {}
     for field in PASSED_THROUGH:
-        value = getattr(request, field)
+        value = getattr(request, field, None)
         if value is None and field in GENERATION_CONFIG_FIELDS:
             value = defaults.get(field)
         if value is not None:
@@ -60,3 +60,34 @@ def _named(error: Exception, field: str, names: dict[str, str]) -> APIError:
     if param and param != field and message.startswith(field):
         message = param + message[len(field):]
     return bad_request(message, param=param)
+
+
+def check_room(prompts: list[dict[str, Any]], params: SamplingParams, max_model_len: int, param: str | None,
+               prompt_param: str) -> None:
+    """Refuse at once a request whose prompt and ``max_tokens`` together exceed the context, as vLLM
+    does (generating would run until ``max_model_len`` and stop short of what was asked).
+
+    :param prompts: the engine prompts, with their ``prompt_token_ids``.
+    :param param: the request field ``params.max_tokens`` came from (None: it did not come from the
+        request, and is not checked).
+    :param prompt_param: the request field the prompts came from.
+    :raises APIError: 400 ``context_length_exceeded`` naming ``param``, the numbers and what is accepted.
+        A prompt that fills the context by itself is left to the engine, whose error names the prompt.
+    """
+    max_tokens = params.max_tokens
+    if param is None or max_tokens is None:
+        return
+    for i, prompt in enumerate(prompts):
+        ids = prompt.get("prompt_token_ids")
+        if ids is None:
+            continue
+        length = len(ids)
+        if params.truncate_prompt_tokens is not None:
+            length = min(length, params.truncate_prompt_tokens)
+        if length >= max_model_len or length + max_tokens <= max_model_len:
+            continue
+        where = f"{prompt_param}[{i}]" if len(prompts) > 1 else "your request"
+        raise bad_request(f"{param} is too large: {max_tokens}. This model's maximum context length is "
+                          f"{max_model_len} tokens and {where} has {length} input tokens ({max_tokens} > "
+                          f"{max_model_len} - {length}); accepted: {param} <= {max_model_len - length}",
+                          param=param, code="context_length_exceeded")

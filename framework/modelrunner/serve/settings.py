@@ -49,9 +49,26 @@ def _api_key(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError("api-key must be a non-empty string (or unset for no authentication)")
 
 
+def _string_list(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if not all(isinstance(item, str) and item for item in value):
+        raise ValueError(f"{attribute.name.replace('_', '-')} must be a list of non-empty strings (a JSON list such "
+                         f"as '[\"*\"]' on the command line), got {list(value)!r}")
+
+
 def _log_level(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in LOG_LEVELS:
         raise ValueError(f"log-level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
+
+
+def _tool_call_parser(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        return
+    from ..plugins import get_plugins
+
+    try:
+        get_plugins().tool_parser_class(value)
+    except ValueError as e:  # an unknown name: the message lists the known ones
+        raise ValueError(f"tool-call-parser: {e}") from None
 
 
 @attrs.frozen(kw_only=True)
@@ -88,6 +105,26 @@ class ServeSettings:
     """Let requests bring their own ``chat_template`` (off: such requests get 400, as in vLLM)."""
     log_level: str = attrs.field(default="warning", validator=_log_level)
     """Server log verbosity."""
+    allowed_origins: tuple[str, ...] = attrs.field(default=("*",), converter=tuple, validator=_string_list)
+    """CORS: origins whose browser pages may call the API (``*``: any; vLLM's default)."""
+    allowed_methods: tuple[str, ...] = attrs.field(default=("*",), converter=tuple, validator=_string_list)
+    """CORS: HTTP methods allowed from those origins (``*``: any)."""
+    allowed_headers: tuple[str, ...] = attrs.field(default=("*",), converter=tuple, validator=_string_list)
+    """CORS: request headers allowed from those origins (``*``: any)."""
+    allow_credentials: bool = False
+    """CORS: let browsers send cookies and HTTP authentication with cross-origin requests."""
+    enable_auto_tool_choice: bool = False
+    """Serve ``tool_choice="auto"`` (and requests with tools but no ``tool_choice``): the model's text
+    is parsed for calls by :attr:`tool_call_parser`, which it needs (vLLM's flag)."""
+    tool_call_parser: str | None = attrs.field(default=None, validator=_tool_call_parser)
+    """The tool-call parser (``hermes``, ``llama3_json``, ``mistral`` or a plugin's) that finds calls in
+    the model's text for ``tool_choice="auto"``; it also writes earlier calls into the history of
+    templates without tool support."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes, llama3_json, "
+                             "mistral; `modelrunner plugins` lists the installed ones)")
 
     @property
     def model_names(self) -> tuple[str, ...]:

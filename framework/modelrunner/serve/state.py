@@ -141,11 +141,12 @@ class ServerState:
         return APIError(503 if isinstance(cause, WorkerFailedError) else 500, str(error), code="engine_dead")
 
     def check_model_name(self, name: str | None) -> None:
-        """:raises APIError: 400 when ``name`` (a request's ``model``) is not served here."""
+        """:raises APIError: 404 ``model_not_found`` when ``name`` (a request's ``model``) is not
+            served here (as OpenAI and vLLM answer; OpenAI's client raises ``NotFoundError``)."""
         if name is not None and name not in self.settings.model_names:
             served = ", ".join(repr(n) for n in self.settings.model_names)
-            raise bad_request(f"model {name!r} is not served here; accepted: {served} (or leave model out)",
-                              param="model", code="model_not_found")
+            raise APIError(404, f"model {name!r} is not served here; accepted: {served} (or leave model out)",
+                           param="model", code="model_not_found")
 
     async def generate(self, request_id: str, prompts: list[Any], params: SamplingParams,
                        prompt_param: str, stream: bool = True) -> Generation:
