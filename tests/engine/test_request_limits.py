@@ -5,6 +5,7 @@ in Python line events and element comparisons, never timed)."""
 
 from __future__ import annotations
 
+import gc
 import sys
 
 import pytest
@@ -27,7 +28,9 @@ GREEDY = dict(temperature=0.0, ignore_eos=True, max_tokens=6)
 
 
 def _python_lines(fn) -> int:
-    """Python line events while ``fn()`` runs (its own work and everything it calls)."""
+    """Python line events while ``fn()`` runs (its own work and everything it calls). The garbage
+    collector is off meanwhile: a collection would run the finalizers of earlier tests' objects
+    inside the count."""
     count = 0
 
     def tracer(frame, event, arg):
@@ -36,11 +39,14 @@ def _python_lines(fn) -> int:
             count += 1
         return tracer
 
+    gc.collect()
+    gc.disable()
     sys.settrace(tracer)
     try:
         fn()
     finally:
         sys.settrace(None)
+        gc.enable()
     return count
 
 
