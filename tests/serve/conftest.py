@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -74,6 +75,16 @@ class ServerProcess:
                 pass
             time.sleep(0.1)
         raise AssertionError(f"/health did not answer 200 within {timeout} s:\n{self.stderr}")
+
+    @contextlib.contextmanager
+    def serving(self):
+        """The ready server for a ``with`` block (a module fixture's body); on leaving it, the server
+        must stop with status 0 and no traceback on stderr."""
+        try:
+            yield self.wait_ready()
+        finally:
+            assert self.stop() == 0, self.stderr
+            assert "Traceback" not in self.stderr, self.stderr
 
     def headers(self) -> dict[str, str]:
         """The authorization header, when the server has a key."""

@@ -29,11 +29,8 @@ def server(serve_llama_dir):
     proc = ServerProcess(["--model", str(serve_llama_dir), *TINY_CONFIG, "--set", "max_num_seqs=4",
                           "--max-waiting-requests", "4", "--max-stream-buffer", str(STREAM_BUFFER)],
                          api_key=API_KEY, env={**TINY_ENV, "VLLM_API_KEY": API_KEY, "MODELRUNNER_API_KEY": ""})
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.stderr
-        assert "Traceback" not in proc.stderr, proc.stderr
+    with proc.serving() as ready:
+        yield ready
 
 
 def _ok(server: ServerProcess) -> None:

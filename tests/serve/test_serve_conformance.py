@@ -28,11 +28,8 @@ def server(serve_llama_dir):
     options and debug logging (to see the ignored fields' line)."""
     proc = ServerProcess(["--model", str(serve_llama_dir), *TINY_CONFIG, "--api-key", API_KEY,
                           "--served-model-name", "tiny", "--log-level", "debug"], api_key=API_KEY, env=TINY_ENV)
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.stderr
-        assert "Traceback" not in proc.stderr, proc.stderr
+    with proc.serving() as ready:
+        yield ready
 
 
 @pytest.fixture(scope="module")

@@ -36,11 +36,8 @@ ASK = [{"role": "user", "content": "What is the weather like in Paris today?"}]
 def server():
     args = [a for key, value in CONFIG.items() for a in ("--set", f"{key}={value}")]
     proc = ServerProcess([*args, "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])
-    try:
-        yield proc.wait_ready()
-    finally:
-        assert proc.stop() == 0, proc.stderr
-        assert "Traceback" not in proc.stderr, proc.stderr
+    with proc.serving() as ready:
+        yield ready
 
 
 @pytest.fixture(scope="module")

@@ -202,50 +202,48 @@ class KernelSelector:
             return families.pop()
         shape = self.key(scheme, layer, "any")
         if shape not in self.families:
-            qualified = f"family|{','.join(names)}|{shape}"
-            cached = self.cache.get(qualified)
-            if cached in families:
-                family = cached
-            else:
-                total = dict.fromkeys(sorted(families), 0.0)
-                for bucket_name in TIMING_ROWS:
-                    times = self._measure(scheme, layer, bucket_name, names)
-                    for kind in total:
-                        total[kind] += min(t for n, t in times.items() if self.family_of(n) == kind)
-                family = min(total, key=total.get)
-                self.cache.put(qualified, family)
+            family = self._fastest_family(f"family|{','.join(names)}|{shape}", families, [(scheme, layer, names)])
             self.families[shape] = family
             logger.info("kernels for %s: %s", shape, family)
         return self.families[shape]
+
+    def _fastest_family(self, qualified: str, families: set[str], layers: list[tuple[Any, Any, list[str]]]) -> str:
+        """Of ``families``, the cached choice under ``qualified``, else (timed, then cached) the one whose
+        fastest kernel among each layer's ``names`` takes least time summed over the layers and the
+        timed row counts. ``layers``: ``(scheme, layer, names)``."""
+        cached = self.cache.get(qualified)
+        if cached in families:
+            return cached
+        total = dict.fromkeys(sorted(families), 0.0)
+        for scheme, layer, names in layers:
+            for bucket_name in TIMING_ROWS:
+                times = self._measure(scheme, layer, bucket_name, names)
+                for kind in total:
+                    total[kind] += min(t for n, t in times.items() if self.family_of(n) == kind)
+        family = min(total, key=total.get)
+        self.cache.put(qualified, family)
+        return family
 
     def share_family(self, layers: list[tuple[Any, Any]]) -> None:
         """Give ``layers`` — ``(scheme, layer)`` pairs that run back to back, such as a gated MLP's two
         projections — one family: among those every one of them can run, the one whose fastest
         kernels take least time summed over all of them and the timed row counts. Then a kernel's
         fused form (:meth:`~.matmul.MatmulKernel.bind_gated_mlp`) can run them in one call, where
-        choosing each shape alone could split them between families on a near tie. Shapes that
-        already have a family keep it; a pinned ``kernel`` leaves this to the pin."""
+        choosing each shape alone could split them between families on a near tie. Where one of the
+        shapes already has a family, each keeps its own; a pinned ``kernel`` leaves this to the pin."""
         shapes = [self.key(s, layer, "any") for s, layer in layers]
-        if self.kernel is not None or all(shape in self.families for shape in shapes):
+        if self.kernel is not None or any(shape in self.families for shape in shapes):
             return
         allowed = [self._unfiltered(s, layer) for s, layer in layers]
         common = set.intersection(*({self.family_of(n) for n in names} for names in allowed))
-        if not common or any(shape in self.families for shape in shapes):
+        if not common:
             return
         if len(common) == 1:
             family = common.pop()
         else:
             qualified = f"family|{'+'.join(shapes)}|{';'.join(','.join(names) for names in allowed)}"
-            family = self.cache.get(qualified)
-            if family not in common:
-                total = dict.fromkeys(sorted(common), 0.0)
-                for (scheme, layer), names in zip(layers, allowed, strict=True):
-                    for bucket_name in TIMING_ROWS:
-                        times = self._measure(scheme, layer, bucket_name, names)
-                        for kind in total:
-                            total[kind] += min(t for n, t in times.items() if self.family_of(n) == kind)
-                family = min(total, key=total.get)
-                self.cache.put(qualified, family)
+            family = self._fastest_family(qualified, common, [(s, layer, names) for (s, layer), names
+                                                              in zip(layers, allowed, strict=True)])
         for shape in shapes:
             self.families[shape] = family
         logger.info("kernels for %s together: %s", " + ".join(shapes), family)
