@@ -164,6 +164,86 @@ def test_responses_text_format_gives_a_validated_object(client):
     assert response.text.format.type == "json_schema"
 
 
+RESPONSE_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+"""TOOLS in the Responses API's shape (the function's fields at the top level)."""
+
+
+def _response_calls(response):
+    return [(item.name, json.loads(item.arguments)) for item in response.output if item.type == "function_call"]
+
+
+def test_responses_tools_give_function_call_items_streamed_and_not(client):
+    kwargs = dict(model="smollm2", input=ASK[0]["content"], max_output_tokens=60, temperature=0, tools=RESPONSE_TOOLS,
+                  tool_choice={"type": "function", "name": "get_weather"})
+    response = client.responses.create(**kwargs)
+    assert response.status == "completed" and [item.type for item in response.output] == ["function_call"]
+    ((name, arguments),) = _response_calls(response)
+    assert name == "get_weather"
+    jsonschema.validate(arguments, PARAMETERS["get_weather"])
+    call = response.output[0]
+    assert call.call_id.startswith("call_") and call.status == "completed"
+    assert [t.name for t in response.tools] == ["get_weather", "get_time"]
+    events = list(client.responses.create(stream=True, **kwargs))
+    kinds = [e.type for e in events]
+    assert kinds == ["response.created", "response.in_progress", "response.output_item.added",
+                     "response.function_call_arguments.delta", "response.function_call_arguments.done",
+                     "response.output_item.done", "response.completed"]
+    assert events[2].item.type == "function_call" and events[2].item.arguments == ""
+    assert json.loads(events[3].delta) == arguments == json.loads(events[4].arguments)
+    assert _response_calls(events[-1].response) == _response_calls(response)
+    required = client.responses.create(**{**kwargs, "tool_choice": "required", "parallel_tool_calls": False})
+    ((name, arguments),) = _response_calls(required)
+    jsonschema.validate(arguments, PARAMETERS[name])
+
+
+def test_responses_auto_reads_the_models_own_call_after_its_text(client):
+    call = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "CET"}}\n</tool_call>'
+    kwargs = dict(model="smollm2", input=ASK, max_output_tokens=40, temperature=0, tools=RESPONSE_TOOLS,
+                  extra_body={"structured_outputs": {"regex": "Checking\\. " + re.escape(call)}})
+    response = client.responses.create(**kwargs)
+    assert [item.type for item in response.output] == ["message", "function_call"]
+    assert response.output_text.strip() == "Checking." and _response_calls(response) == [("get_time", {"zone": "CET"})]
+    events = list(client.responses.create(stream=True, **kwargs))
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas.strip() == "Checking." and "<tool" not in deltas
+    assert _response_calls(events[-1].response) == [("get_time", {"zone": "CET"})]
+    assert [e.output_index for e in events if e.type == "response.output_item.done"] == [0, 1]
+
+
+def test_responses_take_calls_and_their_results_back_as_input(client):
+    first = client.responses.create(model="smollm2", input=ASK, max_output_tokens=60, temperature=0,
+                                    tools=RESPONSE_TOOLS, tool_choice="required", parallel_tool_calls=False)
+    call = next(item for item in first.output if item.type == "function_call")
+    history = [*ASK, call.model_dump(exclude_none=True),
+               {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 21 degrees."}]
+    answer = client.responses.create(model="smollm2", input=history, max_output_tokens=12, temperature=0,
+                                     tools=RESPONSE_TOOLS, tool_choice="none")
+    assert answer.output_text and not _response_calls(answer)
+    # The same conversation on chat completions renders the same prompt: equal greedy answers.
+    chat = _chat(client, [*ASK, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": call.call_id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}]},
+        {"role": "tool", "tool_call_id": call.call_id, "content": "Sunny, 21 degrees."}], 12, tools=TOOLS,
+        tool_choice="none")
+    assert answer.output_text == chat.choices[0].message.content
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"tools": [{"type": "web_search"}]}, "tools[0].type"),
+    ({"tools": [{"type": "function", "name": "f", "paramters": {}}]}, "tools[0].paramters"),
+    ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "function", "name": "launch_rocket"}}, "tool_choice.name"),
+    ({"tools": RESPONSE_TOOLS, "tool_choice": {"type": "mcp", "server_label": "x"}}, "tool_choice"),
+    ({"input": [{"type": "function_call", "call_id": "c1", "name": "get_time"}]}, "input[0].arguments"),
+    ({"input": [{"type": "function_call_output", "output": "1"}]}, "input[0].call_id"),
+])
+def test_responses_bad_tools_are_400s_naming_the_field(client, fields, param):
+    body = {"model": "smollm2", "input": "Hi", "max_output_tokens": 2, **fields}
+    with pytest.raises(openai.BadRequestError) as info:
+        client.responses.create(**body)
+    assert info.value.param == param, info.value.body
+    if param == "tool_choice.name":
+        assert "launch_rocket" in info.value.message
+
+
 @pytest.mark.parametrize("extra, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format.json_schema.schema"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "launch_rocket"}}},
@@ -201,7 +281,11 @@ def test_langchain_with_structured_output(chat_model, method):
     assert isinstance(result, City)
 
 
-def test_langchain_bind_tools(chat_model):
+@pytest.mark.parametrize("responses_api", [False, True])
+def test_langchain_bind_tools(server, chat_model, responses_api):
+    if responses_api:
+        chat_model = type(chat_model)(base_url=server.url + "/v1", api_key="unused", model="smollm2", temperature=0,
+                                      max_tokens=60, max_retries=0, use_responses_api=True)
     message = chat_model.bind_tools(TOOLS, tool_choice="any").invoke("What is the weather like in Paris?")
     assert message.tool_calls
     for call in message.tool_calls:
