@@ -10,13 +10,24 @@ no request stops early; the free batch ignores EOS).
 
     python bench/structured.py           # batch 64, 64 tokens, 3 rounds, both backends
     python bench/structured.py --quick   # batch 8, 8 tokens, 1 round: checks that it runs
+    python bench/structured.py --compare # the backends side by side with `modelrunner bench compare`
+
+``--compare`` writes the 64 constrained prompts as a JSONL dataset (a ``structured_outputs`` field
+per line) and runs ``modelrunner bench compare --vary structured_outputs_backend=xgrammar,guidance``
+on it: each backend in its own process, repetitions interleaved, speed with a confidence interval
+and whether the greedy outputs agree.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
 from modelrunner import LLM, SamplingParams, StructuredOutputsParams
 from modelrunner.structured_output import GrammarSpec
@@ -87,12 +98,35 @@ def measure(backend: str, batch: int, tokens: int, rounds: int) -> dict:
             "compile_median_ms": 1000 * statistics.median(compiled), "compile_max_ms": 1000 * max(compiled)}
 
 
+def write_dataset(path: Path, batch: int, tokens: int) -> None:
+    """The constrained batch as a ``bench`` dataset: a prompt, its output length and its schema per line."""
+    all_schemas = schemas()
+    with path.open("w", encoding="utf-8") as f:
+        for i in range(batch):
+            f.write(json.dumps({"prompt": f"List records as JSON, number {i}.", "output_len": tokens,
+                                "structured_outputs": {"json": all_schemas[i % 8]}}) + "\n")
+
+
+def compare(batch: int, tokens: int, rounds: int) -> int:
+    """``modelrunner bench compare`` over the grammar backends on the constrained dataset."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "json_schemas.jsonl"
+        write_dataset(data, batch, tokens)
+        return subprocess.call([sys.executable, "-m", "modelrunner", "bench", "compare", "--dataset", str(data),
+                                "--batch-size", str(batch), "--repeat", str(max(rounds, 2)),
+                                "--vary", f"structured_outputs_backend={','.join(BACKENDS)}"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="batch 8, 8 tokens, 1 round (checks that it runs)")
     parser.add_argument("--backend", action="append", choices=BACKENDS, help="only these backends (repeatable)")
+    parser.add_argument("--compare", action="store_true",
+                        help="run the backends side by side with `modelrunner bench compare` instead")
     args = parser.parse_args()
     batch, tokens, rounds = (8, 8, 1) if args.quick else (64, 64, 3)
+    if args.compare:
+        sys.exit(compare(batch, tokens, rounds))
     print(f"batch {batch}, {tokens} tokens per request, median of {rounds} round(s); target ratio >= 0.85")
     print("| backend | JSON-schema batch tok/s | free batch tok/s | ratio | compile ms/schema (median, max) |")
     print("|---|---:|---:|---:|---:|")

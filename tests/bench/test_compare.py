@@ -3,6 +3,7 @@ greedy outputs checked against the baseline (a fast but wrong backend must not l
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 
@@ -140,3 +141,26 @@ def test_latency_can_be_compared_too(bench, tiny_args, tmp_path, read_json):
     assert whole["speed_ratio"]["ratio"] == pytest.approx(statistics.median(b / m for b, m in zip(base, mine)))
     assert whole["outputs"]["same_as_baseline"] is True
     assert "latency_s (median)" in out
+
+
+def test_grammar_backends_compare_on_a_constrained_dataset(bench, tiny_args, tmp_path, read_json):
+    """Issue 33's backend comparison: the same constrained prompts under each grammar backend, in
+    processes of their own. These regexes allow the same tokens in both backends, so greedy outputs
+    are equal (not so for every constraint: llguidance allows only the canonical tokenization of a
+    choice's words, xgrammar any spelling of them)."""
+    data = tmp_path / "constrained.jsonl"
+    data.write_text("\n".join(json.dumps(line) for line in (
+        {"prompt": "Numbers:", "structured_outputs": {"regex": "[0-9]{1,3}(, [0-9]{1,3}){0,3}"}},
+        {"prompt": "A count:", "structured_outputs": {"regex": "[0-9]{1,6}"}},
+        {"prompt": "Anything:"})) + "\n")
+    out_json = tmp_path / "grammars.json"
+    code, out, err = bench("compare", *tiny_args, "--warmup", "0", "--repeat", "1", "--dataset", str(data),
+                           "--output-len", "8",
+                           "--vary", "structured_outputs_backend=xgrammar,guidance", "--require-same-output",
+                           "--output-json", str(out_json))
+    assert code == 0, out + err
+    report = read_json(out_json)
+    configs = report["configurations"]
+    assert [c["resolved"]["structured_outputs_backend"] for c in configs] == ["xgrammar", "guidance"]
+    assert all(c["workload"]["constrained_prompts"] == 2 for c in configs)
+    assert report["outputs_differ"] == [] and configs[1]["outputs"]["same_as_baseline"] is True

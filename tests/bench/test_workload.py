@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from modelrunner.bench.workload import WorkloadSpec, build_workload, read_dataset, synthetic_prompts
+from modelrunner.bench.workload import Workload, WorkloadSpec, build_workload, read_dataset, synthetic_prompts
 
 
 def test_synthetic_prompts_are_reproducible_and_exactly_as_long_as_asked(smollm2_tokenizer):
@@ -30,7 +30,8 @@ def test_the_digest_names_the_work():
     other = build_workload(WorkloadSpec(num_prompts=2, input_len=4, output_len=4), vocab_size=100)
     assert other.digest != a.digest
     assert a.describe() == {"source": "synthetic", "num_prompts": 2, "prompt_tokens": 8, "min_prompt_len": 4,
-                            "max_prompt_len": 4, "output_tokens": 6, "digest": a.digest}
+                            "max_prompt_len": 4, "output_tokens": 6, "constrained_prompts": 0,
+                            "digest": a.digest}
 
 
 def test_a_dataset_gives_text_and_token_prompts_with_their_own_lengths(tmp_path, smollm2_tokenizer):
@@ -51,6 +52,9 @@ def test_a_dataset_gives_text_and_token_prompts_with_their_own_lengths(tmp_path,
     ('{"promt": "typo"}\n', r"line 1: needs a non-empty 'prompt' string or 'prompt_token_ids' \(keys: \['promt'\]\)"),
     ('{"prompt_token_ids": [1, -2]}\n', r"line 1: prompt_token_ids must be a non-empty list of token ids"),
     ('{"prompt": "x", "output_len": 0}\n', r"line 1: output_len must be a positive integer, got 0"),
+    ('{"prompt": "x", "structured_outputs": "json"}\n', r"line 1: structured_outputs must be an object"),
+    ('{"prompt": "x", "structured_outputs": {"jsn": {}}}\n', r"line 1: structured_outputs: .*'jsn'"),
+    ('{"prompt": "x", "structured_outputs": {"json": {}, "regex": "a"}}\n', r"line 1: structured_outputs: "),
 ])
 def test_a_malformed_dataset_names_the_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -64,3 +68,17 @@ def test_text_prompts_need_a_tokenizer(tmp_path):
     path.write_text('{"prompt": "hello"}\n')
     with pytest.raises(ValueError, match="entry 0 is text, but this model has no tokenizer"):
         build_workload(WorkloadSpec(dataset=str(path), input_len=None), tokenizer=None, vocab_size=10)
+
+
+def test_dataset_constraints_become_each_prompts_structured_outputs(tmp_path, smollm2_tokenizer):
+    path = tmp_path / "constrained.jsonl"
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+    path.write_text(json.dumps({"prompt": "A number", "structured_outputs": {"json": schema}}) + "\n"
+                    + json.dumps({"prompt": "Free"}) + "\n")
+    w = build_workload(WorkloadSpec(output_len=7, dataset=str(path), input_len=None), tokenizer=smollm2_tokenizer)
+    constrained, free = w.sampling_params()
+    assert constrained.structured_outputs.json == schema and not constrained.ignore_eos
+    assert free.structured_outputs is None and free.ignore_eos and free.max_tokens == 7
+    assert w.describe()["constrained_prompts"] == 1
+    unconstrained = Workload(w.prompts, w.output_lens, w.source)
+    assert unconstrained.digest != w.digest  # a constraint is part of the work

@@ -14,14 +14,13 @@ def measure_latency(llm: Any, workload: Workload) -> tuple[dict[str, float | int
 
     The batch is added at once; *prefill* lasts until every request has its first token (several
     steps when the prompts exceed ``max_num_batched_tokens``), every later step is a *decode step*.
-    Sampling is greedy with EOS ignored, so every run does the same work.
+    Sampling is greedy with EOS ignored (except by prompts a dataset constrains), so every run does
+    the same work.
 
     :returns: the metrics (``latency_s``, ``prefill_s``, ``prefill_steps``, ``decode_step_s`` (median
         step), ``decode_step_mean_s``, ``decode_steps``, ``output_tokens_per_s``) and each prompt's
         generated token ids.
     """
-    from ..sampling.params import SamplingParams
-
     engine = llm.engine
     done: dict[str, Any] = {}
     started: set[str] = set()
@@ -34,10 +33,9 @@ def measure_latency(llm: Any, workload: Workload) -> tuple[dict[str, float | int
 
     ids = []
     start = time.perf_counter()
-    for prompt, output_len in zip(workload.prompts, workload.output_lens):
+    for prompt, params in zip(workload.prompts, workload.sampling_params()):
         rid = engine.new_request_id()
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True),
-                           on_output=consume)
+        engine.add_request(rid, prompt, params, on_output=consume)
         ids.append(rid)
     prefill_s, prefill_steps, decode = 0.0, 0, []
     try:

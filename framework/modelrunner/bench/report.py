@@ -39,6 +39,10 @@ def workload_line(measure: str, workload: dict[str, Any]) -> str:
         what = f"one batch of {what}"
     total = workload.get("output_tokens")
     new = f"{total} new tokens in all" if total is not None else f"{workload.get('output_len')} new tokens each"
+    constrained = workload.get("constrained_prompts")
+    if constrained:
+        return (f"{what} → up to {new}, greedy; {constrained} constrained by structured_outputs (ending where "
+                "their grammar ends), EOS ignored by the others")
     return f"{what} → {new}, greedy, EOS ignored"
 
 

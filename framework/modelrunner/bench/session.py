@@ -89,7 +89,7 @@ def repetition_records(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def resolved_choices(llm: Any) -> dict[str, Any]:
     """What the configuration turned into once loaded: the adapter, attention backend, compile
-    backend, allocator, dtype, device, lengths and KV blocks actually in use."""
+    backend, allocator, dtype, device, lengths, KV blocks and grammar backend actually in use."""
     from ..layers import Attention
 
     engine = llm.engine
@@ -110,6 +110,7 @@ def resolved_choices(llm: Any) -> dict[str, Any]:
         "max_model_len": engine.max_model_len,
         "block_size": executor.block_size,
         "num_kv_blocks": executor.num_blocks,
+        "structured_outputs_backend": config.structured_outputs.backend,
     }
 
 

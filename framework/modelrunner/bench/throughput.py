@@ -11,15 +11,13 @@ from .workload import Workload
 
 def measure_throughput(llm: Any, workload: Workload) -> tuple[dict[str, float | int | None], list[list[int]]]:
     """Generate for every prompt of the workload in one ``LLM.generate`` call (continuous batching
-    decides the steps), greedy with EOS ignored so every run does the same work.
+    decides the steps), greedy (see :meth:`Workload.sampling_params`).
 
     :returns: the metrics (``elapsed_s``, ``requests_per_s``, ``output_tokens_per_s``,
         ``total_tokens_per_s`` (prompt and output tokens), ``prompt_tokens``, ``output_tokens``,
         ``median_ttft_s``, ``median_tpot_s``) and each prompt's generated token ids.
     """
-    from ..sampling.params import SamplingParams
-
-    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in workload.output_lens]
+    params = workload.sampling_params()
     start = time.perf_counter()
     outputs = llm.generate(workload.prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start

@@ -64,19 +64,35 @@ class Workload:
     """New tokens per prompt."""
     source: str
     """``synthetic`` or the dataset's path."""
+    constraints: list[dict[str, Any] | None] | None = None
+    """Per prompt, the ``structured_outputs`` fields of its dataset line (None: unconstrained)."""
 
     @property
     def digest(self) -> str:
-        """A hash of the prompts and output lengths: equal digests mean the same work."""
-        blob = json.dumps([self.prompts, self.output_lens], separators=(",", ":")).encode()
+        """A hash of the prompts, output lengths and constraints: equal digests mean the same work."""
+        parts: list[Any] = [self.prompts, self.output_lens]
+        if self.constraints is not None and any(self.constraints):
+            parts.append(self.constraints)
+        blob = json.dumps(parts, separators=(",", ":"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
+
+    def sampling_params(self) -> list[Any]:
+        """Greedy parameters per prompt. An unconstrained prompt ignores EOS, so every run does the same
+        work; a constrained one ends where its grammar does (or at its output length)."""
+        from ..sampling.params import SamplingParams
+        from ..sampling.structured import StructuredOutputsParams
+
+        constraints = self.constraints or [None] * len(self.prompts)
+        return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=c is None,
+                               structured_outputs=None if c is None else StructuredOutputsParams(**c))
+                for n, c in zip(self.output_lens, constraints)]
 
     def describe(self) -> dict[str, Any]:
         """Sizes and the digest, for reports."""
         lens = [len(p) for p in self.prompts]
         return {"source": self.source, "num_prompts": len(self.prompts), "prompt_tokens": sum(lens),
                 "min_prompt_len": min(lens), "max_prompt_len": max(lens), "output_tokens": sum(self.output_lens),
-                "digest": self.digest}
+                "constrained_prompts": sum(1 for c in self.constraints or [] if c is not None), "digest": self.digest}
 
 
 def synthetic_prompts(count: int, input_len: int, seed: int, tokenizer: Any = None,
@@ -105,7 +121,9 @@ def synthetic_prompts(count: int, input_len: int, seed: int, tokenizer: Any = No
 
 def read_dataset(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a JSONL dataset: each an object with ``prompt`` (text) or ``prompt_token_ids``
-    (a list of ints), and optionally ``output_len`` (a positive int). Blank lines are skipped.
+    (a list of ints), and optionally ``output_len`` (a positive int) and ``structured_outputs`` (the
+    fields of :class:`~modelrunner.sampling_params.StructuredOutputsParams`, such as
+    ``{"json": {...schema...}}``, to constrain that prompt's output). Blank lines are skipped.
 
     :raises ValueError: naming the file and line of the first malformed entry, or an empty file.
     :raises OSError: the file cannot be read.
@@ -134,10 +152,25 @@ def read_dataset(path: str | Path) -> list[dict[str, Any]]:
             out = entry.get("output_len")
             if out is not None and (isinstance(out, bool) or not isinstance(out, int) or out <= 0):
                 raise ValueError(f"{where}: output_len must be a positive integer, got {out!r}")
+            if entry.get("structured_outputs") is not None:
+                _check_constraint(entry["structured_outputs"], where)
             entries.append(entry)
     if not entries:
         raise ValueError(f"--dataset {path}: no prompts in the file")
     return entries
+
+
+def _check_constraint(value: Any, where: str) -> None:
+    """:raises ValueError: ``value`` is not a valid set of StructuredOutputsParams fields."""
+    from ..sampling.structured import as_structured_outputs
+
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: structured_outputs must be an object such as {{\"json\": {{...}}}}, "
+                         f"got {type(value).__name__}")
+    try:
+        as_structured_outputs(dict(value))
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"{where}: structured_outputs: {e}") from None
 
 
 def build_workload(spec: WorkloadSpec, tokenizer: Any = None, vocab_size: int | None = None) -> Workload:
@@ -162,4 +195,5 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any = None, vocab_size: int | 
         else:
             prompts.append(list(tokenizer.encode(entry["prompt"])))  # as the engine tokenizes text prompts
     output_lens = [entry.get("output_len") or spec.output_len for entry in entries]
-    return Workload(prompts, output_lens, str(spec.dataset))
+    constraints = [entry.get("structured_outputs") for entry in entries]
+    return Workload(prompts, output_lens, str(spec.dataset), constraints if any(constraints) else None)
