@@ -96,11 +96,11 @@ def tiny_llms(tmp_path_factory, smollm2_tokenizer, save_checkpoint):
                          tie_word_embeddings=True, initializer_range=0.05, architectures=["LlamaForCausalLM"])
     path = save_checkpoint(config, tok, tmp_path_factory.mktemp("tiny-tied-llama"))
     kw = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=4 * 2**20, block_size=8)
-    return LLM(str(path), **kw), LLM(str(path), **kw, speculative_config=NGRAM)
+    return LLM(str(path), **kw), LLM(str(path), **kw, speculative_config=NGRAM), path
 
 
 def test_ngram_greedy_is_plain_decoding_with_stops_and_logprobs(tiny_llms):
-    plain, spec = tiny_llms
+    plain, spec, _ = tiny_llms
     tok = plain.get_tokenizer()
     prompts = ["one two three one two three one two", "a b c d a b c d a b", "hello hello hello",
                "The cat sat on the mat. The cat sat", "1 2 3 4 5 6", "x y x y x y", "to be or not to be",
@@ -139,7 +139,7 @@ def test_ngram_greedy_is_plain_decoding_with_stops_and_logprobs(tiny_llms):
 def test_prefix_cache_holds_only_accepted_tokens(tiny_llms):
     """A second request whose prompt is the first's prompt plus output reuses the cached blocks, and
     gets exactly what plain decoding gives it: no rejected draft's KV was ever registered."""
-    plain, spec = tiny_llms
+    plain, spec, _ = tiny_llms
     p = SamplingParams(max_tokens=40, **GREEDY)
     first = spec.generate("a b c a b c a b c", p, use_tqdm=False)[0]
     follow = first.prompt_token_ids + first.outputs[0].token_ids
@@ -150,8 +150,37 @@ def test_prefix_cache_holds_only_accepted_tokens(tiny_llms):
 
 
 def test_sampling_with_speculation_is_seeded_and_valid(tiny_llms):
-    _, spec = tiny_llms
+    _, spec, _ = tiny_llms
     p = SamplingParams(max_tokens=20, temperature=0.8, top_k=20, seed=3)
     runs = [spec.generate(["x y x y x y"] * 2, p, use_tqdm=False) for _ in range(2)]
     assert [o.outputs[0].token_ids for o in runs[0]] == [o.outputs[0].token_ids for o in runs[1]]
     assert all(len(o.outputs[0].token_ids) == 20 for o in runs[0])
+
+
+def test_draft_model_greedy_is_plain_decoding(tiny_llms, tiny_llama_dir):
+    """The target as its own draft accepts nearly everything (its KV bookkeeping is right); a random
+    draft of the same vocabulary accepts little; both give plain decoding's outputs."""
+    plain, _, path = tiny_llms
+    kw = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=4 * 2**20, block_size=8)
+    prompts = ["one two three", "a b c d", "hello there", "x y z"]
+    params = [SamplingParams(max_tokens=14 + i, **GREEDY) for i in range(4)]
+    params[1] = SamplingParams(max_tokens=15, logit_bias={5: 1.0}, **GREEDY)  # does not speculate
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    for draft, least in ((path, 0.9), (tiny_llama_dir, 0.0)):
+        llm = LLM(str(path), **kw, speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+        got = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in got] == want
+        stats = llm.llm_engine.stats()["speculative"]
+        assert stats["method"] == "draft" and stats["num_drafts"] > 0
+        assert stats["acceptance_rate"] >= least, stats
+        assert stats["draft_kv_used_blocks"] == 0  # every finished sequence's draft KV was given back
+
+
+def test_draft_with_another_vocabulary_is_refused(tiny_llms, tmp_path):
+    from modelrunner.conformance.models import tiny_checkpoint
+
+    _, _, path = tiny_llms
+    other = tiny_checkpoint("LlamaForCausalLM", tmp_path)  # a 256-token vocabulary
+    with pytest.raises(ValueError, match=r"cannot propose for this target: its vocabulary has 256 tokens"):
+        LLM(str(path), device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=4 * 2**20,
+            speculative_config={"model": str(other), "num_speculative_tokens": 2})

@@ -1,5 +1,6 @@
-"""Speculative decoding on the real SmolLM2-135M (float32): ``ngram`` gives plain decoding's greedy
-outputs, for copy-heavy and ordinary prompts in one batch with requests that do not speculate."""
+"""Speculative decoding on the real SmolLM2-135M (float32): ``ngram`` and a (tiny, random) draft model
+give plain decoding's greedy outputs, for copy-heavy and ordinary prompts in one batch with requests
+that do not speculate."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ PROMPTS = [
 ]
 
 
-def test_ngram_greedy_equals_plain_on_smollm2(smollm2_dir):
+def test_ngram_and_draft_greedy_equal_plain_on_smollm2(smollm2_dir, tiny_llama_dir):
     kw = dict(device="cpu", dtype="float32", max_model_len=512, kv_cache_memory=64 * 2**20)
     greedy = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     prompts = PROMPTS + ["Name a fruit:", "Write the word blue:"]
@@ -37,3 +38,9 @@ def test_ngram_greedy_equals_plain_on_smollm2(smollm2_dir):
     assert all(o.metrics.spec_num_drafts == 0 for o in spec[len(PROMPTS):])
     stats = llm.llm_engine.stats()["speculative"]
     assert stats["num_accepted_tokens"] > 10, stats
+    # A tiny random draft with SmolLM2's vocabulary: mostly rejected, never wrong.
+    llm = LLM(str(smollm2_dir), **kw, speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    drafted = llm.generate(prompts, params, use_tqdm=False)
+    for prompt, a, b in zip(prompts, plain, drafted):
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids, prompt
+    assert llm.llm_engine.stats()["speculative"]["num_drafts"] > 0

@@ -184,7 +184,7 @@ class LLMEngine:
                              f"{', '.join(names) or '(none)'} ({exc})") from None
         from ..spec_decode.proposer import ProposerContext
 
-        proposer = proposer_class(ProposerContext(spec, self.vocab_size, self.config, plugins))
+        proposer = proposer_class(ProposerContext(spec, self.vocab_size, self.config, plugins, self.tokenizer))
         return Speculator(spec, proposer, self.vocab_size)
 
     @property
@@ -568,7 +568,8 @@ class LLMEngine:
             if item.draft and seq_id in self.allocator:
                 self.allocator.release_lookahead(seq_id)
                 self.scheduler.owners.trimmed(seq_id)
-        self.speculator.forget(out.finished_seq_ids)
+        ended = [item.seq.seq_id for item in out.scheduled if item.seq.is_finished]
+        self.speculator.forget([*out.finished_seq_ids, *ended])
 
     # -- sampling (continued) --------------------------------------------------------------------
 

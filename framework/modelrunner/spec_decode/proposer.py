@@ -24,6 +24,8 @@ class ProposerContext:
     that run a model of their own; None in the conformance suite's stand-alone runs."""
     plugins: Any = None
     """The loaded plugins (to load a draft model through the adapters); None where not needed."""
+    tokenizer: Any = None
+    """The target's tokenizer (a draft model's must have the same vocabulary); None without one."""
 
 
 @attrs.frozen
