@@ -184,3 +184,14 @@ def test_draft_with_another_vocabulary_is_refused(tiny_llms, tmp_path):
     with pytest.raises(ValueError, match=r"cannot propose for this target: its vocabulary has 256 tokens"):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=4 * 2**20,
             speculative_config={"model": str(other), "num_speculative_tokens": 2})
+
+
+def test_fruitless_proposals_turn_speculation_down(fake_runner):
+    """Garbage is (nearly) never accepted: after three misses in a row a sequence pauses 2, 4, 8 …
+    steps, so 120 tokens cost far fewer verifications than steps."""
+    engine = LLMEngine(fake_runner(num_blocks=64, block_size=4, max_model_len=160,
+                                   speculative_config={"method": "garbage", "num_speculative_tokens": 4}))
+    out = _run(engine, [[1, 2, 3]], [SamplingParams(max_tokens=120, **GREEDY)])[0]
+    assert len(out.outputs[0].token_ids) == 120
+    assert out.metrics.spec_num_drafts < 25, out.metrics
+    assert out.metrics.spec_num_draft_tokens < 40, out.metrics
