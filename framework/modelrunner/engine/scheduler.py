@@ -11,6 +11,11 @@ Every step has one token budget (``max_num_batched_tokens``) shared by decodes a
    (``max_num_seqs``, counting the ``n`` completions of a request) and blocks last. A prompt longer
    than the remaining budget is prefilled in chunks over several steps; prompt tokens found in the
    prefix cache count as computed and use no budget.
+
+With speculative decoding, a decode the speculator proposes ``k`` tokens for runs ``1 + k`` query
+tokens (the proposals are scored in the same forward), all counted in the budget; the proposals'
+KV goes to lookahead slots the allocator holds for the step (none are taken when the pool is short:
+the sequence then decodes one token, and nobody is preempted for a proposal).
 """
 
 from __future__ import annotations
