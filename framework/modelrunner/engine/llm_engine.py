@@ -534,7 +534,10 @@ class LLMEngine:
         accepted = len(tokens) - 1
         self.speculator.record(seq, len(draft), accepted, len(tokens))
         if accepted:
-            self.allocator.append_slots(seq.seq_id, tokens[:accepted])  # into the reserved lookahead slots
+            copies = self.allocator.append_slots(seq.seq_id, tokens[:accepted])  # into the lookahead slots
+            self.scheduler.owners.appended(seq.seq_id, seq.num_computed_tokens + accepted, copies)
+            if copies:  # none from the paged allocator: the slots are the sequence's alone
+                self.executor.copy_blocks(copies)
             seq.num_computed_tokens += accepted
         for token, entry in zip(tokens, entries):
             self._append(seq, _Chosen(token, entry), changed, outputs)
