@@ -2,7 +2,8 @@
 
 Proposals must be lists of valid token ids (``0 … vocab_size - 1``), at most as many as asked, one
 list per sequence, in order, every step, for sequences that grow, end and come back (``forget``).
-Then a tiny ``LLM`` with the proposer generates greedily in one batch with a request that does not
+A proposer that runs a draft model is given the suite's tiny checkpoint as ``model``
+(the target's vocabulary). Then a tiny ``LLM`` with the proposer generates greedily in one batch with a request that does not
 speculate: its outputs must be plain decoding's (the engine's verification guarantees it; the check
 catches a proposer that breaks the engine instead, e.g. by raising or by mutating the token lists).
 """
@@ -36,12 +37,31 @@ class ProposerSuite(Suite):
         super().__init__(name, plugins=plugins, plugin=plugin)
         self._dir: Any = None
 
+    def _checkpoint(self) -> Any:
+        """The suite's tiny Llama (a 256-token vocabulary): the engine check's target, and the ``model``
+        a proposer that runs a draft model is given."""
+        import tempfile
+
+        from transformers import LlamaConfig
+
+        from .models import tiny_checkpoint
+
+        if self._dir is None:
+            self._dir = tempfile.TemporaryDirectory(prefix="modelrunner-proposer-")
+        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=128,
+                             tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
+        return tiny_checkpoint(config, self._dir.name)
+
+    def _settings(self, k: int = 4) -> dict[str, Any]:
+        return {"method": self.name, "num_speculative_tokens": k, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                "model": str(self._checkpoint())}
+
     def _config(self, k: int = 4) -> Any:
         from ..config import SpeculativeConfig
 
         try:
-            return SpeculativeConfig(method=self.name, num_speculative_tokens=k, prompt_lookup_min=1,
-                                     prompt_lookup_max=3)
+            return SpeculativeConfig(**self._settings(k))
         except ValueError as exc:
             raise NotApplicable(f"the proposer needs settings the suite cannot give it: {exc}") from None
 
@@ -100,20 +120,11 @@ class ProposerSuite(Suite):
         self._expect_valid(again, proposer.propose(again))
 
     def _check_engine(self) -> str:
-        import tempfile
-
-        from transformers import LlamaConfig
-
         from ..sampling.params import SamplingParams
-        from .models import make_llm, tiny_checkpoint
+        from .models import make_llm
 
         self._config()  # NotApplicable before any work when the suite cannot configure it
-        if self._dir is None:
-            self._dir = tempfile.TemporaryDirectory(prefix="modelrunner-proposer-")
-        config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-                             num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=128,
-                             tie_word_embeddings=True, architectures=["LlamaForCausalLM"])
-        path = tiny_checkpoint(config, self._dir.name)
+        path = self._checkpoint()
         common = dict(plugins=self.plugins, dtype="float32", device="cpu", kv_cache_memory=4 * 2**20, compile=False,
                       block_size=8, max_model_len=128)
         method = f"{self.provider()}:{self.name}"
@@ -121,8 +132,7 @@ class ProposerSuite(Suite):
         params = [SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True) for _ in prompts]
         params[3] = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True, logit_bias={7: 0.5})
         plain = make_llm(path, **common).generate(prompts, params, use_tqdm=False)
-        llm = make_llm(path, **common, speculative_config={"method": method, "num_speculative_tokens": 3,
-                                                           "prompt_lookup_min": 1, "prompt_lookup_max": 3})
+        llm = make_llm(path, **common, speculative_config={**self._settings(3), "method": method})
         spec = llm.generate(prompts, params, use_tqdm=False)
         for prompt, a, b in zip(prompts, plain, spec):
             if a.outputs[0].token_ids != b.outputs[0].token_ids:
