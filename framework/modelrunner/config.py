@@ -230,6 +230,65 @@ class StructuredOutputsConfig:
     grammar is ready; compiled grammars are cached by backend and schema)."""
 
 
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    """Speculative decoding (vLLM's ``speculative_config``): a proposer guesses the next tokens of each
+    decoding sequence and the target model checks them all in one forward.
+
+    ``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 5}``
+    copies from the prompt and output; ``{"model": path, "num_speculative_tokens": 4}`` runs a small
+    draft model. The method's name is checked against the installed proposers when the engine starts.
+    """
+
+    method: str = attrs.field(default="ngram", validator=_name)
+    """The proposer, by name (``modelrunner plugins`` lists them): ``ngram`` (prompt lookup) or ``draft``
+    (a draft model; implied by ``model``)."""
+    num_speculative_tokens: int = attrs.field(default=4, validator=_positive)
+    """Most tokens proposed per sequence and step (each step can then emit up to this plus one)."""
+    prompt_lookup_min: int = attrs.field(default=1, validator=_positive)
+    """``ngram``: shortest suffix of the sequence looked up in its earlier tokens."""
+    prompt_lookup_max: int = attrs.field(default=5, validator=_positive)
+    """``ngram``: longest suffix looked up (longer matches are tried first)."""
+    model: str | None = attrs.field(default=None, validator=_optional_str)
+    """``draft``: the draft model's checkpoint (its vocabulary must be the target's)."""
+
+    def __attrs_post_init__(self) -> None:
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({self.prompt_lookup_min}) must not exceed "
+                             f"prompt_lookup_max ({self.prompt_lookup_max})")
+        if self.method == "draft" and self.model is None:
+            raise ValueError("speculative_config: method 'draft' needs 'model' (the draft checkpoint's path)")
+
+    @classmethod
+    def from_dict(cls, value: Any) -> SpeculativeConfig:
+        """vLLM's dict (``method`` defaults to ``draft`` when ``model`` is given, else ``ngram``).
+
+        :raises ValueError: not a dict, an unknown key, or a bad value (named, with what is accepted).
+        """
+        if isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, dict):
+            raise ValueError("speculative_config must be a dict like {'method': 'ngram', "
+                             f"'num_speculative_tokens': 4}}, got {value!r}")
+        unknown = sorted(set(value) - set(_SPECULATIVE_KEYS))
+        if unknown:
+            raise ValueError(f"unknown speculative_config key {unknown[0]!r}{did_you_mean(unknown[0], _SPECULATIVE_KEYS)}"
+                             f" (known: {', '.join(_SPECULATIVE_KEYS)})")
+        value = dict(value)
+        if value.get("method") is None:
+            value["method"] = "draft" if value.get("model") is not None else "ngram"
+        elif value["method"] in ("draft_model", "draft-model"):
+            value["method"] = "draft"
+        try:
+            return cls(**value)
+        except ValueError as e:
+            msg = str(e)
+            raise ValueError(msg if msg.startswith("speculative_config") else f"speculative_config: {msg}") from None
+
+
 def _device_default() -> str:
     return "auto"
 
@@ -252,6 +311,8 @@ class RunnerConfig:
     """Size limits on each request's sampling fields."""
     structured_outputs: StructuredOutputsConfig = attrs.field(factory=StructuredOutputsConfig)
     """Grammar backend for structured outputs."""
+    speculative: SpeculativeConfig | None = None
+    """Speculative decoding (None: off); vLLM's ``speculative_config`` in the flat dict."""
     device: str | int = attrs.field(factory=_device_default, validator=_device)
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or a GPU index."""
 
@@ -268,12 +329,14 @@ class RunnerConfig:
         d = _translate_vllm(d)
         sections: dict[str, dict[str, Any]] = {s: {} for s in _SECTIONS}
         device = d.get("device", "auto")
+        speculative = d.get("speculative_config")
+        speculative = None if speculative is None else SpeculativeConfig.from_dict(speculative)
         for key, value in d.items():
-            if key == "device":
+            if key in ("device", "speculative_config"):
                 continue
             if key not in FLAT_KEYS:
                 raise ValueError(
-                    f"unknown config key {key!r}{did_you_mean(key, [*FLAT_KEYS, 'device'])} (known keys: {', '.join(sorted([*FLAT_KEYS, 'device']))})"
+                    f"unknown config key {key!r}{did_you_mean(key, [*FLAT_KEYS, 'device', 'speculative_config'])} (known keys: {', '.join(sorted([*FLAT_KEYS, 'device', 'speculative_config']))})"
                 )
             section, field = FLAT_KEYS[key]
             sections[section][field] = value
@@ -288,7 +351,7 @@ class RunnerConfig:
                     if msg.startswith(f"{field} must"):
                         msg = flat + msg[len(field):]
                 raise ValueError(msg) from None
-        return cls(**built, device=device)
+        return cls(**built, speculative=speculative, device=device)
 
 
 _SECTIONS = {
@@ -320,7 +383,7 @@ VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 """vLLM engine-argument names that are another key's name here."""
 
 VLLM_ONLY = ("swap_space", "cpu_offload_gb", "max_seq_len_to_capture", "disable_log_stats", "kv_cache_dtype",
-             "distributed_executor_backend", "speculative_config", "tokenizer_mode", "revision",
+             "distributed_executor_backend", "tokenizer_mode", "revision",
              "tokenizer_revision", "code_revision", "download_dir", "load_format", "disable_custom_all_reduce",
              "max_logprobs", "enable_lora", "max_lora_rank", "max_loras", "limit_mm_per_prompt",
              "mm_processor_kwargs", "hf_overrides", "compilation_config", "task", "rope_scaling", "rope_theta",

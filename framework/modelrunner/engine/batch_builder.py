@@ -63,15 +63,16 @@ def build_forward_batch(
                 rows.append(position - item.start)
                 owners.append(LogitsRowOwner(i, position, False))
         if end == len(seq.token_ids):
-            rows.append(item.num_new_tokens - 1)
-            owners.append(LogitsRowOwner(i, end - 1, True))
+            for j in range(len(item.draft) + 1):  # the last token, then each speculative draft token
+                rows.append(item.num_new_tokens - 1 + j)
+                owners.append(LogitsRowOwner(i, end - 1 + j, True))
         logits_rows.append(rows)
         if seq.request.extra:
             for key, value in seq.request.extra.items():
                 extra.setdefault(key, {})[seq.seq_id] = value
     batch = ForwardBatch.build(
         [item.seq.seq_id for item in scheduled],
-        [item.seq.token_ids[item.start:item.start + item.num_new_tokens] for item in scheduled],
+        [item.seq.token_ids[item.start:item.start + item.num_new_tokens] + item.draft for item in scheduled],
         [item.start for item in scheduled],
         [allocator.block_table(item.seq.seq_id) for item in scheduled],
         allocator.block_size, logits_rows, finished_seq_ids, extra,

@@ -62,6 +62,16 @@ class BlockOwners:
         del old[keep:]
         self._hold_new(seq_id, table[keep:])
 
+    def trimmed(self, seq_id: int) -> None:
+        """``seq_id`` gave back blocks at the end of its table (speculative lookahead it did not use)."""
+        old = self._tables.get(seq_id)
+        if old is None:
+            return
+        keep = len(self.allocator.block_table(seq_id))
+        for block in old[keep:]:
+            self._release(block)
+        del old[keep:]
+
     def freed(self, seq_id: int) -> None:
         """``seq_id``'s blocks were given back."""
         for block in self._tables.pop(seq_id, ()):

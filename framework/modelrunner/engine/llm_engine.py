@@ -28,11 +28,13 @@ from ..errors import FatalError
 from ..executor import Executor, UniprocExecutor, create_executor
 from ..kv_cache.allocator import KVCacheError
 from ..layers.cpu_ops import broken_rows
-from ..layers.sampler import Sampler, SamplingMetadata
+from ..layers.sampler import Sampler, SamplingMetadata, sampling_probs
 from ..runner import ModelRunner
 from ..sampling.logits_processor import ProcessorContext
 from ..sampling.logprobs import token_logprobs
 from ..sampling.params import SamplingParams
+from ..spec_decode.rejection import greedy_accept, rejection_sample
+from ..spec_decode.speculator import Speculator
 from ..structured_output.backend import GrammarContext
 from ..structured_output.manager import GrammarFailed, StructuredOutputManager
 from .batch_builder import LogitsRowOwner, build_forward_batch
@@ -142,6 +144,11 @@ class LLMEngine:
             executor.plugins, config.structured_outputs, GrammarContext(self.tokenizer, self.vocab_size,
                                                                         self.eos_token_ids))
         """Grammar backends, compiled grammars and each step's token bitmask for structured outputs."""
+        self.speculator: Speculator | None = None
+        """Speculative decoding (None: off): proposes tokens each step, verified in the same forward."""
+        if config.speculative is not None:
+            self.speculator = self._create_speculator(allocator)
+            self.scheduler.speculator = self.speculator
         self._compiling: list[Sequence] = []  # requests waiting for their grammar, in arrival order
         self._shares_kv_on_fork = executor.kv_cache_spec is not None
         self._requests: dict[str, Request] = {}
@@ -153,6 +160,32 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self.num_steps = 0
         """Steps run so far."""
+
+    def _create_speculator(self, allocator: Any) -> Speculator:
+        """The speculator of ``config.speculative``.
+
+        :raises ValueError: the model keeps its own cache, the allocator cannot hold lookahead slots, or
+            the method names no installed proposer (the message lists those that are).
+        """
+        spec = self.config.speculative
+        if self.executor.kv_cache_spec is None:
+            raise ValueError("speculative_config: this model keeps its own cache, which cannot take back rejected "
+                             "tokens; speculative decoding needs a model on the paged KV cache")
+        if not allocator.supports_lookahead:
+            raise ValueError(f"speculative_config: KV allocator {self.config.cache.kv_allocator!r} cannot reserve "
+                             "lookahead slots for proposed tokens (supports_lookahead is False); use "
+                             "kv_allocator='paged'")
+        plugins = self.executor.plugins
+        names = plugins.registry.names("proposers")
+        try:
+            proposer_class = plugins.proposer_class(spec.method)
+        except Exception as exc:  # noqa: BLE001 - an unknown or conflicting name: say which exist
+            raise ValueError(f"speculative_config: unknown method {spec.method!r}; installed proposers: "
+                             f"{', '.join(names) or '(none)'} ({exc})") from None
+        from ..spec_decode.proposer import ProposerContext
+
+        proposer = proposer_class(ProposerContext(spec, self.vocab_size, self.config, plugins, self.tokenizer))
+        return Speculator(spec, proposer, self.vocab_size)
 
     @property
     def allocator(self) -> Any:
@@ -338,10 +371,21 @@ class LLMEngine:
                 for item in scheduled:
                     item.seq.num_computed_tokens = item.start + item.num_new_tokens
                 self._record_prompt_logprobs(logits, owners, scheduled)
-                sampled = [(r, scheduled[o.item].seq) for r, o in enumerate(owners) if o.samples]
+                sampled: list[tuple[int, Sequence]] = []
+                speculated: dict[int, list[int]] = {}  # scheduled item → its rows (last token, then drafts)
+                for r, o in enumerate(owners):
+                    if o.samples:
+                        if scheduled[o.item].draft:
+                            speculated.setdefault(o.item, []).append(r)
+                        else:
+                            sampled.append((r, scheduled[o.item].seq))
                 for seq, choice in self._sample([r for r, _ in sampled], [seq for _, seq in sampled], logits,
                                                 outputs):
                     self._append(seq, choice, changed, outputs)
+                for index, rows in speculated.items():
+                    self._verify(scheduled[index], logits[rows], changed, outputs)
+            if self.speculator is not None:
+                self._release_lookahead(out)
         for request in changed.values():
             if request.request_id in self._requests:
                 outputs.append(self._output(request))
@@ -466,9 +510,74 @@ class LLMEngine:
             chosen += [(targets[i], pick) for i, pick in zip(mine, picks)]
         return chosen
 
-    def _choose(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[_Chosen]:
-        """Tokens for ``raw`` logits rows (one per sequence): check them, apply the logits processors,
-        sample, and compute the asked log-probabilities from the raw logits."""
+    # -- speculative decoding ----------------------------------------------------------------------
+
+    def _verify(self, item: ScheduledSequence, raw: torch.Tensor, changed: dict[str, Request],
+                outputs: list[RequestOutput]) -> None:
+        """Check ``item``'s drafts against the target's logits ``raw`` (its last token's row, then one per
+        draft) and append what survives: the accepted drafts and one token of the target's. Greedy
+        rows accept the drafts matching the argmax; sampled rows use rejection sampling, which keeps the
+        target's distribution. The accepted drafts' KV, already in the lookahead slots, becomes the
+        sequence's; the prefix cache sees only those."""
+        seq = item.seq
+        if seq.is_finished:
+            return
+        draft = item.draft
+        try:
+            with self._rewind_on_failure([seq]):
+                tokens, entries = self._accept(raw, seq, draft)
+        except FatalError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            self._fail(seq.request, _sampling_error(exc), outputs)
+            return
+        accepted = len(tokens) - 1
+        self.speculator.record(seq, len(draft), accepted, len(tokens))
+        if accepted:
+            copies = self.allocator.append_slots(seq.seq_id, tokens[:accepted])  # into the lookahead slots
+            self.scheduler.owners.appended(seq.seq_id, seq.num_computed_tokens + accepted, copies)
+            if copies:  # none from the paged allocator: the slots are the sequence's alone
+                self.executor.copy_blocks(copies)
+            seq.num_computed_tokens += accepted
+        for token, entry in zip(tokens, entries):
+            self._append(seq, _Chosen(token, entry), changed, outputs)
+            if seq.is_finished:
+                break  # EOS, a stop string or max_tokens inside the accepted run: the rest is dropped
+
+    def _accept(self, raw: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[list[int], list]:
+        """The tokens to append after verifying ``draft``, with their log-probabilities when asked."""
+        rows = [seq] * len(raw)
+        self._check_raw(raw, rows)
+        params = seq.params
+        metadata = SamplingMetadata.from_rows([params.temperature] * len(rows), [params.top_k] * len(rows),
+                                              [params.top_p] * len(rows), [seq.generator] * len(rows),
+                                              [params.min_p] * len(rows))
+        if metadata.all_greedy:
+            tokens = greedy_accept(self.sampler(raw, metadata).tolist(), draft)
+        else:
+            generator = seq.generator if seq.generator is not None else self.sampler.generator
+            tokens = rejection_sample(sampling_probs(raw, metadata), draft, generator)
+        if params.logprobs is None:
+            return tokens, [None] * len(tokens)
+        picked, rank, top_ids, top_lps = token_logprobs(raw[:len(tokens)], torch.tensor(tokens), params.logprobs)
+        return tokens, [self._logprob_entry(t, float(picked[j]), int(rank[j]), top_ids[j].tolist(),
+                                            top_lps[j].tolist()) for j, t in enumerate(tokens)]
+
+    def _release_lookahead(self, out: SchedulerOutput) -> None:
+        """Give back the lookahead slots of this step's drafts (the accepted ones hold tokens now), and
+        let the speculator forget the sequences that ended or were preempted."""
+        for item in out.scheduled:
+            seq_id = item.seq.seq_id
+            if item.draft and seq_id in self.allocator:
+                self.allocator.release_lookahead(seq_id)
+                self.scheduler.owners.trimmed(seq_id)
+        ended = [item.seq.seq_id for item in out.scheduled if item.seq.is_finished]
+        self.speculator.forget([*out.finished_seq_ids, *ended])
+
+    # -- sampling (continued) --------------------------------------------------------------------
+
+    def _check_raw(self, raw: torch.Tensor, seqs: list[Sequence]) -> None:
+        """Raise :class:`BrokenLogits` for logits of the wrong shape, or with NaN / +inf / all -inf rows."""
         problem = logits_problem(raw, (len(seqs), self.vocab_size))
         if problem is not None:
             raise BrokenLogits(f"the model returned {problem}; nothing was sampled")
@@ -477,6 +586,11 @@ class LLMEngine:
             seq = seqs[int(broken.nonzero()[0])]
             raise BrokenLogits(f"the model's logits for request {seq.request.request_id!r} contain NaN or +inf (or "
                                "are all -inf): a broken model or plugin; nothing was sampled")
+
+    def _choose(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[_Chosen]:
+        """Tokens for ``raw`` logits rows (one per sequence): check them, apply the logits processors,
+        sample, and compute the asked log-probabilities from the raw logits."""
+        self._check_raw(raw, seqs)
         # Without processors or grammars the rows are sampled as they are (checked above: not all -inf).
         constrained = any(seq.grammar is not None for seq in seqs)
         if constrained or any(seq.request.processor_states for seq in seqs):
@@ -728,6 +842,8 @@ class LLMEngine:
         out = {"kv_cache": self.memory_stats(), **self.executor.stats()}
         if self.structured_outputs.used:
             out["structured_outputs"] = self.structured_outputs.stats()
+        if self.speculator is not None:
+            out["speculative"] = self.speculator.stats()
         return out
 
 

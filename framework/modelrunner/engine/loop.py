@@ -57,6 +57,8 @@ class LoopSnapshot:
     """Steps run so far."""
     num_preemptions: int = 0
     """Sequences preempted so far."""
+    spec_decode: Any = None
+    """Speculative decoding's counts so far (a :class:`~modelrunner.spec_decode.SpecCounters`; None: off)."""
 
     @property
     def kv_usage(self) -> float:
@@ -198,7 +200,8 @@ class EngineLoop:
             num_running=len(engine.scheduler.running), num_waiting=len(engine.scheduler.waiting),
             num_requests=engine.get_num_unfinished_requests(), kv_used_blocks=stats.used_blocks,
             kv_num_blocks=stats.num_blocks, prefix_queries=stats.prefix_queries, prefix_hits=stats.prefix_hits,
-            num_steps=engine.num_steps, num_preemptions=engine.scheduler.num_preemptions)
+            num_steps=engine.num_steps, num_preemptions=engine.scheduler.num_preemptions,
+            spec_decode=None if engine.speculator is None else attrs.evolve(engine.speculator.counters))
 
     def _fail_everything(self, exc: BaseException) -> None:
         message = f"the engine stopped: {type(exc).__name__}: {exc}"

@@ -37,6 +37,22 @@ class RequestMetrics:
     """When it finished."""
     num_generated_tokens: int = 0
     """Tokens generated over all completions."""
+    spec_num_drafts: int = 0
+    """Speculative decoding: verifications of proposed tokens (one per completion and step that speculated)."""
+    spec_num_draft_tokens: int = 0
+    """Speculative decoding: tokens proposed and scored by the target."""
+    spec_num_accepted_tokens: int = 0
+    """Speculative decoding: proposed tokens the target accepted."""
+
+    @property
+    def spec_acceptance_rate(self) -> float | None:
+        """Accepted over proposed tokens (None when nothing was proposed)."""
+        return self.spec_num_accepted_tokens / self.spec_num_draft_tokens if self.spec_num_draft_tokens else None
+
+    @property
+    def spec_mean_accepted_length(self) -> float | None:
+        """Tokens emitted per verification: accepted drafts plus the target's own one (None without any)."""
+        return 1.0 + self.spec_num_accepted_tokens / self.spec_num_drafts if self.spec_num_drafts else None
 
     @property
     def time_to_first_token(self) -> float | None:

@@ -11,11 +11,17 @@ Every step has one token budget (``max_num_batched_tokens``) shared by decodes a
    (``max_num_seqs``, counting the ``n`` completions of a request) and blocks last. A prompt longer
    than the remaining budget is prefilled in chunks over several steps; prompt tokens found in the
    prefix cache count as computed and use no budget.
+
+With speculative decoding, a decode the speculator proposes ``k`` tokens for runs ``1 + k`` query
+tokens (the proposals are scored in the same forward), all counted in the budget; the proposals'
+KV goes to lookahead slots the allocator holds for the step (none are taken when the pool is short:
+the sequence then decodes one token, and nobody is preempted for a proposal).
 """
 
 from __future__ import annotations
 
 from collections import deque
+from typing import Any
 
 import attrs
 
@@ -34,7 +40,10 @@ class ScheduledSequence:
     start: int
     """Tokens already in the cache (the step's ``context_lens`` entry)."""
     num_new_tokens: int
-    """Tokens computed in this step (the query length)."""
+    """Tokens of the sequence computed in this step."""
+    draft: list[int] = attrs.field(factory=list)
+    """Speculative decoding: proposed tokens scored after them in the same forward (their KV goes to
+    lookahead slots; only those the target accepts become the sequence's)."""
 
 
 @attrs.define
@@ -77,6 +86,9 @@ class Scheduler:
         """Sequences holding blocks, oldest first (preemption takes from the end)."""
         self.num_preemptions = 0
         """Sequences preempted so far (each is recomputed later)."""
+        self.speculator: Any = None
+        """Speculative decoding's :class:`~modelrunner.spec_decode.Speculator` (None: off): decoding
+        sequences it proposes for get ``k`` more query tokens, budgeted like any other."""
         self._finished_ids: list[int] = []
 
     # -- queues ----------------------------------------------------------------------------------
@@ -146,6 +158,7 @@ class Scheduler:
         decodes = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1]
         prefills = [s for s in running if len(s.token_ids) - s.num_computed_tokens > 1]
         scheduled_ids: set[int] = set()
+        drafts = self.speculator.propose(decodes, alloc.max_model_len) if self.speculator and decodes else {}
         for seq in decodes + prefills:
             if budget == 0 or len(out.scheduled) >= max_seqs:
                 break
@@ -169,9 +182,14 @@ class Scheduler:
             copies = alloc.append_slots(seq.seq_id, seq.token_ids[start:start + n])
             self.owners.appended(seq.seq_id, start + n, copies)
             out.block_copies += copies
-            out.scheduled.append(ScheduledSequence(seq, start, n))
+            draft = drafts.get(seq.seq_id, [])[:budget - n]
+            if draft and alloc.reserve_lookahead(seq.seq_id, len(draft)):
+                self.owners.appended(seq.seq_id, start + n + len(draft), [])
+            else:
+                draft = []
+            out.scheduled.append(ScheduledSequence(seq, start, n, draft))
             scheduled_ids.add(seq.seq_id)
-            budget -= n
+            budget -= n + len(draft)
 
         seats = sum(self._seats(s) for s in running)
         while self.waiting and budget > 0 and not out.preempted and len(out.scheduled) < max_seqs:

@@ -93,6 +93,9 @@ class BlockAllocator(abc.ABC):
     shares_blocks_on_fork: bool = False
     """True when :meth:`fork` shares the parent's blocks (copy-on-write) instead of copying them;
     the contract suite then also checks the sharing rules."""
+    supports_lookahead: bool = False
+    """True when :meth:`reserve_lookahead` and :meth:`release_lookahead` are implemented (speculative
+    decoding needs them: without, sequences do not speculate)."""
 
     def __init__(
         self,
@@ -195,6 +198,24 @@ class BlockAllocator(abc.ABC):
         register blocks for reuse must override it. :raises KVCacheError: unknown sequence.
         """
         self.num_tokens(seq_id)
+
+    def reserve_lookahead(self, seq_id: int, num_slots: int) -> bool:
+        """Hold slots for ``num_slots`` tokens after the sequence's tokens without recording any token
+        in them: speculative decoding writes its draft tokens' KV there, and only the drafts the target
+        model accepts become the sequence's tokens (a later :meth:`append_slots` of them uses these slots,
+        which must stay where they are). Nothing enters the prefix cache here.
+
+        :returns: False, changing nothing, when there are not enough free blocks (or past ``max_model_len``).
+        :raises KVCacheError: unknown sequence; NotImplementedError without ``supports_lookahead``.
+        """
+        raise NotImplementedError(f"allocator {self.name!r} cannot reserve lookahead slots")
+
+    def release_lookahead(self, seq_id: int) -> None:
+        """Give back the blocks :meth:`reserve_lookahead` held that hold no token of the sequence now.
+
+        :raises KVCacheError: unknown sequence; NotImplementedError without ``supports_lookahead``.
+        """
+        raise NotImplementedError(f"allocator {self.name!r} cannot release lookahead slots")
 
     def slot_mapping(self, seq_id: int, start: int, end: int) -> list[int]:
         """Flat cache slots of the sequence's tokens ``start:end`` (``block * block_size + offset``)."""

@@ -69,6 +69,8 @@ class PagedBlockAllocator(BlockAllocator):
     supports_prefix_caching = True
     shares_blocks_on_fork = True
     """``fork`` shares blocks; the first append to a shared partial block copies it."""
+    supports_lookahead = True
+    """Lookahead blocks sit at the end of the block table until appended into or released."""
 
     def __init__(
         self,
@@ -273,8 +275,9 @@ class PagedBlockAllocator(BlockAllocator):
     def _append_cost(self, seq: _Sequence, num_new_tokens: int) -> tuple[bool, int]:
         """Whether the last block must be copied first, and how many free blocks the append takes."""
         bs = self.block_size
-        copy_last = num_new_tokens > 0 and seq.num_tokens % bs != 0 and self._ref_counts[seq.block_table[-1]] > 1
-        new = -(-(seq.num_tokens + num_new_tokens) // bs) - len(seq.block_table)
+        copy_last = (num_new_tokens > 0 and seq.num_tokens % bs != 0
+                     and self._ref_counts[seq.block_table[seq.num_tokens // bs]] > 1)
+        new = max(0, -(-(seq.num_tokens + num_new_tokens) // bs) - len(seq.block_table))
         return copy_last, new + copy_last
 
     def can_append(self, seq_id: int, num_new_tokens: int) -> bool:
@@ -290,7 +293,7 @@ class PagedBlockAllocator(BlockAllocator):
         if pos + n > self.max_model_len:
             self._check_length(seq_id, pos + n)
         bs = self.block_size
-        last = seq.block_table[-1]
+        last = seq.block_table[pos // bs] if pos % bs else -1
         if n == 1 and pos % bs and self._ref_counts[last] == 1:
             # The decode fast path: one token into a block this sequence holds alone.
             seq.num_tokens = pos + 1
@@ -307,18 +310,40 @@ class PagedBlockAllocator(BlockAllocator):
 
         copies: list[BlockCopy] = []
         if copy_last:
-            src = seq.block_table[-1]
+            src = seq.block_table[pos // bs]
             dst = self._take_free_block()
             self._fill[dst] = self._fill[src]
             self._used_slots += self._fill[dst]
             self._release(src)
-            seq.block_table[-1] = dst
+            seq.block_table[pos // bs] = dst
             copies.append((src, dst))
         for _ in range(needed - copy_last):
             seq.block_table.append(self._take_free_block())
         self._write(seq, token_ids)
         self._note_peak()
         return copies
+
+    def reserve_lookahead(self, seq_id: int, num_slots: int) -> bool:
+        seq = self._seq(seq_id)
+        total = seq.num_tokens + num_slots
+        if total > self.max_model_len:
+            return False
+        bs = self.block_size
+        if seq.num_tokens % bs and self._ref_counts[seq.block_table[seq.num_tokens // bs]] > 1:
+            return False  # a shared partial block: the next append_slots copies it first
+        needed = max(0, -(-total // bs) - len(seq.block_table))
+        if needed > len(self._free):
+            return False
+        for _ in range(needed):
+            seq.block_table.append(self._take_free_block())
+        self._note_peak()
+        return True
+
+    def release_lookahead(self, seq_id: int) -> None:
+        seq = self._seq(seq_id)
+        keep = -(-seq.num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            self._release(seq.block_table.pop())
 
     def fork(self, parent_id: int, child_id: int) -> list[BlockCopy]:
         parent = self._seq(parent_id)

@@ -340,6 +340,34 @@ class AllocatorContract:
         a.free(3)
         assert a.allocate(4, list(range(16))) == 0, "evicted blocks must not be reported as cached"
 
+    # -- speculative decoding's lookahead slots ------------------------------------------------------------
+
+    def test_lookahead_slots(self) -> None:
+        """Lookahead slots (``supports_lookahead``): reserved without tokens, appended into in place,
+        given back by ``release_lookahead``, never in the prefix cache."""
+        a = self.make_allocator(16, 4, 32)
+        if not a.supports_lookahead:
+            pytest.skip("the allocator does not declare supports_lookahead")
+        prompt = list(range(1, 7))  # 6 tokens: a partial second block
+        a.allocate(1, prompt)
+        assert a.reserve_lookahead(1, 5), "reserving 5 lookahead slots in a 16-block pool failed"
+        assert a.num_tokens(1) == 6, "reserve_lookahead must not add tokens"
+        table = a.block_table(1)
+        assert len(table) >= 3, f"6 tokens + 5 lookahead slots need 3 blocks of 4, the table has {table}"
+        a.append_slots(1, [7, 8, 9])  # two drafts accepted, one more token: into the reserved slots
+        assert a.block_table(1)[:3] == table[:3], "append_slots after reserve_lookahead moved the reserved blocks"
+        a.release_lookahead(1)
+        assert len(a.block_table(1)) == 3 and a.num_tokens(1) == 9
+        check_consistency(a, {1: prompt + [7, 8, 9]})
+        assert not a.reserve_lookahead(1, 32), "reserve_lookahead past max_model_len must refuse"
+        assert a.num_tokens(1) == 9 and len(a.block_table(1)) == 3
+        a.reserve_lookahead(1, 7)  # slots for tokens 10-16: a full block of drafts that is never appended
+        a.release_lookahead(1)
+        a.free(1)
+        if self.supports_prefix_caching:
+            # Only the two blocks of real tokens are cached, not one holding the drafts' slots.
+            assert a.allocate(2, prompt + [7, 8, 9] + [0] * 8) == 8
+
     # -- property-based --------------------------------------------------------------------------------
 
     def test_state_machine(self) -> None:

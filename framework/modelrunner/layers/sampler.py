@@ -155,6 +155,29 @@ def sample(
     return torch.where(is_greedy, greedy_ids, sampled)
 
 
+def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
+    """The distribution :func:`sample` draws each row from, normalized: temperature, top-k / top-p and
+    min-p applied; a greedy row is one-hot at its argmax. (Speculative decoding accepts proposals
+    against it.)
+
+    :returns: [S, V] float32 probabilities.
+    """
+    logits = logits.float()
+    temperature = metadata.temperature.to(logits.device)
+    is_greedy = temperature == 0.0
+    scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
+    scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
+    probs = scaled.softmax(dim=-1)
+    if metadata.min_p is not None:
+        floor = probs.amax(dim=-1, keepdim=True) * metadata.min_p.to(probs.device).unsqueeze(1)
+        probs = probs.masked_fill_(probs < floor, 0.0)
+        probs = probs.div_(probs.sum(dim=-1, keepdim=True))
+    if metadata.any_greedy:
+        one_hot = torch.zeros_like(probs).scatter_(1, argmax_rows(logits).view(-1, 1), 1.0)
+        probs = torch.where(is_greedy.unsqueeze(1), one_hot, probs)
+    return probs
+
+
 class Sampler:
     """Callable form of :func:`sample` holding the shared generator (seeded from the runner config)."""
 

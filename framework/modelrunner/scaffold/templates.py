@@ -13,6 +13,7 @@ KINDS = {
     "matmul-kernel": "matmul_kernels",
     "grammar-backend": "grammar_backends",
     "tool-parser": "tool_parsers",
+    "proposer": "proposers",
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
@@ -430,6 +431,39 @@ def register(registry: Any) -> None:
     """Declare the parser (``modelrunner serve ... --enable-auto-tool-choice --tool-call-parser {name}``)."""
     registry.tool_parsers({cls})
 ''',
+    "proposer": HEADER + '''
+from collections.abc import Sequence
+
+from modelrunner.spec_decode import ProposalRequest, Proposer, ProposerContext
+
+
+class {cls}(Proposer):
+    """Proposes that the last token repeats. Replace :meth:`propose` with your guess of what follows
+    each sequence: the engine checks every proposed token with the target model, so a bad guess costs
+    speed, never correctness.
+
+    The settings come from ``speculative_config`` (``self.context.config``: ``num_speculative_tokens``,
+    ``prompt_lookup_min`` / ``prompt_lookup_max``, ``model``); ``self.context.vocab_size`` bounds the ids.
+    """
+
+    name = "{name}"
+
+    def __init__(self, context: ProposerContext) -> None:
+        super().__init__(context)
+
+    def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
+        """At most ``request.num_tokens`` token ids per request, in order (``[]``: no guess)."""
+        return [[request.token_ids[-1]] * request.num_tokens for request in requests]
+
+    def forget(self, seq_ids: Sequence[int]) -> None:
+        """Sequences that ended or were preempted (drop state kept per sequence; none here)."""
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the proposer (``LLM(model, speculative_config={{"method": "{name}"}})`` picks it)."""
+    registry.proposers({cls})
+''',
 }
 """KIND → the plugin module (``{name}``, ``{cls}`` filled in; an adapter's ``{arch}`` too)."""
 
@@ -485,6 +519,7 @@ SUMMARIES = {
     "matmul-kernel": "The {name} matmul kernel for quantized weights in modelrunner.",
     "grammar-backend": "The {name} grammar backend for structured outputs in modelrunner.",
     "tool-parser": "The {name} tool-call parser for modelrunner's server.",
+    "proposer": "The {name} speculative-decoding proposer for modelrunner.",
 }
 
 USAGE = {
@@ -501,6 +536,7 @@ USAGE = {
                        '`llm.generate(prompt, SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))`.',
     "tool-parser": '`modelrunner serve MODEL --enable-auto-tool-choice --tool-call-parser {name}`: with\n'
                    '`tool_choice="auto"` the calls the model writes come back as `tool_calls`.',
+    "proposer": '`LLM(model, speculative_config={{"method": "{name}", "num_speculative_tokens": 4}})`.',
 }
 
 TEST_OPTIONS: dict[str, tuple[str, str]] = {}

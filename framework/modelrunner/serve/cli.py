@@ -62,6 +62,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                       help='request headers allowed cross-origin (default ["*"])')
     cors.add_argument("--allow-credentials", action="store_true",
                       help="let browsers send cookies and HTTP authentication cross-origin (default off)")
+    p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
+                   help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
+                        '"prompt_lookup_max": 4}\' (see docs/guide/speculative.md)')
     tools = p.add_argument_group("tool calling (vLLM's options)")
     tools.add_argument("--enable-auto-tool-choice", action="store_true",
                        help='serve tool_choice "auto" (the default with tools): the model\'s own text is parsed '
@@ -70,6 +73,27 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help="the tool-call parser for the model's format: hermes (Qwen, Hermes), llama3_json, "
                             "mistral, or a plugin's (modelrunner plugins lists them)")
     return p
+
+
+def speculative_config(text: str) -> dict:
+    """``--speculative-config``: a JSON object, checked as ``LLM(speculative_config=...)`` checks it.
+
+    :raises argparse.ArgumentTypeError: not a JSON object, or a key or value the config refuses.
+    """
+    import json
+
+    from ..config import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e}); e.g. '{{\"method\": \"ngram\", "
+                                         "\"num_speculative_tokens\": 4}'") from None
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
 
 
 def string_list(text: str) -> list[str]:
@@ -105,6 +129,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     from .settings import ServeSettings
 
     config = config_overrides(args.set)
+    if args.speculative_config is not None:
+        config["speculative_config"] = args.speculative_config
     RunnerConfig.from_dict({"model": args.model, **config})  # a bad --set fails now, before binding
     template = args.chat_template
     if template is not None and os.path.isfile(template):

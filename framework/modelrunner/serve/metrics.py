@@ -64,6 +64,14 @@ class _EngineCollector(Collector):
         yield counter("num_preemptions", "Sequences preempted (KV blocks freed, recomputed later).",
                       snap.num_preemptions)
         yield counter("engine_steps", "Engine steps run.", snap.num_steps)
+        spec = snap.spec_decode
+        if spec is not None:  # vLLM's speculative-decoding counters
+            yield counter("spec_decode_num_drafts", "Verifications of proposed tokens (one per sequence and step).",
+                          spec.num_drafts)
+            yield counter("spec_decode_num_draft_tokens", "Proposed tokens scored by the target model.",
+                          spec.num_draft_tokens)
+            yield counter("spec_decode_num_accepted_tokens", "Proposed tokens the target model accepted.",
+                          spec.num_accepted_tokens)
 
 
 class ServerMetrics:

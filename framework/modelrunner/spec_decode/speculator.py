@@ -1,0 +1,170 @@
+"""The engine's side of speculative decoding: who speculates, how many tokens, and the counts.
+
+A decoding sequence speculates unless it uses something whose per-token state the verification
+does not replay: a structured-output grammar or a logits processor (``logit_bias``, penalties,
+``bad_words``, ``min_tokens``, named processors …). Those decode one token per step as usual, in the
+same batch. How many tokens a sequence is offered adapts to how many it had accepted: all accepted →
+one more (up to ``num_speculative_tokens``), some → one more than accepted, none → half; after
+three proposals in a row with nothing accepted the sequence stops speculating for a while (2, 4, 8 …
+up to 64 steps), so text with nothing to copy runs at plain speed.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import attrs
+import numpy as np
+
+from ..config import SpeculativeConfig
+from .proposer import ProposalRequest, Proposer
+
+logger = logging.getLogger(__name__)
+
+_MAX_PAUSE = 64
+"""Most decode steps a sequence sits out after repeated fruitless proposals."""
+
+
+@attrs.define
+class SpecState:
+    """One sequence's speculation state."""
+
+    k: int
+    """Tokens it is offered next (adapts to its acceptance)."""
+    misses: int = 0
+    """Proposals in a row of which nothing was accepted."""
+    pause: int = 0
+    """Decode steps left before it speculates again."""
+
+
+@attrs.define
+class SpecCounters:
+    """Aggregate counts over every verification (vLLM's ``spec_decode`` metrics)."""
+
+    num_drafts: int = 0
+    """Verifications run (one per speculating sequence and step)."""
+    num_draft_tokens: int = 0
+    """Tokens proposed and scored."""
+    num_accepted_tokens: int = 0
+    """Proposed tokens the target accepted."""
+    num_emitted_tokens: int = 0
+    """Tokens appended by verifications (accepted plus the target's own one each)."""
+    proposer_errors: int = 0
+    """Steps whose proposer raised (nothing was speculated then)."""
+
+
+class Speculator:
+    """Asks the proposer for each step's drafts and keeps per-sequence state and the counts.
+
+    :param config: the ``speculative_config``.
+    :param proposer: the proposer chosen by ``config.method``.
+    :param vocab_size: the target's vocabulary size (proposals must lie below it).
+    """
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, vocab_size: int) -> None:
+        self.config = config
+        """The ``speculative_config``."""
+        self.proposer = proposer
+        """Where the drafts come from."""
+        self.vocab_size = vocab_size
+        """Token ids at or above this are cut from proposals."""
+        self.counters = SpecCounters()
+        """Totals since the engine started."""
+        self._states: dict[int, SpecState] = {}
+
+    @staticmethod
+    def eligible(seq: Any) -> bool:
+        """Whether ``seq`` may speculate (see the module docstring for who does not)."""
+        return seq.grammar is None and not seq.request.processor_states
+
+    def propose(self, seqs: Seq[Any], max_model_len: int) -> dict[int, list[int]]:
+        """Drafts for the decoding sequences ``seqs`` (by seq id); sequences absent speculate not this step."""
+        requests: list[ProposalRequest] = []
+        for seq in seqs:
+            if not self.eligible(seq):
+                continue
+            state = self._states.get(seq.seq_id)
+            if state is None:
+                state = self._states[seq.seq_id] = SpecState(k=self.config.num_speculative_tokens)
+            if state.pause:
+                state.pause -= 1
+                continue
+            params = seq.params
+            room = min(state.k, max_model_len - len(seq.token_ids),
+                       params.max_tokens - seq.num_output_tokens - 1 if params.max_tokens is not None else state.k)
+            if room > 0:
+                requests.append(ProposalRequest(seq.seq_id, seq.token_ids, room))
+        if not requests:
+            return {}
+        try:
+            proposals = self.proposer.propose(requests)
+            if len(proposals) != len(requests):
+                raise ValueError(f"returned {len(proposals)} proposals for {len(requests)} sequences")
+        except Exception as exc:  # noqa: BLE001 - a broken proposer slows, never fails, requests
+            self.counters.proposer_errors += 1
+            logger.warning("proposer %r failed (%s: %s); this step does not speculate", self.proposer.name,
+                           type(exc).__name__, exc)
+            return {}
+        drafts: dict[int, list[int]] = {}
+        vocab = self.vocab_size
+        for request, proposal in zip(requests, proposals):
+            clean: list[int] = []
+            try:
+                for token in list(proposal)[:request.num_tokens]:
+                    if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
+                        break  # garbage from here on: keep what came before
+                    clean.append(int(token))
+            except TypeError:
+                clean = []  # not a list of tokens at all
+            if clean:
+                drafts[request.seq_id] = clean
+        return drafts
+
+    def record(self, seq: Any, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+        """Count one verification of ``seq`` and adapt its ``k``."""
+        counters = self.counters
+        counters.num_drafts += 1
+        counters.num_draft_tokens += num_proposed
+        counters.num_accepted_tokens += num_accepted
+        counters.num_emitted_tokens += num_emitted
+        metrics = seq.request.metrics
+        metrics.spec_num_drafts += 1
+        metrics.spec_num_draft_tokens += num_proposed
+        metrics.spec_num_accepted_tokens += num_accepted
+        state = self._states.get(seq.seq_id)
+        if state is None:
+            return
+        limit = self.config.num_speculative_tokens
+        if num_accepted == num_proposed:
+            state.k, state.misses = min(limit, state.k + 1), 0
+        elif num_accepted:
+            state.k, state.misses = min(limit, num_accepted + 1), 0
+        else:
+            state.k = max(1, state.k // 2)
+            state.misses += 1
+            if state.misses >= 3:
+                state.pause = min(_MAX_PAUSE, 2 ** (state.misses - 2))
+
+    def forget(self, seq_ids: Seq[int]) -> None:
+        """Sequences that ended or were preempted: drop their state here and in the proposer."""
+        if not seq_ids:
+            return
+        for seq_id in seq_ids:
+            self._states.pop(seq_id, None)
+        try:
+            self.proposer.forget(seq_ids)
+        except Exception as exc:  # noqa: BLE001
+            logger.warning("proposer %r failed to forget sequences (%s: %s)", self.proposer.name,
+                           type(exc).__name__, exc)
+
+    def stats(self) -> dict[str, Any]:
+        """The counts, the acceptance rate and the mean accepted length, plus the proposer's own."""
+        c = self.counters
+        out: dict[str, Any] = {"method": self.config.method,
+                               "num_speculative_tokens": self.config.num_speculative_tokens, **attrs.asdict(c)}
+        out["acceptance_rate"] = c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0
+        out["mean_acceptance_length"] = c.num_emitted_tokens / c.num_drafts if c.num_drafts else 0.0
+        out.update(self.proposer.stats())
+        return out
