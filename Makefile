@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/mkdocs build --strict --quiet -d $(VENV)/site
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=30
 
 # Benchmarks run as users run: without the tests' passive OpenMP threads (they cost small decode
 # steps a quarter of their speed, waking up for every matmul).
