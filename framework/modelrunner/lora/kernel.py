@@ -1,0 +1,90 @@
+"""The batched LoRA apply (the ``lora_kernels`` plugin kind) and the per-step token→adapter mapping.
+
+A step's tokens belong to up to ``max_loras`` adapters (and the base model). Every LoRA-carrying linear
+layer holds its adapters' matrices stacked by *slot*: ``lora_a[slot]`` is ``[rank, in]`` and
+``lora_b[slot]`` ``[out, rank]`` with the scaling folded into B. A kernel adds, for every token ``t`` of an
+adapter, ``lora_b[slot] @ (lora_a[slot] @ x[t])`` to the layer's output row ``t`` — in the activation
+dtype, beside whatever matmul computed the base output (dense or quantized); the base weights are
+never changed.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import attrs
+import torch
+
+
+@attrs.frozen
+class LoRAMapping:
+    """Which adapter slot each token of a step uses, grouped once per step for every layer."""
+
+    token_slots: torch.Tensor
+    """``[tokens]`` int64: the slot of each token's adapter, -1 for the base model."""
+    groups: tuple[tuple[int, torch.Tensor | None], ...]
+    """``(slot, rows)`` per adapter present: the token rows (ascending int64 indices) using it, or None
+    when every token of the step does."""
+
+    @classmethod
+    def from_token_slots(cls, token_slots: torch.Tensor) -> LoRAMapping:
+        """The mapping of ``token_slots`` (-1: base model), its groups computed once."""
+        slots = sorted(s for s in token_slots.unique().tolist() if s >= 0)
+        if len(slots) == 1 and bool((token_slots == slots[0]).all()):
+            return cls(token_slots, ((slots[0], None),))
+        return cls(token_slots, tuple((s, (token_slots == s).nonzero().flatten()) for s in slots))
+
+    def to(self, device: torch.device) -> LoRAMapping:
+        """The same mapping with its tensors on ``device``."""
+        if self.token_slots.device == torch.device(device):
+            return self
+        return LoRAMapping(self.token_slots.to(device),
+                           tuple((s, None if r is None else r.to(device)) for s, r in self.groups))
+
+
+class LoRAKernel:
+    """Adds the LoRA deltas of a step to a linear layer's output (subclass and register with
+    ``registry.lora_kernels(cls)``; chosen by the ``lora_kernel`` config field)."""
+
+    name: ClassVar[str] = ""
+    """The name the kernel registers under."""
+    devices: ClassVar[tuple[str, ...] | None] = None
+    """Device types it runs on (None: any)."""
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              mapping: LoRAMapping) -> torch.Tensor:
+        """``y`` plus, for every token ``t`` whose slot ``s = mapping.token_slots[t] >= 0``,
+        ``lora_b[s] @ (lora_a[s] @ x[t])``; rows of the base model unchanged. May update ``y`` in place.
+
+        :param y: ``[tokens, out]`` the base layer's output.
+        :param x: ``[tokens, in]`` the layer's input (same dtype as ``y``).
+        :param lora_a: ``[slots, rank, in]``; ``lora_b``: ``[slots, out, rank]`` (scaling folded in).
+        :returns: the output with the deltas added.
+        """
+        raise NotImplementedError
+
+
+class TorchLoRAKernel(LoRAKernel):
+    """The default: per adapter group, a shrink and an expand matmul on the group's rows (``index_add_``
+    back into the output); a step of one adapter runs two plain matmuls over all rows."""
+
+    name = "torch"
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              mapping: LoRAMapping) -> torch.Tensor:
+        for slot, rows in mapping.groups:
+            if rows is None:
+                return y.add_((x @ lora_a[slot].t()) @ lora_b[slot].t())
+            part = (x.index_select(0, rows) @ lora_a[slot].t()) @ lora_b[slot].t()
+            y.index_add_(0, rows, part)
+        return y
+
+
+def reference_apply(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                    token_slots: torch.Tensor) -> torch.Tensor:
+    """The math every kernel must match, token by token in float64 (for tests and the conformance suite)."""
+    out = y.double().clone()
+    for t, slot in enumerate(token_slots.tolist()):
+        if slot >= 0:
+            out[t] += lora_b[slot].double() @ (lora_a[slot].double() @ x[t].double())
+    return out.to(y.dtype)
