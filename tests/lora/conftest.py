@@ -40,3 +40,14 @@ def peft_adapters(tiny_llama_dir, tmp_path_factory) -> list[Path]:
 def save_adapter():
     """:func:`save_peft_adapter`, for test modules."""
     return save_peft_adapter
+
+
+@pytest.fixture(scope="session")
+def lora_llm(tiny_llama_dir):
+    """The tiny Llama with LoRA on: two slots, two adapters kept read, rank up to 8."""
+    from modelrunner import LLM
+
+    llm = LLM(str(tiny_llama_dir), dtype="float32", device="cpu", enable_lora=True, max_loras=2, max_lora_rank=8,
+              max_cpu_loras=2)
+    yield llm
+    llm.shutdown()
