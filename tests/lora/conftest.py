@@ -6,27 +6,7 @@ from pathlib import Path
 
 import pytest
 
-SEVEN = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-
-
-def save_peft_adapter(base_dir: Path, path: Path, seed: int, rank: int = 8, alpha: int = 16,
-                      targets: list[str] | None = None, **config) -> Path:
-    """A random LoRA (non-zero B, so a missing delta shows) on ``targets`` of the model at ``base_dir``,
-    saved by peft."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    base = AutoModelForCausalLM.from_pretrained(str(base_dir), torch_dtype=torch.float32)
-    lora = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets or SEVEN, init_lora_weights=False, **config)
-    torch.manual_seed(seed)
-    model = get_peft_model(base, lora)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.05)
-    model.save_pretrained(str(path))
-    return path
+from peft_adapters import save_peft_adapter
 
 
 @pytest.fixture(scope="session")
@@ -34,12 +14,6 @@ def peft_adapters(tiny_llama_dir, tmp_path_factory) -> list[Path]:
     """Two random rank-8 adapters on all seven projections of the tiny Llama."""
     root = tmp_path_factory.mktemp("peft")
     return [save_peft_adapter(tiny_llama_dir, root / f"adapter{i}", seed=i + 1) for i in range(2)]
-
-
-@pytest.fixture(scope="session")
-def save_adapter():
-    """:func:`save_peft_adapter`, for test modules."""
-    return save_peft_adapter
 
 
 @pytest.fixture(scope="session")
