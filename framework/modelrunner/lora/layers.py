@@ -32,7 +32,10 @@ def packed_mapping(model: nn.Module) -> dict[str, tuple[str, int]]:
     """Checkpoint projection → ``(fused layer, index)`` from every ``packed_modules_mapping`` in ``model``."""
     out: dict[str, tuple[str, int]] = {}
     for module in model.modules():
-        for fused, parts in (getattr(module, "packed_modules_mapping", None) or {}).items():
+        mapping = getattr(module, "packed_modules_mapping", None)
+        if not isinstance(mapping, dict):  # e.g. FusedMoE's method of the same name (experts carry no LoRA)
+            continue
+        for fused, parts in mapping.items():
             for i, part in enumerate(parts):
                 out[part] = (fused, i)
     return out
