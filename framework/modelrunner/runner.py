@@ -242,6 +242,8 @@ class ModelRunner(ArticleAPI):
             self.num_blocks = math.ceil(self.max_model_len / cache_cfg.block_size) * self.config.scheduler.max_num_seqs
             return
         weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        if self.lora is not None:
+            weights += self.lora.slot_bytes
         budget = kv_cache_budget(cache_cfg, self.device, weights, self._profile_activation_peak(spec))
         num_blocks = num_blocks_for_budget(spec, budget, self.max_model_len)
         if self.parallel.world_size > 1:

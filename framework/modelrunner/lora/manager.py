@@ -22,7 +22,8 @@ from .layers import LoRALayer, ShardWeights, lora_layers, packed_mapping, resolv
 from .request import LoRARequest
 
 Adapter = dict[str, dict[int, ShardWeights]]
-"""A read adapter: layer name → packed index → this rank's ``(A, B·scaling)`` in the model's dtype."""
+"""A read adapter: layer name → packed index → this rank's ``(A, B·scaling)`` in the model's dtype, in
+host memory."""
 
 
 class LoRAManager:
@@ -90,8 +91,8 @@ class LoRAManager:
             adapter[name] = {}
             for index, weights in shards.items():
                 a, b = layer.shard_weights(index, weights, peft.scaling, peft.path)
-                device = layer.lora_a.device
-                adapter[name][index] = (a.to(device=device, dtype=self.dtype), b.to(device=device, dtype=self.dtype))
+                # Kept in host memory (max_cpu_loras of them); copied to the device when given a slot.
+                adapter[name][index] = (a.to(dtype=self.dtype), b.to(dtype=self.dtype))
         return adapter
 
     def remove(self, lora_int_id: int) -> bool:
@@ -187,7 +188,13 @@ class LoRAManager:
 
         return add_delta
 
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes the slots take on the model's device."""
+        return sum(t.numel() * t.element_size() for layer in self.layers.values() for t in (layer.lora_a, layer.lora_b))
+
     def stats(self) -> dict[str, Any]:
         """``{"adapters": added, "read": in memory, "slots": ids per slot, "loads": reads from disk}``."""
         return {"adapters": len(self.requests), "read": list(self.read), "slots": list(self.slots),
-                "loads": self.loads, "layers": len(self.layers), "kernel": self.kernel.name}
+                "loads": self.loads, "layers": len(self.layers), "kernel": self.kernel.name,
+                "slot_bytes": self.slot_bytes}
