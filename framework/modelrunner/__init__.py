@@ -50,10 +50,12 @@ __all__ = [
     "CompletionOutput",
     "Logprob",
     "BeamSearchParams",
+    "LoRARequest",
 ]
 
 _LAZY = {
     "LLM": ("modelrunner.llm", "LLM"),
+    "LoRARequest": ("modelrunner.lora.request", "LoRARequest"),
     "SamplingParams": ("modelrunner.sampling.params", "SamplingParams"),
     "StructuredOutputsParams": ("modelrunner.sampling.structured", "StructuredOutputsParams"),
     "GuidedDecodingParams": ("modelrunner.sampling.structured", "GuidedDecodingParams"),

@@ -287,6 +287,32 @@ class SpeculativeConfig:
         except ValueError as e:
             msg = str(e)
             raise ValueError(msg if msg.startswith("speculative_config") else f"speculative_config: {msg}") from None
+@attrs.frozen
+class LoRAConfig:
+    """LoRA adapters served over the base model (vLLM's ``enable_lora`` and its limits)."""
+
+    enable_lora: bool = attrs.field(default=False, validator=_bool)
+    """Accept requests with a ``lora_request`` (the linear layers then carry adapter slots)."""
+    max_loras: int = attrs.field(default=1, validator=_positive)
+    """Most distinct adapters in one step (each a slot in every LoRA-carrying layer); requests of
+    other adapters wait."""
+    max_lora_rank: int = attrs.field(default=16, validator=_positive)
+    """Highest adapter rank accepted (slots are sized for it)."""
+    max_cpu_loras: int | None = attrs.field(default=None, validator=_positive_or_none)
+    """Adapters kept read in memory (least recently used dropped, read again from disk when needed);
+    default ``max_loras``; at least ``max_loras``."""
+    lora_kernel: str = attrs.field(default="torch", validator=_name)
+    """The ``lora_kernels`` plugin that adds the deltas (``modelrunner plugins`` lists them)."""
+
+    @max_cpu_loras.validator
+    def _cpu_at_least_gpu(self, attribute: attrs.Attribute, value: int | None) -> None:
+        if value is not None and value < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({value}) must be at least max_loras ({self.max_loras})")
+
+    @property
+    def cpu_loras(self) -> int:
+        """``max_cpu_loras``, or ``max_loras`` when unset."""
+        return self.max_cpu_loras or self.max_loras
 
 
 def _device_default() -> str:
@@ -313,6 +339,8 @@ class RunnerConfig:
     """Grammar backend for structured outputs."""
     speculative: SpeculativeConfig | None = None
     """Speculative decoding (None: off); vLLM's ``speculative_config`` in the flat dict."""
+    lora: LoRAConfig = attrs.field(factory=LoRAConfig)
+    """LoRA adapters."""
     device: str | int = attrs.field(factory=_device_default, validator=_device)
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or a GPU index."""
 
@@ -362,6 +390,7 @@ _SECTIONS = {
     "scheduler": SchedulerConfig,
     "limits": RequestLimits,
     "structured_outputs": StructuredOutputsConfig,
+    "lora": LoRAConfig,
 }
 
 _RENAMED = {
@@ -385,11 +414,11 @@ VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 VLLM_ONLY = ("swap_space", "cpu_offload_gb", "max_seq_len_to_capture", "disable_log_stats", "kv_cache_dtype",
              "distributed_executor_backend", "tokenizer_mode", "revision",
              "tokenizer_revision", "code_revision", "download_dir", "load_format", "disable_custom_all_reduce",
-             "max_logprobs", "enable_lora", "max_lora_rank", "max_loras", "limit_mm_per_prompt",
+             "max_logprobs", "limit_mm_per_prompt",
              "mm_processor_kwargs", "hf_overrides", "compilation_config", "task", "rope_scaling", "rope_theta",
              "enable_chunked_prefill", "num_scheduler_steps", "scheduling_policy", "worker_cls",
              "override_generation_config", "enable_sleep_mode", "calculate_kv_scales", "disable_async_output_proc",
-             "skip_tokenizer_init", "data_parallel_size", "enable_expert_parallel", "max_cpu_loras",
+             "skip_tokenizer_init", "data_parallel_size", "enable_expert_parallel",
              "tokenizer_pool_size", "reasoning_parser", "logits_processors",
              "served_model_name", "allowed_local_media_path", "generation_config")
 """vLLM engine arguments modelrunner has no equivalent for; refused by name, never silently ignored."""

@@ -167,6 +167,15 @@ class Executor(ArticleAPI, abc.ABC):
         """This process's runner statistics (``model``, ``compile``)."""
         return self.runner.stats()
 
+    def add_lora(self, request: Any) -> None:
+        """Read and check a LoRA adapter here; other ranks read it from the first step that uses it
+        (:attr:`ForwardBatch.loras <modelrunner.forward_batch.ForwardBatch.loras>`)."""
+        self.runner.add_lora(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter here (other ranks replace it when the id comes back with another path)."""
+        return self.runner.remove_lora(lora_int_id)
+
     def _require_loaded(self) -> LoadedModel:
         return self.runner._require_loaded()
 

@@ -48,6 +48,10 @@ class ForwardBatch:
     """Sequences that ended since the previous step, so adapters that keep per-sequence state can drop it."""
     extra: dict[str, Any] = attrs.field(factory=dict)
     """Adapter-specific inputs keyed by name (e.g. ``"images"``, ``"return_router_logits"``)."""
+    lora_ids: tuple[int, ...] = ()
+    """Each sequence's LoRA adapter id (``lora_int_id``; 0: the base model); empty: all base model."""
+    loras: dict[int, Any] = attrs.field(factory=dict)
+    """The step's adapters by id (:class:`~modelrunner.lora.LoRARequest`), so every rank can read them."""
 
     @classmethod
     def build(cls, seq_ids: Sequence[int], new_tokens: Sequence[Sequence[int]], starts: Sequence[int],
@@ -186,6 +190,7 @@ class ForwardBatch:
             input_ids=self.input_ids.index_select(0, rows),
             positions=self.positions.index_select(0, rows),
             seq_ids=tuple(self.seq_ids[i] for i in picked),
+            lora_ids=tuple(self.lora_ids[i] for i in picked) if self.lora_ids else (),
             query_start_loc=torch.cat((query_lens.new_zeros(1), query_lens.cumsum(0))),
             seq_lens=seq_lens,
             context_lens=self.context_lens.index_select(0, seqs),

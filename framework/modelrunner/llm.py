@@ -56,12 +56,14 @@ class LLM:
         return SamplingParams(**generation_defaults(self.runner.runner.source))
 
     def beam_search(self, prompts: str | list[int] | dict[str, Any] | Sequence[Any],
-                    params: BeamSearchParams) -> list[BeamSearchOutput]:
+                    params: BeamSearchParams, lora_request: Any = None) -> list[BeamSearchOutput]:
         """Beam search over each prompt (text, token ids, or ``{"prompt"...}``/``{"prompt_token_ids"...}``
         dicts); one :class:`BeamSearchOutput` per prompt, its ``beam_width`` sequences best first.
 
         Beams share the prompt's KV blocks through the allocator's fork (copy-on-write).
 
+        :param lora_request: a :class:`~modelrunner.lora.LoRARequest` for every prompt, or a list of them
+            (None entries: the base model). All prompts run in every step: at most ``max_loras`` distinct.
         :raises ValueError: a bad prompt or parameter, or a prompt too long for ``max_tokens`` more.
         """
         if not isinstance(params, BeamSearchParams):
@@ -76,7 +78,16 @@ class LLM:
                 raise ValueError(f"prompt {i} has {len(ids)} tokens: with max_tokens={params.max_tokens} it exceeds "
                                  f"max_model_len={self.engine.max_model_len}")
             token_prompts.append(ids)
-        return beam_search(self.engine, token_prompts, params)
+        loras = _per_prompt_loras(lora_request, len(token_prompts))
+        distinct = {r.lora_int_id for r in loras if r is not None}
+        if distinct:
+            for r in dict.fromkeys(r for r in loras if r is not None):
+                self.engine.add_lora(r)
+            max_loras = self.engine.config.lora.max_loras
+            if len(distinct) > max_loras:
+                raise ValueError(f"beam search runs all prompts together, but they use {len(distinct)} LoRA adapters "
+                                 f"and max_loras is {max_loras}; split the call or raise max_loras")
+        return beam_search(self.engine, token_prompts, params, loras)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prompt prefix (e.g. after editing weights). False, changing nothing,
@@ -101,6 +112,7 @@ class LLM:
         prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt, batched continuously; one finished output per prompt, in order.
 
@@ -109,12 +121,15 @@ class LLM:
             inputs), or a list of those.
         :param sampling_params: one for all prompts, or one per prompt (default: SamplingParams()).
         :param use_tqdm: show a progress bar when there is more than one prompt.
+        :param lora_request: the LoRA adapter (a :class:`~modelrunner.lora.LoRARequest`) for every
+            prompt, or a list with one per prompt (None entries: the base model); needs ``enable_lora``.
         :raises ValueError: a prompt or its parameters are invalid (the message names its index);
             nothing runs then. ``structured_outputs`` a grammar backend cannot serve raise
             :class:`~modelrunner.errors.StructuredOutputError` (a ValueError) naming the feature.
         """
         batch = _as_prompt_list(prompts)
         params = _per_prompt_params(sampling_params, len(batch))
+        loras = _per_prompt_loras(lora_request, len(batch))
         done: dict[str, RequestOutput] = {}
         bar = None
         if use_tqdm and len(batch) > 1:
@@ -128,7 +143,7 @@ class LLM:
                 if bar is not None:
                     bar.update(1)
 
-        ids = self._add_all(batch, params, collect)
+        ids = self._add_all(batch, params, collect, loras)
         try:
             while len(done) < len(ids):
                 self.engine.advance()
@@ -141,13 +156,15 @@ class LLM:
                 bar.close()
         return [done[rid] for rid in ids]
 
-    def _add_all(self, prompts: list[Any], params: list[SamplingParams], consumer: Any) -> list[str]:
+    def _add_all(self, prompts: list[Any], params: list[SamplingParams], consumer: Any,
+                 loras: list[Any] | None = None) -> list[str]:
         ids: list[str] = []
+        loras = loras or [None] * len(prompts)
         try:
-            for i, (prompt, p) in enumerate(zip(prompts, params)):
+            for i, (prompt, p, lora) in enumerate(zip(prompts, params, loras)):
                 rid = self.engine.new_request_id()
                 try:
-                    self.engine.add_request(rid, prompt, p, on_output=consumer)
+                    self.engine.add_request(rid, prompt, p, on_output=consumer, lora_request=lora)
                 except StructuredOutputError as exc:  # keeps its type: a server maps it to a 400
                     raise exc.with_prefix(f"prompt {i}: ") from exc
                 except ValueError as exc:
@@ -160,7 +177,8 @@ class LLM:
         return ids
 
     def generate_stream(
-        self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None
+        self, prompt: str | list[int] | dict[str, Any], sampling_params: SamplingParams | None = None,
+        lora_request: Any = None,
     ) -> Iterator[str]:
         """Yield the text of one completion piece by piece as tokens arrive.
 
@@ -171,7 +189,7 @@ class LLM:
         """
         rid = self.engine.new_request_id()
         arrived: collections.deque[RequestOutput] = collections.deque()
-        self.engine.add_request(rid, prompt, sampling_params, on_output=arrived.append)
+        self.engine.add_request(rid, prompt, sampling_params, on_output=arrived.append, lora_request=lora_request)
         finished = False
         try:
             while not finished:
@@ -198,6 +216,7 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         chat_template_kwargs: dict[str, Any] | None = None,
+        lora_request: Any = None,
     ) -> list[RequestOutput]:
         """Generate replies to one conversation or a list of them, through a chat template.
 
@@ -208,6 +227,7 @@ class LLM:
         :param continue_final_message: let the reply continue the last (assistant) message instead of
             starting a new turn (excludes ``add_generation_prompt``).
         :param chat_template_kwargs: extra variables for the template.
+        :param lora_request: as :meth:`generate`'s (one per conversation when a list).
         :returns: one output per conversation.
         :raises ValueError: a malformed conversation (naming the message and field), or a model without a
             tokenizer or chat template.
@@ -217,7 +237,7 @@ class LLM:
             add_generation_prompt = False  # vLLM's rule: continuing a message adds no new turn
         prompts = [self.chat_prompt(c, chat_template, add_generation_prompt, continue_final_message,
                                     chat_template_kwargs) for c in conversations]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def chat_prompt(self, conversation: list[dict[str, Any]], chat_template: str | None = None,
                     add_generation_prompt: bool = True, continue_final_message: bool = False,
@@ -305,6 +325,16 @@ def _as_prompt_list(prompts: Any) -> list[Any]:
     raise ValueError(
         f"prompts must be a string, a list of token ids, a dict, or a list of those; got {type(prompts).__name__}"
     )
+
+
+def _per_prompt_loras(lora_request: Any, count: int) -> list[Any]:
+    """One LoRA request (or None) per prompt, from one for all or a list of one per prompt."""
+    if isinstance(lora_request, (list, tuple)):
+        if len(lora_request) != count:
+            raise ValueError(f"got {len(lora_request)} lora_request entries for {count} prompts; give one, or one "
+                             "per prompt")
+        return list(lora_request)
+    return [lora_request] * count
 
 
 def _per_prompt_params(params: Any, count: int) -> list[SamplingParams]:

@@ -37,6 +37,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-grammars": "modelrunner.defaults.grammars",
     "default-tool-parsers": "modelrunner.defaults.tool_parsers",
     "default-proposers": "modelrunner.defaults.proposers",
+    "default-lora-kernels": "modelrunner.defaults.lora_kernels",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 
@@ -351,6 +352,9 @@ class Plugins:
     def proposer_class(self, name: str) -> type:
         """The :class:`~modelrunner.spec_decode.Proposer` subclass registered as ``name``."""
         return self._class("proposers", name)
+    def lora_kernel_class(self, name: str) -> type:
+        """The :class:`~modelrunner.lora.LoRAKernel` subclass registered as ``name``."""
+        return self._class("lora_kernels", name)
 
     def quantization_method_class(self, name: str) -> type:
         """The :class:`~modelrunner.quantization.QuantizationMethod` subclass registered as ``name``."""

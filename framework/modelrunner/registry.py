@@ -19,6 +19,7 @@ NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
 CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels",
                "grammar_backends", "tool_parsers", "proposers")
+               "grammar_backends", "tool_parsers", "lora_kernels")
 """Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""
@@ -51,6 +52,7 @@ CLASS_CAPABILITIES = {
     "grammar_backends": ("constraints", "auto_order"),
     "tool_parsers": ("start_markers", "parallel_calls"),
     "proposers": (),
+    "lora_kernels": ("devices",),
 }
 """Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
 
@@ -90,6 +92,10 @@ def _base_class(kind: str) -> type:
         from .spec_decode.proposer import Proposer
 
         return Proposer
+    if kind == "lora_kernels":
+        from .lora.kernel import LoRAKernel
+
+        return LoRAKernel
     from .quantization.base import QuantizationMethod
 
     return QuantizationMethod
@@ -196,6 +202,10 @@ class Registry:
         """Declare speculative-decoding proposers (:class:`modelrunner.spec_decode.Proposer` subclasses),
         selectable by ``name`` (``speculative_config={"method": NAME, ...}``)."""
         self._add_classes("proposers", proposers)
+    def lora_kernels(self, *kernels: type) -> None:
+        """Declare batched LoRA kernels (:class:`modelrunner.lora.LoRAKernel` subclasses), selectable by
+        ``name`` (config field ``lora_kernel``)."""
+        self._add_classes("lora_kernels", kernels)
 
     # -- looking up ----------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ block allocator that hands out its KV blocks belongs to whoever schedules (the e
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from pathlib import Path
@@ -129,6 +130,8 @@ class ModelRunner(ArticleAPI):
         """Longest sequence (prompt + output) this runner serves."""
         self.quantization: Any = None
         """The quantization method the model's weights use (None: dense floats)."""
+        self.lora: Any = None
+        """The :class:`~modelrunner.lora.LoRAManager` (None unless ``enable_lora``)."""
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -196,9 +199,39 @@ class ModelRunner(ArticleAPI):
             loaded.tokenizer = load_tokenizer_from(cfg.model.tokenizer)
         loaded.runnable = loaded.model  # what the compile hook may wrap (the eager backend keeps it)
         loaded.runnable = self.plugins.compile_model(self.compile_backend, loaded, cfg.compile)
+        if cfg.lora.enable_lora:
+            self.lora = self._lora_manager(loaded)
         self.loaded = loaded
         self._init_kv_cache()
         return loaded
+
+    def _lora_manager(self, loaded: LoadedModel) -> Any:
+        from .lora import LoRAManager
+
+        cfg = self.config
+        if cfg.parallel.pipeline_parallel_size > 1:
+            raise ModelRunnerError("enable_lora does not run with pipeline_parallel_size > 1 yet; use tensor "
+                                   "parallelism")
+        kernel_cls = self.plugins.lora_kernel_class(cfg.lora.lora_kernel)
+        if kernel_cls.devices is not None and self.device.type not in kernel_cls.devices:
+            raise ModelRunnerError(f"lora_kernel {cfg.lora.lora_kernel!r} runs on {', '.join(kernel_cls.devices)}, "
+                                   f"not {self.device.type}")
+        return LoRAManager(loaded.model, cfg.lora, kernel_cls(), self.device, self.dtype)
+
+    def add_lora(self, request: Any) -> None:
+        """Read and check a LoRA adapter (:class:`~modelrunner.lora.LoRARequest`) for later steps.
+
+        :raises ValueError: LoRA is not enabled, or the adapter is bad (a :class:`~modelrunner.lora.LoRAError`
+            naming the file and the problem).
+        """
+        self._require_loaded()
+        if self.lora is None:
+            raise ValueError("a lora_request needs LoRA enabled: LLM(..., enable_lora=True) (server: --enable-lora)")
+        self.lora.add(request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter; False when it was not added."""
+        return self.lora is not None and self.lora.remove(lora_int_id)
 
     def _init_kv_cache(self) -> None:
         assert self.loaded is not None
@@ -209,6 +242,8 @@ class ModelRunner(ArticleAPI):
             self.num_blocks = math.ceil(self.max_model_len / cache_cfg.block_size) * self.config.scheduler.max_num_seqs
             return
         weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        if self.lora is not None:
+            weights += self.lora.slot_bytes
         budget = kv_cache_budget(cache_cfg, self.device, weights, self._profile_activation_peak(spec))
         num_blocks = num_blocks_for_budget(spec, budget, self.max_model_len)
         if self.parallel.world_size > 1:
@@ -245,8 +280,11 @@ class ModelRunner(ArticleAPI):
 
     def _run(self, batch: ForwardBatch, kv_caches: list[torch.Tensor]) -> ForwardOutput:
         loaded = self.loaded
-        with torch.inference_mode():
-            out = self.plugins.call("forward", loaded.adapter, loaded=loaded, batch=batch, kv_caches=kv_caches)
+        with torch.inference_mode(), self._lora_step(batch) as lora_active:
+            # A step with adapters runs the plain model: its layers' LoRA hooks must run, which a
+            # compiled or recorded callable may not do.
+            run = attrs.evolve(loaded, runnable=loaded.model) if lora_active else loaded
+            out = self.plugins.call("forward", loaded.adapter, loaded=run, batch=batch, kv_caches=kv_caches)
         if out is None:
             raise ModelRunnerError(f"adapter {loaded.adapter!r} implements no forward hook for the model it loaded")
         if not isinstance(out, ForwardOutput):
@@ -257,6 +295,13 @@ class ModelRunner(ArticleAPI):
                 raise ValueError(f"adapter {loaded.adapter!r}'s forward hook returned logits of shape {list(rows)} "
                                  f"for {wanted} requested rows (batch.logits_indices); expected [{wanted}, vocab]")
         return out
+
+    def _lora_step(self, batch: ForwardBatch) -> Any:
+        if self.lora is None:
+            if any(batch.lora_ids):
+                raise ValueError("a step carries LoRA adapters but enable_lora is off")
+            return contextlib.nullcontext(False)
+        return self.lora.step(batch.lora_ids or (0,) * batch.num_seqs, batch.query_lens, batch.loras)
 
     def execute_model(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step; its float32 logits ``[len(batch.logits_indices), vocab]`` on the CPU, and the
@@ -335,4 +380,6 @@ class ModelRunner(ArticleAPI):
             out["model"] = model_stats()
         if compiled is not None:
             out["compile"] = compiled
+        if self.lora is not None:
+            out["lora"] = self.lora.stats()
         return out

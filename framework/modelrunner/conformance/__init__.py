@@ -23,6 +23,7 @@ SUITES = {
     "grammar_backends": "modelrunner.conformance.grammar:GrammarBackendSuite",
     "tool_parsers": "modelrunner.conformance.tool_parser:ToolParserSuite",
     "proposers": "modelrunner.conformance.proposer:ProposerSuite",
+    "lora_kernels": "modelrunner.conformance.lora:LoRAKernelSuite",
 }
 """Registry kind → ``module:class`` of its suite (imported when used)."""
 

@@ -298,7 +298,7 @@ class AdapterSuite(Suite):
 
     def checks(self) -> list[Check]:
         """``logits``, ``greedy/*`` (continuous batching, chunked prefill, prefix cache, preemption, one per
-        CPU attention backend) and ``tensor-parallel=2``."""
+        CPU attention backend), ``lora`` and ``tensor-parallel=2``."""
         checks = [
             Check("logits", self.check_logits),
             Check("greedy/continuous-batching", self.check_continuous_batching),
@@ -308,8 +308,60 @@ class AdapterSuite(Suite):
         ]
         for backend in self.plugins.attention_backends("cpu"):
             checks.append(Check(f"greedy/attention={backend}", lambda b=backend: self.check_attention_backend(b)))
+        checks.append(Check("lora", self.check_lora))
         checks.append(Check("tensor-parallel=2", self.check_tensor_parallel))
         return checks
+
+    def check_lora(self) -> str:
+        """A random PEFT LoRA (non-zero B) on every projection of the seven the model has: one batch of a
+        request with the adapter and one without gives transformers + peft's greedy tokens for each.
+        Skipped without peft installed, for a model with none of the projections, and for an adapter
+        whose model is not built from the kernel's linear layers."""
+        import copy
+
+        import torch
+
+        from ..lora import LoRAError, LoRARequest
+        from ..lora.checkpoint import TARGETS
+
+        self._require_cpu()
+        try:
+            import peft
+        except ImportError:
+            raise NotApplicable("peft is not installed (pip install peft): LoRA is not checked") from None
+        names = [n for n, _ in self.reference.named_modules()]
+        targets = [t for t in TARGETS if any(n.endswith("." + t) for n in names)]
+        if any(".experts." in n for n in names):  # expert projections carry no LoRA: the attention's do
+            targets = [t for t in targets if t in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        if not targets:
+            raise NotApplicable(f"the model has none of the LoRA target projections ({', '.join(TARGETS)})")
+        torch.manual_seed(self.seed)
+        model = peft.get_peft_model(copy.deepcopy(self.reference), peft.LoraConfig(
+            r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False))
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_" in name:
+                    param.normal_(0.0, 0.1)
+        folder = self.root / f"lora-{self.checkpoint.name}"
+        model.save_pretrained(str(folder))
+        try:
+            llm = self.llm("lora", enable_lora=True, max_loras=1, max_lora_rank=4, max_num_seqs=2)
+        except LoRAError as e:
+            raise NotApplicable(f"the model does not run LoRA adapters: {e}") from None
+        prompts = self.prompts[:2]
+        sampling = [dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)] * 2
+        from ..sampling.params import SamplingParams
+
+        outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], [SamplingParams(**s) for s in sampling],
+                               lora_request=[LoRARequest("conformance", 1, str(folder)), None], use_tqdm=False)
+        model.eval()
+        for i, (prompt, out) in enumerate(zip(prompts, outputs)):
+            expect(not out.error, f"prompt {i} failed: {out.error}")
+            got = list(out.outputs[0].token_ids)
+            want = reference_greedy(model, prompt, NEW_TOKENS) if i == 0 else self.greedy(prompt)
+            what = "with the adapter" if i == 0 else "of the base model, beside the adapter's"
+            expect(got == want, f"prompt {i} {what} differs from transformers + peft: got {got}, expected {want}")
+        return f"adapter on {', '.join(targets)}"
 
     def check_logits(self) -> str:
         """Every position's logits of each prompt (one prefill over several blocks) within :data:`LOGITS_ATOL`

@@ -70,6 +70,8 @@ def build_forward_batch(
         if seq.request.extra:
             for key, value in seq.request.extra.items():
                 extra.setdefault(key, {})[seq.seq_id] = value
+    loras = {item.seq.request.lora_int_id: item.seq.request.lora_request for item in scheduled
+             if item.seq.request.lora_request is not None}
     batch = ForwardBatch.build(
         [item.seq.seq_id for item in scheduled],
         [item.seq.token_ids[item.start:item.start + item.num_new_tokens] + item.draft for item in scheduled],
@@ -77,4 +79,6 @@ def build_forward_batch(
         [allocator.block_table(item.seq.seq_id) for item in scheduled],
         allocator.block_size, logits_rows, finished_seq_ids, extra,
     )
+    if loras:
+        batch = attrs.evolve(batch, lora_ids=tuple(item.seq.request.lora_int_id for item in scheduled), loras=loras)
     return batch, owners

@@ -109,11 +109,17 @@ class _BeamSequences:
         self._executor = engine.executor
         self._owners = engine.scheduler.owners
         self._written: dict[int, int] = {}
+        self.lora_of: dict[int, Any] = {}
+        """Sequence id → the LoRA adapter (a LoRARequest) its prompt runs with; absent: the base model."""
 
-    def start(self, prompt: list[int]) -> tuple[int, int]:
-        """A new sequence for ``prompt``: its id and how many leading tokens the prefix cache had."""
+    def start(self, prompt: list[int], lora_request: Any = None) -> tuple[int, int]:
+        """A new sequence for ``prompt`` (run with ``lora_request``, None: the base model): its id and
+        how many leading tokens the prefix cache had (of the same adapter)."""
         seq_id = self._engine.next_seq_id()
-        cached = self._alloc.allocate(seq_id, prompt)
+        keys = () if lora_request is None else (("lora", lora_request.lora_int_id),)
+        cached = self._alloc.allocate(seq_id, prompt, keys)
+        if lora_request is not None:
+            self.lora_of[seq_id] = lora_request
         self._written[seq_id] = cached
         self._owners.allocated(seq_id, cached)
         return seq_id, cached
@@ -123,6 +129,8 @@ class _BeamSequences:
         child = self._engine.next_seq_id()
         copies = self._alloc.fork(parent, child)
         self._written[child] = self._written[parent]  # owned before the copy, which may raise
+        if parent in self.lora_of:
+            self.lora_of[child] = self.lora_of[parent]
         self._owners.forked(parent, child)
         self._executor.copy_blocks(copies)
         return child
@@ -141,6 +149,7 @@ class _BeamSequences:
     def free(self, seq_id: int) -> None:
         """Give back one sequence's blocks."""
         written = self._written.pop(seq_id)
+        self.lora_of.pop(seq_id, None)
         if written < self._alloc.num_tokens(seq_id):
             self._alloc.forget_uncomputed(seq_id, written)
         self._alloc.free(seq_id)
@@ -152,13 +161,25 @@ class _BeamSequences:
             self.free(next(iter(self._written)))
 
 
-def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchParams) -> list[BeamSearchOutput]:
+def with_loras(batch: ForwardBatch, seqs: _BeamSequences) -> ForwardBatch:
+    """``batch`` carrying each sequence's LoRA adapter (unchanged when none has one)."""
+    loras = {s: seqs.lora_of[s] for s in batch.seq_ids if s in seqs.lora_of}
+    if not loras:
+        return batch
+    ids = tuple(loras[s].lora_int_id if s in loras else 0 for s in batch.seq_ids)
+    return attrs.evolve(batch, lora_ids=ids, loras={r.lora_int_id: r for r in loras.values()})
+
+
+def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchParams,
+                lora_requests: Sequence[Any] | None = None) -> list[BeamSearchOutput]:
     """Beam-search every token-id prompt together; one output per prompt, in order.
 
     Whichever way it ends (done, out of blocks, a failed forward, an interrupt), the search holds no
     KV block afterwards and leaves no block it did not compute in the prefix cache.
 
     :param engine: the :class:`~modelrunner.engine.LLMEngine` whose executor and allocator run it.
+    :param lora_requests: per prompt, the LoRA adapter it runs with (None: the base model); the search
+        runs every prompt in each step, so at most ``max_loras`` distinct adapters.
     :raises ValueError: the KV cache cannot hold the beams (raise ``kv_cache_memory``).
     """
     executor, alloc = engine.executor, engine.allocator
@@ -168,14 +189,15 @@ def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchPar
     done: list[list[_Beam]] = [[] for _ in prompts]
     try:
         starts = []
-        for prompt in prompts:
-            seq_id, start = seqs.start(list(prompt))
+        for i, prompt in enumerate(prompts):
+            seq_id, start = seqs.start(list(prompt), lora_requests[i] if lora_requests else None)
             live.append([_Beam(seq_id, list(prompt), [], 0.0, len(prompt))])
             starts.append(start)
         beams = [g[0] for g in live]
         batch = ForwardBatch.build([b.seq_id for b in beams], [b.tokens[s:] for b, s in zip(beams, starts)], starts,
                                    [alloc.block_table(b.seq_id) for b in beams], alloc.block_size,
                                    [[len(b.tokens) - s - 1] for b, s in zip(beams, starts)])
+        batch = with_loras(batch, seqs)
         logits = executor.execute_model(batch).logits
         seqs.computed([b.seq_id for b in beams])
         for step in range(params.max_tokens):
@@ -209,6 +231,7 @@ def beam_search(engine: Any, prompts: Sequence[list[int]], params: BeamSearchPar
             batch = ForwardBatch.build([b.seq_id for b in beams], [[b.tokens[-1]] for b in beams],
                                        [len(b.tokens) - 1 for b in beams], [alloc.block_table(b.seq_id) for b in beams],
                                        alloc.block_size, [[0]] * len(beams))
+            batch = with_loras(batch, seqs)
             logits = executor.execute_model(batch).logits
             seqs.computed([b.seq_id for b in beams])
     except KVCacheError as e:

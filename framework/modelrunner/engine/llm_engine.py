@@ -120,7 +120,8 @@ class LLMEngine:
         allocator = executor.plugins.create_allocator(cache.kv_allocator, executor.num_blocks, executor.block_size,
                                                       self.max_model_len, cache)
         executor.lend_allocator(allocator)
-        self.scheduler = Scheduler(config.scheduler, allocator)
+        self.scheduler = Scheduler(config.scheduler, allocator,
+                                   config.lora.max_loras if config.lora.enable_lora else None)
         """Waiting and running queues; owns the KV block allocator."""
         self.sampler = Sampler(seed=config.model.seed)
         """Batched sampler; its shared generator serves requests without a seed."""
@@ -206,6 +207,7 @@ class LLMEngine:
         params: SamplingParams | dict | None = None,
         extra: dict[str, Any] | None = None,
         on_output: OutputConsumer | None = None,
+        lora_request: Any = None,
     ) -> None:
         """Validate and queue a request.
 
@@ -216,6 +218,8 @@ class LLMEngine:
         :param extra: adapter inputs passed to the model in ``ForwardBatch.extra``.
         :param on_output: receives this request's outputs as steps produce them; without one they
             are returned by :meth:`step`.
+        :param lora_request: the :class:`~modelrunner.lora.LoRARequest` of the adapter to run with
+            (None: the base model); read from disk the first time (:meth:`add_lora`).
         :raises ValueError: duplicate id, empty or too long prompt, token ids outside the
             vocabulary, invalid sampling parameters or logits processors; a
             :class:`~modelrunner.errors.StructuredOutputError` (a ValueError) for ``structured_outputs``
@@ -224,14 +228,17 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in self._requests:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique among live requests")
+        if lora_request is not None:
+            self.add_lora(lora_request)
         p = self.input_processor.process(request_id, prompt, params, extra)
+        extra_keys = p.extra_keys if lora_request is None else (*p.extra_keys, ("lora", lora_request.lora_int_id))
         grammar = None
         if p.params.structured_outputs is not None:
             grammar = self.structured_outputs.prepare(p.params.structured_outputs)  # compiles off this thread
         request = Request(
             request_id=request_id, prompt=p.text, prompt_token_ids=p.token_ids, params=p.params,
             arrival=next(self._arrivals), metrics=RequestMetrics(arrival_time=time.monotonic()), extra=p.extra,
-            extra_keys=p.extra_keys, processor_states=p.processor_states,
+            extra_keys=extra_keys, processor_states=p.processor_states, lora_request=lora_request,
             prompt_logprobs=None if p.params.prompt_logprobs is None else [None] * len(p.token_ids),
             grammar=grammar,
         )
@@ -250,6 +257,36 @@ class LLMEngine:
             self.scheduler.add(seq)
         else:
             self._compiling.append(seq)  # scheduled once its grammar is compiled (see _admit_compiled)
+
+    def add_lora(self, lora_request: Any) -> None:
+        """Read and check a LoRA adapter so requests can use it (vLLM's ``add_lora``); done by
+        :meth:`add_request` for an adapter it has not seen.
+
+        :raises ValueError: not a :class:`~modelrunner.lora.LoRARequest`, LoRA not enabled, or a bad
+            adapter (the message names the file and the problem).
+        """
+        from ..lora import LoRARequest
+
+        if not isinstance(lora_request, LoRARequest):
+            raise ValueError(f"lora_request must be a modelrunner.LoRARequest (or None), got "
+                             f"{type(lora_request).__name__}")
+        self.executor.add_lora(lora_request)
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget a LoRA adapter (vLLM's ``remove_lora``); False when it was never added.
+
+        :raises ValueError: requests that use it are waiting or running (unloading is refused until they finish).
+        """
+        using = [r.request_id for r in self._requests.values() if r.lora_int_id == lora_int_id]
+        if using:
+            raise ValueError(f"LoRA adapter {lora_int_id} is used by {len(using)} unfinished request(s) "
+                             f"({', '.join(map(repr, using[:3]))}); unload it after they finish")
+        return self.executor.remove_lora(lora_int_id)
+
+    def list_loras(self) -> list[Any]:
+        """The added LoRA adapters (:class:`~modelrunner.lora.LoRARequest`), by id."""
+        lora = self.executor.runner.lora
+        return [] if lora is None else [lora.requests[i] for i in sorted(lora.requests)]
 
     def abort_request(self, request_id: str) -> bool:
         """Stop a request now; its blocks are freed and its consumer (or the next :meth:`step`) gets a

@@ -131,11 +131,13 @@ class EngineLoop:
         return future
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, extra: dict[str, Any] | None = None,
-                    on_output: OutputConsumer | None = None) -> Future:
-        """Queue a request; the future completes (or raises the engine's ``ValueError``) once the engine
-        accepted it. Its outputs go to ``on_output`` from the loop's thread."""
+                    on_output: OutputConsumer | None = None, lora_request: Any = None) -> Future:
+        """Queue a request (run with ``lora_request``, None: the base model); the future completes (or
+        raises the engine's ``ValueError``) once the engine accepted it. Its outputs go to ``on_output``
+        from the loop's thread."""
         def add(engine: LLMEngine) -> None:
-            engine.add_request(request_id, prompt, params, extra, on_output=self._deliver(request_id))
+            engine.add_request(request_id, prompt, params, extra, on_output=self._deliver(request_id),
+                               lora_request=lora_request)
             if on_output is not None:
                 self._consumers[request_id] = on_output
 

@@ -72,9 +72,12 @@ class SchedulerOutput:
 class Scheduler:
     """Waiting and running queues over one block allocator."""
 
-    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator) -> None:
+    def __init__(self, config: SchedulerConfig, allocator: BlockAllocator, max_loras: int | None = None) -> None:
         self.config = config
         """Batch limits."""
+        self.max_loras = max_loras
+        """Most distinct LoRA adapters among the running sequences (None: no limit); a waiting
+        sequence of another adapter waits, and later ones of running adapters go ahead of it."""
         self.allocator = allocator
         """Where the KV blocks come from."""
         self.owners = BlockOwners(allocator)
@@ -192,8 +195,14 @@ class Scheduler:
             budget -= n + len(draft)
 
         seats = sum(self._seats(s) for s in running)
+        adapters = {s.request.lora_int_id for s in running} - {0}
+        held_back: list[Sequence] = []  # waiting for an adapter slot (max_loras), kept in order
         while self.waiting and budget > 0 and not out.preempted and len(out.scheduled) < max_seqs:
             seq = self.waiting[0]
+            lora_id = seq.request.lora_int_id
+            if lora_id and lora_id not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras:
+                held_back.append(self.waiting.popleft())
+                continue
             if seats + self._seats(seq) > max_seqs:
                 break
             tokens = seq.token_ids
@@ -221,10 +230,13 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             running.append(seq)
             seats += self._seats(seq)
+            if lora_id:
+                adapters.add(lora_id)
             n = len(chunk) - hit
             out.scheduled.append(ScheduledSequence(seq, hit, n))
             budget -= n
 
+        self.waiting.extendleft(reversed(held_back))
         out.finished_seq_ids = tuple(self._finished_ids)
         self._finished_ids.clear()
         return out

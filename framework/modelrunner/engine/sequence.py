@@ -170,6 +170,14 @@ class Request:
     """Its structured-output constraint, compiled or compiling (a
     :class:`~modelrunner.structured_output.manager.CompiledGrammar`; None: unconstrained)."""
 
+    lora_request: Any = None
+    """The LoRA adapter it runs with (a :class:`~modelrunner.lora.LoRARequest`; None: the base model)."""
+
+    @property
+    def lora_int_id(self) -> int:
+        """Its adapter's ``lora_int_id`` (0: the base model)."""
+        return 0 if self.lora_request is None else self.lora_request.lora_int_id
+
     @property
     def num_prompt_tokens(self) -> int:
         """Prompt length in tokens."""

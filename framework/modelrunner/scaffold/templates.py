@@ -14,6 +14,7 @@ KINDS = {
     "grammar-backend": "grammar_backends",
     "tool-parser": "tool_parsers",
     "proposer": "proposers",
+    "lora-kernel": "lora_kernels",
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
@@ -464,6 +465,36 @@ def register(registry: Any) -> None:
     """Declare the proposer (``LLM(model, speculative_config={{"method": "{name}"}})`` picks it)."""
     registry.proposers({cls})
 ''',
+    "lora-kernel": HEADER + '''
+import torch
+
+from modelrunner.lora import LoRAKernel, LoRAMapping
+
+
+class {cls}(LoRAKernel):
+    """Adds each token's LoRA delta with one batched gather: every token's A and B are taken from its
+    slot and multiplied with ``torch.bmm`` (base-model tokens are masked out). Replace ``apply`` with
+    your kernel (a fused shrink/expand, a segment matmul on GPU ...)."""
+
+    name = "{name}"
+    devices = None  # or ("cuda",): the device types it runs on
+
+    def apply(self, y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+              mapping: LoRAMapping) -> torch.Tensor:
+        """``y`` plus ``lora_b[s] @ (lora_a[s] @ x[t])`` for every token ``t`` of slot ``s >= 0``."""
+        slots = mapping.token_slots
+        used = slots >= 0
+        index = slots.clamp(min=0)
+        shrunk = torch.bmm(lora_a.index_select(0, index), x.unsqueeze(2))  # [tokens, rank, 1]
+        delta = torch.bmm(lora_b.index_select(0, index), shrunk).squeeze(2)  # [tokens, out]
+        return y + delta * used.unsqueeze(1).to(delta.dtype)
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the kernel (``LLM(model, enable_lora=True, lora_kernel="{name}")`` picks it)."""
+    registry.lora_kernels({cls})
+''',
 }
 """KIND → the plugin module (``{name}``, ``{cls}`` filled in; an adapter's ``{arch}`` too)."""
 
@@ -520,6 +551,7 @@ SUMMARIES = {
     "grammar-backend": "The {name} grammar backend for structured outputs in modelrunner.",
     "tool-parser": "The {name} tool-call parser for modelrunner's server.",
     "proposer": "The {name} speculative-decoding proposer for modelrunner.",
+    "lora-kernel": "The {name} batched LoRA kernel for modelrunner.",
 }
 
 USAGE = {
@@ -537,6 +569,8 @@ USAGE = {
     "tool-parser": '`modelrunner serve MODEL --enable-auto-tool-choice --tool-call-parser {name}`: with\n'
                    '`tool_choice="auto"` the calls the model writes come back as `tool_calls`.',
     "proposer": '`LLM(model, speculative_config={{"method": "{name}", "num_speculative_tokens": 4}})`.',
+    "lora-kernel": '`LLM(model, enable_lora=True, lora_kernel="{name}")`, then\n'
+                   '`llm.generate(prompt, lora_request=LoRARequest("my-adapter", 1, "/path/to/peft/adapter"))`.',
 }
 
 TEST_OPTIONS: dict[str, tuple[str, str]] = {}

@@ -17,7 +17,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
-from starlette.responses import HTMLResponse, JSONResponse, Response
+from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
 from .auth import require_api_key
 from .body_limit import BodyLimit
@@ -67,26 +67,63 @@ async def metrics(request: Request) -> Response:
 
 def _model_card(state: ServerState, name: str) -> dict[str, Any]:
     model = state.require_model()
+    adapter = state.adapters.get(name)
+    if adapter is not None:  # vLLM's card of a LoRA adapter: its path as root, the base model as parent
+        return {"id": name, "object": "model", "created": model.created, "owned_by": "modelrunner",
+                "root": adapter.lora_path, "parent": state.settings.model_name, "max_model_len": model.max_model_len}
     return {"id": name, "object": "model", "created": model.created, "owned_by": "modelrunner", "root": model.root,
             "parent": None, "max_model_len": model.max_model_len}
 
 
-@model_routes.get("/v1/models", summary="The served model (one entry per served name)")
+@model_routes.get("/v1/models", summary="The served model (one entry per served name) and its LoRA adapters")
 async def list_models(request: Request) -> dict[str, Any]:
     """OpenAI's model list."""
     state = _state(request)
-    return {"object": "list", "data": [_model_card(state, name) for name in state.settings.model_names]}
+    names = [*state.settings.model_names, *state.adapters.names()]
+    return {"object": "list", "data": [_model_card(state, name) for name in names]}
 
 
 @model_routes.get("/v1/models/{model_id:path}", summary="One served model")
 async def retrieve_model(model_id: str, request: Request) -> dict[str, Any]:
     """OpenAI's model object; 404 for a name not served here."""
     state = _state(request)
-    if model_id not in state.settings.model_names:
-        raise APIError(404, f"model {model_id!r} is not served here; accepted: "
-                            f"{', '.join(repr(n) for n in state.settings.model_names)}",
-                       param="model", code="model_not_found")
+    state.check_model_name(model_id)
     return _model_card(state, model_id)
+
+
+async def _lora_body(request: Request, state: ServerState) -> dict[str, Any]:
+    if not state.settings.allow_runtime_lora_updating:
+        raise APIError(404, f"{request.url.path} is off: start the server with --enable-lora "
+                            "--allow-runtime-lora-updating to load and unload LoRA adapters at run time",
+                       code="not_found")
+    state.require_model()
+    try:
+        body = await request.json()
+    except ValueError:
+        body = None
+    if not isinstance(body, dict):
+        raise APIError(400, "the body must be a JSON object with lora_name (and lora_path to load)",
+                       code="invalid_value")
+    return body
+
+
+@model_routes.post("/v1/load_lora_adapter", summary="Serve a LoRA adapter by name (--allow-runtime-lora-updating)")
+async def load_lora_adapter(request: Request) -> Response:
+    """vLLM's route: ``{"lora_name", "lora_path"}`` → the adapter is served as ``model: lora_name``."""
+    state = _state(request)
+    body = await _lora_body(request, state)
+    adapter = await state.adapters.load(state.engine, body.get("lora_name"), body.get("lora_path"),
+                                        state.settings.model_names)
+    return PlainTextResponse(f"Success: LoRA adapter '{adapter.lora_name}' added successfully.")
+
+
+@model_routes.post("/v1/unload_lora_adapter", summary="Stop serving a LoRA adapter (--allow-runtime-lora-updating)")
+async def unload_lora_adapter(request: Request) -> Response:
+    """vLLM's route: ``{"lora_name"}``; refused (400) while unfinished requests use the adapter."""
+    state = _state(request)
+    body = await _lora_body(request, state)
+    await state.adapters.unload(state.engine, body.get("lora_name"))
+    return PlainTextResponse(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
 
 @model_routes.post("/v1/completions", summary="OpenAI completions (vLLM's extra sampling fields accepted)")

@@ -86,11 +86,12 @@ class AsyncEngine:
             raise EngineStopped("the engine loop is shut down")
 
     async def generate(self, request_id: str, prompts: list[Any], params: SamplingParams,
-                       stream: bool = True) -> Generation:
+                       stream: bool = True, lora_request: Any = None) -> Generation:
         """Queue one engine request per prompt (ids ``{request_id}-{index}``) and return their outputs.
 
         :param stream: the handler iterates over every step's delta (False: only the final outputs
             are queued; the handler reads :attr:`Generation.finals`).
+        :param lora_request: the LoRA adapter every prompt runs with (None: the base model).
         :raises NeverFits: more prompts than :attr:`max_in_flight`, however idle the server.
         :raises Overloaded: admitting them now would exceed :attr:`max_in_flight`.
         :raises PromptRejected: the engine refused a prompt (the others are aborted then).
@@ -108,7 +109,7 @@ class AsyncEngine:
         try:
             for index, prompt in enumerate(prompts):
                 futures.append(self.loop.add_request(generation.ids[index], prompt, params,
-                                                     on_output=generation.consumer(index)))
+                                                     on_output=generation.consumer(index), lora_request=lora_request))
                 generation.admitted(index)
             results = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures), return_exceptions=True)
         except EngineDeadError as e:

@@ -50,7 +50,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     """
     body = await parse_body(request, ChatCompletionRequest)
     served = state.require_model()
-    state.check_model_name(body.model)
+    adapter = state.check_model_name(body.model)
     body.check_unsupported()
     include_usage, continuous_usage = body.usage_options()
     if body.top_logprobs is not None and not body.logprobs:
@@ -77,11 +77,12 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     requested = body.max_completion_tokens is not None or body.max_tokens is not None
     check_room([prompt], params, served.max_model_len, max_tokens[1] if requested else None, "messages")
     await constrain(served, params, constraint, field)
-    job = ChatJob(id=new_id("chatcmpl"), created=now(), model=state.settings.model_name, n=params.n,
+    job = ChatJob(id=new_id("chatcmpl"), created=now(), model=state.reported_name(adapter), n=params.n,
                   top_logprobs=top_logprobs, include_usage=include_usage, continuous_usage=continuous_usage,
                   return_token_ids=bool(body.return_token_ids), prompt_logprobs=body.prompt_logprobs is not None,
                   tokenizer=served.tokenizer, tools=tools if tools is not None and tools.calls_tools else None)
-    generation = await state.generate(job.id, [prompt], params, "messages", stream=body.streaming)
+    generation = await state.generate(job.id, [prompt], params, "messages", stream=body.streaming,
+                                      lora_request=adapter)
     if body.streaming:
         return EventStream(chat_events(generation, job), generation)
     finals = await finals_unless_disconnected(generation, request)

@@ -72,6 +72,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     tools.add_argument("--tool-call-parser", default=None, metavar="NAME",
                        help="the tool-call parser for the model's format: hermes (Qwen, Hermes), llama3_json, "
                             "mistral, or a plugin's (modelrunner plugins lists them)")
+    lora = p.add_argument_group("LoRA adapters (vLLM's options)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters over the base model")
+    lora.add_argument("--lora-modules", nargs="+", type=lora_module, default=[], metavar="NAME=PATH",
+                      help='adapters served from the start: name=path, or vLLM\'s JSON form '
+                           '\'{"name": ..., "path": ...}\'; a request\'s "model": NAME selects one')
+    lora.add_argument("--max-loras", type=int, default=None, metavar="N", help="most adapters in one step (default 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=None, metavar="R", help="highest adapter rank (default 16)")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, metavar="N",
+                      help="adapters kept read in memory (default --max-loras)")
+    lora.add_argument("--allow-runtime-lora-updating", action="store_true",
+                      help="serve /v1/load_lora_adapter and /v1/unload_lora_adapter (off by default)")
     return p
 
 
@@ -94,6 +105,27 @@ def speculative_config(text: str) -> dict:
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return value
+def lora_module(text: str) -> tuple[str, str]:
+    """One ``--lora-modules`` entry: ``name=path`` or vLLM's JSON ``{"name": ..., "path": ...}``.
+
+    :raises argparse.ArgumentTypeError: neither form.
+    """
+    import json
+
+    if text.lstrip().startswith("{"):
+        try:
+            value = json.loads(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(f"not a JSON object ({e}); accepted: name=path or "
+                                             '\'{"name": "sql", "path": "/adapters/sql"}\'') from None
+        if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not isinstance(
+                value.get("path"), str) or not value["name"] or not value["path"]:
+            raise argparse.ArgumentTypeError(f"a JSON lora module needs string 'name' and 'path', got {text!r}")
+        return value["name"], value["path"]
+    name, sep, path = text.partition("=")
+    if not sep or not name.strip() or not path.strip():
+        raise argparse.ArgumentTypeError(f"expected name=path (or vLLM's JSON form), got {text!r}")
+    return name.strip(), path.strip()
 
 
 def string_list(text: str) -> list[str]:
@@ -131,6 +163,11 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     config = config_overrides(args.set)
     if args.speculative_config is not None:
         config["speculative_config"] = args.speculative_config
+    if args.enable_lora:
+        config["enable_lora"] = True
+    for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
+        if getattr(args, key) is not None:
+            config[key] = getattr(args, key)
     RunnerConfig.from_dict({"model": args.model, **config})  # a bad --set fails now, before binding
     template = args.chat_template
     if template is not None and os.path.isfile(template):
@@ -145,7 +182,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         trust_request_chat_template=args.trust_request_chat_template, log_level=args.log_level,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
         allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
-        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser)
+        enable_auto_tool_choice=args.enable_auto_tool_choice, tool_call_parser=args.tool_call_parser,
+        lora_modules=tuple(args.lora_modules), allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
 def api_key_from(option: str | None) -> str | None:

@@ -64,7 +64,7 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     """
     body = await parse_body(request, CompletionRequest)
     served = state.require_model()
-    state.check_model_name(body.model)
+    adapter = state.check_model_name(body.model)
     body.check_unsupported()
     include_usage, continuous_usage = body.usage_options()
     echo = bool(body.echo)
@@ -84,12 +84,13 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     check_room(inputs, params, served.max_model_len, "max_tokens", "prompt")
     await constrain(served, params, *structured_outputs_of(body))
     job = CompletionJob(
-        id=new_id("cmpl"), created=now(), model=state.settings.model_name, n=params.n, echo=echo,
+        id=new_id("cmpl"), created=now(), model=state.reported_name(adapter), n=params.n, echo=echo,
         logprobs=body.logprobs, score_only=score_only, include_usage=include_usage,
         continuous_usage=continuous_usage, return_token_ids=bool(body.return_token_ids),
         prompt_logprobs=body.prompt_logprobs is not None, tokenizer=served.tokenizer,
         prompt_texts=[p if isinstance(p, str) else None for p in prompts])
-    generation = await state.generate(job.id, inputs, params, "prompt", stream=body.streaming)
+    generation = await state.generate(job.id, inputs, params, "prompt", stream=body.streaming,
+                                      lora_request=adapter)
     if body.streaming:
         return EventStream(completion_events(generation, job), generation)
     finals = await finals_unless_disconnected(generation, request)

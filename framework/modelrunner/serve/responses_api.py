@@ -186,7 +186,7 @@ async def create_response(request: Request, state: ServerState) -> Response:
     """
     body = await parse_body(request, ResponsesRequest)
     served = state.require_model()
-    state.check_model_name(body.model)
+    adapter = state.check_model_name(body.model)
     body.check_unsupported()
     if body.input is None:
         raise bad_request("input is required: a string, or a list of message items ({'role', 'content'})",
@@ -218,7 +218,7 @@ async def create_response(request: Request, state: ServerState) -> Response:
     check_room([prompt], params, served.max_model_len,
                "max_output_tokens" if body.max_output_tokens is not None else None, "input")
     await constrain(served, params, constraint, field)
-    job = ResponseJob(id=new_id("resp"), message_id=new_id("msg"), created_at=now(), model=state.settings.model_name,
+    job = ResponseJob(id=new_id("resp"), message_id=new_id("msg"), created_at=now(), model=state.reported_name(adapter),
                       echo={"instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
                             "temperature": params.temperature, "top_p": params.top_p,
                             "tool_choice": body.tool_choice or "auto",
@@ -227,7 +227,8 @@ async def create_response(request: Request, state: ServerState) -> Response:
                             "text": {"format": (body.text or {}).get("format") or {"type": "text"}},
                             "tools": list(body.tools or [])},
                       tools=tools if tools is not None and tools.calls_tools else None)
-    generation = await state.generate(job.id, [prompt], params, "input", stream=bool(body.stream))
+    generation = await state.generate(job.id, [prompt], params, "input", stream=bool(body.stream),
+                                      lora_request=adapter)
     if body.stream:
         return EventStream(response_events(generation, job), generation)
     finals = await finals_unless_disconnected(generation, request)

@@ -104,6 +104,7 @@ class ModelOwner(threading.Thread):
             from ..engine.loop import EngineLoop
 
             model = ServedModel.from_llm(llm)
+            state.adapters.start(llm.engine, settings.lora_modules)
             loop = EngineLoop(llm.engine).start()
             engine = AsyncEngine(loop, llm.engine.config.scheduler.max_num_seqs, settings.max_waiting_requests,
                                  state.metrics, max_stream_buffer=settings.max_stream_buffer)

@@ -55,6 +55,14 @@ def _string_list(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
                          f"as '[\"*\"]' on the command line), got {list(value)!r}")
 
 
+def _lora_modules(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    names = [m[0] for m in value]
+    if not all(isinstance(m, tuple) and len(m) == 2 and all(isinstance(v, str) and v for v in m) for m in value):
+        raise ValueError(f"lora-modules must be name=path pairs, got {list(value)!r}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora-modules names must be unique, got {names}")
+
+
 def _log_level(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value not in LOG_LEVELS:
         raise ValueError(f"log-level must be one of {', '.join(LOG_LEVELS)}, got {value!r}")
@@ -121,7 +129,20 @@ class ServeSettings:
     the model's text for ``tool_choice="auto"``; it also writes earlier calls into the history of
     templates without tool support."""
 
+    lora_modules: tuple[tuple[str, str], ...] = attrs.field(default=(), converter=tuple, validator=_lora_modules)
+    """LoRA adapters served from the start, ``(name, path)``: a request's ``model: "<name>"`` runs one
+    (they need ``enable_lora`` in :attr:`config`)."""
+    allow_runtime_lora_updating: bool = False
+    """Serve ``/v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM gates them with
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING``; here an explicit flag)."""
+
     def __attrs_post_init__(self) -> None:
+        lora_on = bool(self.config.get("enable_lora"))
+        if (self.lora_modules or self.allow_runtime_lora_updating) and not lora_on:
+            raise ValueError("lora-modules and allow-runtime-lora-updating need --enable-lora")
+        clash = sorted({name for name, _ in self.lora_modules} & set(self.model_names))
+        if clash:
+            raise ValueError(f"lora-modules name {clash[0]!r} is also the base model's served name; rename one")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes, llama3_json, "
                              "mistral; `modelrunner plugins` lists the installed ones)")

@@ -17,6 +17,7 @@ from ..sampling.params import SamplingParams
 from .async_engine import (RETRY_AFTER_S, AsyncEngine, EngineStopped, Generation, NeverFits, Overloaded,
                            PromptRejected)
 from .errors import APIError, bad_request, leading_field
+from .lora import ServedAdapters
 from .metrics import ServerMetrics
 from .responses import now
 from .sampling import PASSED_THROUGH
@@ -79,6 +80,8 @@ class ServerState:
         self.engine: AsyncEngine | None = None
         self.metrics = ServerMetrics(settings.model_name, self._snapshot)
         """The Prometheus metrics."""
+        self.adapters = ServedAdapters()
+        """The LoRA adapters served by name."""
 
     def _snapshot(self) -> LoopSnapshot | None:
         return self.engine.loop.snapshot if self.engine is not None else None
@@ -140,27 +143,38 @@ class ServerState:
         cause = self.engine.loop.error if self.engine is not None else None
         return APIError(503 if isinstance(cause, WorkerFailedError) else 500, str(error), code="engine_dead")
 
-    def check_model_name(self, name: str | None) -> None:
-        """:raises APIError: 404 ``model_not_found`` when ``name`` (a request's ``model``) is not
-            served here (as OpenAI and vLLM answer; OpenAI's client raises ``NotFoundError``)."""
+    def check_model_name(self, name: str | None) -> Any:
+        """The LoRA adapter a request's ``model`` names (None: the base model).
+
+        :raises APIError: 404 ``model_not_found`` when ``name`` is neither the base model's nor an
+            adapter's name (as OpenAI and vLLM answer; OpenAI's client raises ``NotFoundError``)."""
+        adapter = self.adapters.get(name)
+        if adapter is not None:
+            return adapter
         if name is not None and name not in self.settings.model_names:
-            served = ", ".join(repr(n) for n in self.settings.model_names)
+            served = ", ".join(repr(n) for n in [*self.settings.model_names, *self.adapters.names()])
             raise APIError(404, f"model {name!r} is not served here; accepted: {served} (or leave model out)",
                            param="model", code="model_not_found")
+        return None
+
+    def reported_name(self, adapter: Any) -> str:
+        """The ``model`` a response reports: the adapter's name, else the base model's."""
+        return self.settings.model_name if adapter is None else adapter.lora_name
 
     async def generate(self, request_id: str, prompts: list[Any], params: SamplingParams,
-                       prompt_param: str, stream: bool = True) -> Generation:
+                       prompt_param: str, stream: bool = True, lora_request: Any = None) -> Generation:
         """Submit ``prompts`` to the engine (see :meth:`AsyncEngine.generate`).
 
         :param prompt_param: the request field the prompts came from (named by a prompt's error).
         :param stream: the handler reads every step (False: only the final outputs).
+        :param lora_request: the adapter to run with (:meth:`check_model_name`'s answer).
         :raises APIError: 400 for a prompt the engine refuses or more prompts than it can ever hold,
             503 (with Retry-After) when overloaded, 500 when the engine is dead (503 when a worker died).
         """
         engine = self.engine
         assert engine is not None  # require_model() came first
         try:
-            return await engine.generate(request_id, prompts, params, stream=stream)
+            return await engine.generate(request_id, prompts, params, stream=stream, lora_request=lora_request)
         except NeverFits as e:
             raise bad_request(f"{prompt_param}: {e}", param=prompt_param, code="too_many_prompts") from None
         except Overloaded as e:

@@ -1,0 +1,100 @@
+"""LoRA over HTTP, with the official openai client against a real ``modelrunner serve`` process:
+``--lora-modules`` in both forms, the adapters in ``/v1/models`` with the base model as parent,
+``model`` selecting one (the offline engine's tokens), and loading/unloading at run time."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import openai
+import pytest
+
+from modelrunner import LLM, LoRARequest, SamplingParams
+from peft_adapters import save_peft_adapter
+
+from .conftest import TINY_CONFIG, TINY_ENV, TINY_LLM_CONFIG, ServerProcess
+
+PROMPT = "Once upon a time"
+LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
+
+
+@pytest.fixture(scope="module")
+def adapters(serve_llama_dir, tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve-peft")
+    return [save_peft_adapter(serve_llama_dir, root / f"a{i}", seed=10 + i) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def server(serve_llama_dir, adapters):
+    json_form = json.dumps({"name": "beta", "path": str(adapters[1])})
+    proc = ServerProcess(["--model", str(serve_llama_dir), *TINY_CONFIG, *LORA_FLAGS, "--allow-runtime-lora-updating",
+                          "--lora-modules", f"alpha={adapters[0]}", json_form], env=TINY_ENV)
+    with proc.serving() as ready:
+        yield ready
+
+
+@pytest.fixture(scope="module")
+def offline(serve_llama_dir, adapters):
+    """What the offline engine generates for PROMPT: base, alpha, beta."""
+    llm = LLM(str(serve_llama_dir), **TINY_LLM_CONFIG, enable_lora=True, max_loras=2, max_lora_rank=8)
+    try:
+        loras = [None, LoRARequest("alpha", 1, str(adapters[0])), LoRARequest("beta", 2, str(adapters[1]))]
+        outs = llm.generate([PROMPT] * 3, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True),
+                            lora_request=loras, use_tqdm=False)
+        return [o.outputs[0].text for o in outs]
+    finally:
+        llm.shutdown()
+
+
+def _complete(client, model: str) -> str:
+    reply = client.completions.create(model=model, prompt=PROMPT, max_tokens=8, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert reply.model == model
+    return reply.choices[0].text
+
+
+def test_models_lists_adapters_with_parent(server, serve_llama_dir):
+    cards = {m.id: m for m in server.client().models.list().data}
+    base = str(serve_llama_dir)
+    assert set(cards) == {base, "alpha", "beta"}
+    assert cards["alpha"].parent == cards["beta"].parent == base and cards[base].parent is None
+    assert server.client().models.retrieve("beta").parent == base
+
+
+def test_model_field_selects_the_adapter(server, serve_llama_dir, offline):
+    client = server.client()
+    got = [_complete(client, name) for name in (str(serve_llama_dir), "alpha", "beta")]
+    assert got == offline and len(set(got)) == 3
+    chat = client.chat.completions.create(model="alpha", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                          temperature=0)
+    assert chat.model == "alpha" and chat.choices[0].message.content is not None
+    with pytest.raises(openai.NotFoundError, match="'gamma' is not served here"):
+        _complete(client, "gamma")
+
+
+def test_load_and_unload_at_run_time(server, adapters, offline, tmp_path):
+    client = server.client()
+    r = server.post("/v1/load_lora_adapter", {"lora_name": "gamma", "lora_path": str(adapters[0])})
+    assert r.status_code == 200, r.text
+    assert _complete(client, "gamma") == offline[1]  # the same weights as alpha
+    bad = server.post("/v1/load_lora_adapter", {"lora_name": "delta", "lora_path": str(tmp_path / "missing")})
+    assert bad.status_code == 400 and "no such directory" in bad.json()["error"]["message"]
+    again = server.post("/v1/load_lora_adapter", {"lora_name": "alpha", "lora_path": str(adapters[1])})
+    assert again.status_code == 400 and "already served" in again.json()["error"]["message"]
+
+    stream = client.completions.create(model="gamma", prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                       extra_body={"ignore_eos": True})
+    next(iter(stream))  # the request runs
+    busy = server.post("/v1/unload_lora_adapter", {"lora_name": "gamma"})
+    assert busy.status_code == 400 and "unfinished request" in busy.json()["error"]["message"]
+    stream.close()
+    for _ in range(100):  # the abort reaches the engine between steps
+        done = server.post("/v1/unload_lora_adapter", {"lora_name": "gamma"})
+        if done.status_code == 200:
+            break
+        time.sleep(0.05)
+    assert done.status_code == 200, done.text
+    with pytest.raises(openai.NotFoundError):
+        _complete(client, "gamma")
+    assert _complete(client, "alpha") == offline[1]  # the others keep serving
