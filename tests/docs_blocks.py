@@ -85,3 +85,69 @@ def write_files(blocks: list[Block], prefix: str, root: Path) -> list[Path]:
             path.write_text(block.code)
             written.append(path)
     return written
+
+
+SERVER = "http://127.0.0.1:8000"
+"""The address the pages' client code calls (``modelrunner serve``'s default)."""
+
+
+def run_pages(pages: list[dict], results_path: Path, server_file: Path | None = None) -> None:
+    """Run each page's blocks in order in a namespace of the page's own, in this interpreter; write
+    ``{page: {"ok": bool, "seconds": float, "error": traceback or None}}`` to ``results_path``.
+
+    :param pages: ``{"page": path, "blocks": [{"line": n, "code": text}, ...]}`` each.
+    :param server_file: where the address of a server started alongside will be written; a page that
+        calls :data:`SERVER` waits for it and calls that address instead.
+    """
+    import json
+    import sys
+    import time
+    import traceback
+    import types
+
+    results = {}
+    for page in pages:
+        # A module of its own, as ``__main__`` (what running the page as a script gives it), so that
+        # pydantic and pickling find the classes a page defines.
+        module = types.ModuleType("__main__")
+        sys.modules["__main__"] = module
+        namespace = module.__dict__
+        start = time.monotonic()
+        error = None
+        try:
+            server = _server_address(server_file) if any(SERVER in b["code"] for b in page["blocks"]) else SERVER
+            for block in page["blocks"]:
+                # Blank lines first, so a traceback's line numbers are the page's.
+                code = "\n" * block["line"] + block["code"].replace(SERVER, server)
+                exec(compile(code, page["page"], "exec", dont_inherit=True), namespace)  # noqa: S102 - the docs' own examples
+        except BaseException:  # noqa: BLE001 - reported per page
+            error = traceback.format_exc()
+        results[page["page"]] = {"ok": error is None, "seconds": time.monotonic() - start, "error": error}
+        results_path.write_text(json.dumps(results))
+        print(f"docs example {page['page']}: {'ok' if error is None else 'FAILED'} "
+              f"({time.monotonic() - start:.1f} s)", flush=True)
+
+
+def _server_address(server_file: Path | None, timeout: float = 300) -> str:
+    """The address written to ``server_file`` (waiting for it), or :data:`SERVER` without one."""
+    import time
+
+    if server_file is None:
+        return SERVER
+    deadline = time.monotonic() + timeout
+    while not server_file.is_file() or not server_file.read_text().strip():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"no server address in {server_file} within {timeout} s")
+        time.sleep(0.2)
+    address = server_file.read_text().strip()
+    if not address.startswith("http"):
+        raise RuntimeError(f"the server did not start: {address}")
+    return address
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+
+    run_pages(json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2]),
+              Path(sys.argv[3]) if len(sys.argv) > 3 else None)
