@@ -117,7 +117,6 @@ class LLMEngine:
             cache = attrs.evolve(cache, enable_prefix_caching=False)
         allocator = executor.plugins.create_allocator(cache.kv_allocator, executor.num_blocks, executor.block_size,
                                                       self.max_model_len, cache)
-        executor.lend_allocator(allocator)
         self.scheduler = Scheduler(config.scheduler, allocator)
         """Waiting and running queues; owns the KV block allocator."""
         self.sampler = Sampler(seed=config.model.seed)
@@ -153,6 +152,7 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self.num_steps = 0
         """Steps run so far."""
+        executor.attach_engine(self)  # its generate() and scratch sequences now run through this engine
 
     @property
     def allocator(self) -> Any:
