@@ -1,8 +1,10 @@
-"""mkdocs hook: writes the configuration reference's tables from the attrs config classes.
+"""mkdocs hook: writes the reference tables of attrs classes from the classes themselves.
 
 A page holding ``<!-- config-reference -->`` gets, in its place, one table per config section: each
 flat key ``LLM(**config)`` accepts, its default and the field's docstring — read from
-``modelrunner.config`` at build time, so the reference cannot fall behind the code.
+``modelrunner.config`` at build time, so the reference cannot fall behind the code. A page holding
+``<!-- sampling-params -->`` gets the table of every ``SamplingParams`` field the same way (so a new
+sampling parameter is documented by its own docstring).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 import attrs
 
 MARKER = "<!-- config-reference -->"
+SAMPLING_MARKER = "<!-- sampling-params -->"
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -71,6 +74,19 @@ def render() -> str:
     return "\n".join(out)
 
 
+def render_sampling_params() -> str:
+    """The ``SamplingParams`` table (field, default, its docstring), as Markdown."""
+    from modelrunner.sampling.params import SamplingParams
+
+    docs = field_docs(SamplingParams)
+    rows = [f"| `{f.name}` | {_cell(_default(f))} | {_cell(docs.get(f.name, ''))} |" for f in attrs.fields(SamplingParams)]
+    return "\n".join(["| field | default | meaning |", "|---|---|---|", *rows])
+
+
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    """mkdocs' hook: fill the marker on the page that has it."""
-    return markdown.replace(MARKER, render()) if MARKER in markdown else markdown
+    """mkdocs' hook: fill the markers on the pages that have them."""
+    if MARKER in markdown:
+        markdown = markdown.replace(MARKER, render())
+    if SAMPLING_MARKER in markdown:
+        markdown = markdown.replace(SAMPLING_MARKER, render_sampling_params())
+    return markdown

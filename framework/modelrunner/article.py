@@ -1,11 +1,12 @@
 """The article's convenience API on top of ``execute_model``: ``forward(input_ids)`` → logits of every
 position, ``generate(input_ids)`` → new token ids.
 
-Both run scratch sequences through the KV cache's block allocator: the one an engine lends its
-executor (so they never touch blocks the engine's requests hold), else one made for this purpose
-from the configured allocator plugin. They are meant for tests, notebooks and the article's
-examples; serving goes through :class:`~modelrunner.engine.LLMEngine`. Not thread-safe with a
-running engine loop.
+``forward`` runs scratch sequences through the KV cache's block allocator: the one of the engine
+attached to this object (so they never touch blocks the engine's requests hold), else one made for
+this purpose from the configured allocator plugin. ``generate`` is a thin wrapper over that engine
+(:meth:`~modelrunner.engine.LLMEngine.generate_token_ids`); an object no engine runs gets one of its
+own on first use. They are meant for tests, notebooks and the article's examples; serving goes
+through :class:`~modelrunner.engine.LLMEngine`. Not thread-safe with a running engine loop.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ import torch
 
 from .errors import ModelRunnerError
 from .forward_batch import ForwardBatch, ForwardOutput
-from .layers.sampler import Sampler, SamplingMetadata
 from .sampling.params import SamplingParams
 
 _scratch_ids = itertools.count()
@@ -37,11 +37,28 @@ class ArticleAPI:
 
     _lent_allocator: Any = None
     _own_allocator: Any = None
+    _engine: Any = None
 
     def lend_allocator(self, allocator: Any) -> None:
         """Use ``allocator`` (an engine's) for scratch sequences from now on; the engine owns it."""
         self._lent_allocator = allocator
         self._own_allocator = None
+
+    def attach_engine(self, engine: Any) -> None:
+        """Run :meth:`generate` through ``engine`` and scratch sequences through its allocator (an
+        :class:`~modelrunner.engine.LLMEngine` calls this on the executor it runs)."""
+        self._engine = engine
+        self.lend_allocator(engine.allocator)
+
+    def engine(self) -> Any:
+        """The :class:`~modelrunner.engine.LLMEngine` that runs this object: the one attached, else one
+        made now (it attaches itself, and its allocator then also serves :meth:`forward`)."""
+        if self._engine is None:
+            # The engine sits above the runner and the executor; its public name resolves at call time.
+            from modelrunner import LLMEngine
+
+            LLMEngine(self)
+        return self._engine
 
     def scratch_allocator(self) -> Any:
         """The block allocator scratch sequences use: the one an engine lent, else this object's own."""
@@ -111,61 +128,29 @@ class ArticleAPI:
 
     def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int = 16,
                  **sampling: Any) -> torch.Tensor | list[torch.Tensor]:
-        """Generate up to ``max_new_tokens`` after ``input_ids``, all rows as one static batch; returns
-        the new ids (a row stops at EOS unless ``ignore_eos``, or at one of ``stop_token_ids``).
+        """Generate up to ``max_new_tokens`` after ``input_ids`` on the :meth:`engine`; returns the new
+        ids (a row stops at EOS unless ``ignore_eos``, at one of ``stop_token_ids``, or at a stop string).
 
         ``input_ids`` is one prompt (``[L]``: returns a tensor) or several (``[B, L]`` or a list of
         lists of any lengths: returns a list of tensors). Keyword arguments are
-        :class:`~modelrunner.SamplingParams` fields among ``temperature`` (default 0: greedy),
-        ``top_k``, ``top_p``, ``min_p``, ``seed``, ``ignore_eos`` and ``stop_token_ids``; the rest
-        (penalties, stop strings, ``n``) need :class:`~modelrunner.LLM`.
+        :class:`~modelrunner.SamplingParams` fields (``temperature`` defaults to 0: greedy); ``n``
+        and ``max_tokens`` are not among them (one completion each, ``max_new_tokens`` long at most).
         """
         self._require_loaded()
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.tolist()
         nested = bool(input_ids) and isinstance(input_ids[0], (list, tuple))
         rows = [list(r) for r in (input_ids if nested else [input_ids])]
-        simple = {"temperature", "top_k", "top_p", "min_p", "seed", "ignore_eos", "stop_token_ids"}
-        unsupported = sorted(set(sampling) - simple)
+        fields = set(attrs.fields_dict(SamplingParams)) - {"n", "max_tokens"}
+        unsupported = sorted(set(sampling) - fields)
         if unsupported:
-            raise ValueError(f"ModelRunner.generate takes only {', '.join(sorted(simple))}; for {unsupported} "
-                             "use LLM(...).generate")
+            raise ValueError(f"ModelRunner.generate takes SamplingParams fields but n and max_tokens (use "
+                             f"max_new_tokens); got {unsupported}")
         params = SamplingParams(**{"temperature": 0.0, **sampling, "max_tokens": max_new_tokens})
         for row in rows:
             if not row:
                 raise ValueError("every prompt needs at least one token id")
         if max(len(r) for r in rows) + max_new_tokens > self.max_model_len:
             raise ValueError(f"prompt + max_new_tokens exceeds max_model_len={self.max_model_len}")
-        stops = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.loaded.eos_token_ids))
-        sampler = Sampler(seed=self.config.model.seed if params.seed is None else params.seed)
-        metadata = SamplingMetadata.from_rows([params.temperature] * len(rows), [params.top_k] * len(rows),
-                                              [params.top_p] * len(rows), [None] * len(rows),
-                                              [params.min_p] * len(rows))
-        allocator = self.scratch_allocator()
-        out, ids = self._run_scratch(rows, {}, [[len(r) - 1] for r in rows])
-        new: list[list[int]] = [[] for _ in rows]
-        try:
-            live = list(range(len(rows)))
-            logits = out.logits
-            while True:
-                tokens = sampler(logits, metadata).tolist()
-                for i, token in zip(live, tokens):
-                    new[i].append(token)
-                live = [i for i in live if new[i][-1] not in stops and len(new[i]) < max_new_tokens]
-                if not live:
-                    break
-                for i in live:
-                    allocator.append_slots(ids[i], [new[i][-1]])
-                batch = ForwardBatch.build([ids[i] for i in live], [[new[i][-1]] for i in live],
-                                           [len(rows[i]) + len(new[i]) - 1 for i in live],
-                                           [allocator.block_table(ids[i]) for i in live], self.block_size,
-                                           [[0]] * len(live))
-                logits = self.execute_model(batch).logits
-                metadata = attrs.evolve(metadata, temperature=metadata.temperature[:len(live)],
-                                        generators=metadata.generators[:len(live)],
-                                        **{k: None if getattr(metadata, k) is None else getattr(metadata, k)[:len(live)]
-                                           for k in ("top_k", "top_p", "min_p")})
-        finally:
-            self._free_scratch(allocator, ids)
-        tensors = [torch.tensor(t, dtype=torch.long) for t in new]
+        tensors = [torch.tensor(t, dtype=torch.long) for t in self.engine().generate_token_ids(rows, params)]
         return tensors if nested else tensors[0]

@@ -198,6 +198,12 @@ class UniprocExecutor(Executor):
         """Load the runner's model and allocate its KV cache."""
         return self.runner.load_model()
 
+    def attach_engine(self, engine: Any) -> None:
+        """Also attach ``engine`` to the runner, so that the runner's own ``generate`` and ``forward``
+        share the engine's KV blocks rather than making an allocator of their own over the same cache."""
+        super().attach_engine(engine)
+        self.runner.attach_engine(engine)
+
     def execute_model(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step in this process."""
         return self.runner.execute_model(batch)

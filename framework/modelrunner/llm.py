@@ -6,13 +6,15 @@ import collections
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+import attrs
+
 from .config import RunnerConfig
 from .engine.beam_search import BeamSearchOutput, BeamSearchParams, beam_search
 from .engine.llm_engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .errors import ModelRunnerError, StructuredOutputError
 from .executor import Executor, create_executor
-from .sampling.params import SamplingParams
+from .sampling.params import GENERATION_CONFIG, SamplingParams
 
 
 class LLM:
@@ -293,9 +295,9 @@ def _as_conversations(messages: Any) -> list[list[dict[str, Any]]]:
     return conversations
 
 
-GENERATION_KEYS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
-                   "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
-"""``generation_config.json`` key → the SamplingParams field it sets."""
+GENERATION_KEYS = {field.metadata[GENERATION_CONFIG]: field.name for field in attrs.fields(SamplingParams)
+                   if GENERATION_CONFIG in field.metadata}
+"""``generation_config.json`` key → the SamplingParams field it sets (the fields' ``generation_config`` metadata)."""
 
 
 def generation_defaults(source: Any) -> dict[str, Any]:

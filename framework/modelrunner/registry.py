@@ -18,8 +18,7 @@ from .errors import PluginConflictError, did_you_mean
 NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
 CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels",
-               "grammar_backends", "tool_parsers", "proposers")
-               "grammar_backends", "tool_parsers", "lora_kernels")
+               "grammar_backends", "tool_parsers", "proposers", "lora_kernels")
 """Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""

@@ -119,7 +119,6 @@ class LLMEngine:
             cache = attrs.evolve(cache, enable_prefix_caching=False)
         allocator = executor.plugins.create_allocator(cache.kv_allocator, executor.num_blocks, executor.block_size,
                                                       self.max_model_len, cache)
-        executor.lend_allocator(allocator)
         self.scheduler = Scheduler(config.scheduler, allocator,
                                    config.lora.max_loras if config.lora.enable_lora else None)
         """Waiting and running queues; owns the KV block allocator."""
@@ -161,6 +160,7 @@ class LLMEngine:
         self._auto_ids = itertools.count()
         self.num_steps = 0
         """Steps run so far."""
+        executor.attach_engine(self)  # its generate() and scratch sequences now run through this engine
 
     def _create_speculator(self, allocator: Any) -> Speculator:
         """The speculator of ``config.speculative``.

@@ -191,6 +191,18 @@ def _extra_args(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 
 _FIELD = attrs.field  # the attrs validators also run on every assignment (attrs.define's default)
 
+REQUEST = "request"
+"""Field metadata key: False for a field HTTP requests do not set under its own name (``max_tokens`` and
+``logprobs`` have each endpoint's names, ``structured_outputs`` its own fields); every other field is a
+request field of the same name (``modelrunner.serve.protocol`` derives them)."""
+REQUEST_TYPE = "request_type"
+"""Field metadata key: the JSON type a request gives the field, where the one derived from its Python
+type (tuples as lists, dicts keyed by strings) is not it."""
+GENERATION_CONFIG = "generation_config"
+"""Field metadata key: the ``generation_config.json`` key whose value is the field's default for a
+checkpoint (for ``LLM.get_default_sampling_params()`` and the server's requests)."""
+_NOT_IN_REQUESTS = {REQUEST: False}
+
 
 @attrs.define(kw_only=True, eq=True)
 class SamplingParams:
@@ -198,26 +210,30 @@ class SamplingParams:
 
     n: int = _FIELD(default=1, validator=_int_at_least(1))
     """Completions to generate from the prompt (they share the prompt's KV-cache blocks)."""
-    max_tokens: int | None = _FIELD(default=16, validator=_int_at_least(1, allow_none=True))
+    max_tokens: int | None = _FIELD(default=16, validator=_int_at_least(1, allow_none=True),
+                                    metadata={**_NOT_IN_REQUESTS, GENERATION_CONFIG: "max_new_tokens"})
     """Most tokens to generate per completion; None: until ``max_model_len``. A request is never
     rejected because prompt + ``max_tokens`` exceeds ``max_model_len``: it ends there with
     ``finish_reason == "length"``."""
     min_tokens: int = _FIELD(default=0, validator=_int_at_least(0))
     """EOS and ``stop_token_ids`` cannot be sampled until this many tokens were generated."""
-    temperature: float = _FIELD(default=1.0, validator=_temperature)
+    temperature: float = _FIELD(default=1.0, validator=_temperature, metadata={GENERATION_CONFIG: "temperature"})
     """Softmax temperature; below :data:`SAMPLING_EPS` (0 included) the most likely token is taken."""
-    top_k: int = _FIELD(default=0, validator=_top_k)
+    top_k: int = _FIELD(default=0, validator=_top_k, metadata={GENERATION_CONFIG: "top_k"})
     """Sample among the ``top_k`` most likely tokens; 0 or -1: all tokens (values above the
     vocabulary size mean all tokens too)."""
-    top_p: float = _FIELD(default=1.0, validator=_number_in(0.0, 1.0, low_open=True, what=" (1 turns it off)"))
+    top_p: float = _FIELD(default=1.0, validator=_number_in(0.0, 1.0, low_open=True, what=" (1 turns it off)"),
+                          metadata={GENERATION_CONFIG: "top_p"})
     """Sample among the smallest set of tokens whose probability reaches ``top_p``; 1: all tokens."""
-    min_p: float = _FIELD(default=0.0, validator=_number_in(0.0, 1.0, what=" (0 turns it off)"))
+    min_p: float = _FIELD(default=0.0, validator=_number_in(0.0, 1.0, what=" (0 turns it off)"),
+                          metadata={GENERATION_CONFIG: "min_p"})
     """Drop tokens whose probability is below ``min_p`` times the most likely token's."""
     presence_penalty: float = _FIELD(default=0.0, validator=_number_in(-2.0, 2.0))
     """Subtracted from the logit of every token that appeared in the output so far."""
     frequency_penalty: float = _FIELD(default=0.0, validator=_number_in(-2.0, 2.0))
     """Subtracted from a token's logit once per time it appeared in the output so far."""
-    repetition_penalty: float = _FIELD(default=1.0, validator=_repetition_penalty)
+    repetition_penalty: float = _FIELD(default=1.0, validator=_repetition_penalty,
+                                       metadata={GENERATION_CONFIG: "repetition_penalty"})
     """Divides the positive (multiplies the negative) logits of tokens in the prompt or output so far."""
     logit_bias: dict[int, float] = _FIELD(factory=dict, converter=_logit_bias, validator=_check_logit_bias)
     """Token id → bias added to its logit (OpenAI's range: -100 … 100)."""
@@ -228,7 +244,8 @@ class SamplingParams:
     seed: int | None = _FIELD(default=None, validator=_seed)
     """Seed of this request's own random generator: the same seed gives the same text whatever
     else is in the batch. None: the engine's shared generator (seeded by the runner config)."""
-    stop: tuple[str, ...] = _FIELD(default=(), converter=_to_tuple, validator=_stop)
+    stop: tuple[str, ...] = _FIELD(default=(), converter=_to_tuple, validator=_stop,
+                                   metadata={REQUEST_TYPE: str | list[str]})
     """Strings that end a completion (a single string is accepted); the text is cut before it
     (unless ``include_stop_str_in_output``) and ``finish_reason`` is ``"stop"``."""
     stop_token_ids: tuple[int, ...] = _FIELD(default=(), converter=_to_tuple, validator=_token_ids)
@@ -239,9 +256,9 @@ class SamplingParams:
     """Keep generating past the tokenizer's EOS token."""
     skip_special_tokens: bool = _FIELD(default=True, validator=_bool)
     """Leave special tokens out of the detokenized text."""
-    detokenize: bool = _FIELD(default=True, validator=_bool)
+    detokenize: bool = _FIELD(default=True, validator=_bool, metadata=_NOT_IN_REQUESTS)
     """Produce text; False returns token ids only (stop strings then cannot apply)."""
-    logprobs: int | None = _FIELD(default=None, validator=_logprobs)
+    logprobs: int | None = _FIELD(default=None, validator=_logprobs, metadata=_NOT_IN_REQUESTS)
     """Return, per generated token, the log-probabilities of the ``logprobs`` most likely tokens plus
     the chosen one's (computed from the model's raw logits); None: none."""
     prompt_logprobs: int | None = _FIELD(default=None, validator=_logprobs)
@@ -258,12 +275,14 @@ class SamplingParams:
     extra_args: dict[str, Any] | None = _FIELD(default=None, validator=_extra_args)
     """Free-form arguments for plugins (vLLM's ``extra_args``); not interpreted by the kernel."""
     structured_outputs: StructuredOutputsParams | None = _FIELD(default=None, converter=as_structured_outputs,
-                                                                validator=_structured_outputs)
+                                                                validator=_structured_outputs,
+                                                                metadata=_NOT_IN_REQUESTS)
     """Constrain the completion to a JSON schema, a regex, a choice of strings, a grammar or any JSON
     object (:class:`~.structured.StructuredOutputsParams`, or a dict of its fields); it ends with
     ``finish_reason="stop"`` when the constraint is complete. None: unconstrained."""
     guided_decoding: StructuredOutputsParams | None = _FIELD(default=None, converter=as_structured_outputs,
-                                                             validator=_structured_outputs)
+                                                             validator=_structured_outputs,
+                                                             metadata=_NOT_IN_REQUESTS)
     """Deprecated: vLLM's older name of :attr:`structured_outputs`; a value given here moves there (with a
     ``DeprecationWarning``) and this field reads None."""
 

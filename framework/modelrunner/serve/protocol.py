@@ -16,11 +16,12 @@ from __future__ import annotations
 import logging
 from typing import Any, ClassVar, TypeVar
 
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, ValidationError, create_model, field_validator
 from starlette.requests import Request
 
 from .errors import bad_request, from_validation_errors
 from .json_body import load_json
+from .sampling import REQUEST_FIELDS
 
 logger = logging.getLogger("modelrunner.serve")
 
@@ -73,37 +74,22 @@ class StreamOptions(BaseModel):
     """OpenAI: pad chunks against side channels (accepted and ignored: nothing here needs it)."""
 
 
-class SamplingRequest(OpenAIRequest):
-    """The fields completions and chat completions share."""
+SamplingFields = create_model(
+    "SamplingFields", __base__=OpenAIRequest, __module__=__name__,
+    **{name: (kind, None) for name, kind in REQUEST_FIELDS.items()})
+"""Every :class:`~modelrunner.SamplingParams` field a request sets under its own name, typed for JSON
+(derived from SamplingParams: a new parameter is a request field without a line here)."""
+
+
+class SamplingRequest(SamplingFields):
+    """The fields completions and chat completions share: the sampling parameters (:data:`SamplingFields`)
+    and these."""
 
     ignored_fields = ("user",)
     model: str | None = None
-    n: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    stop: Any = None
-    seed: int | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
     user: str | None = None
-    # vLLM's extras
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    min_tokens: int | None = None
-    ignore_eos: bool | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    skip_special_tokens: bool | None = None
-    allowed_token_ids: list[int] | None = None
-    bad_words: list[str] | None = None
-    logits_processors: list[Any] | None = None
-    prompt_logprobs: int | None = None
-    truncate_prompt_tokens: int | None = None
-    extra_args: dict[str, Any] | None = None
     return_token_ids: bool | None = None
     add_special_tokens: bool | None = None
     # structured outputs (see .structured): OpenAI's response_format, vLLM's structured_outputs and

@@ -4,17 +4,45 @@ the same words, naming the request's own field."""
 
 from __future__ import annotations
 
-from typing import Any
+import types
+import typing
+from typing import Any, Optional, Union
 
-from ..sampling.params import SamplingParams
+import attrs
+
+from ..sampling.params import GENERATION_CONFIG, REQUEST, REQUEST_TYPE, SamplingParams
 from .errors import APIError, bad_request, leading_field
 
-PASSED_THROUGH = ("n", "temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
-                  "repetition_penalty", "logit_bias", "allowed_token_ids", "bad_words", "seed", "stop",
-                  "stop_token_ids", "include_stop_str_in_output", "ignore_eos", "skip_special_tokens", "min_tokens",
-                  "prompt_logprobs", "truncate_prompt_tokens", "logits_processors", "extra_args")
+
+def json_type(annotation: Any) -> Any:
+    """The type a JSON body gives a value of Python type ``annotation``: tuples arrive as lists, dict
+    keys as strings (``tuple[int, ...] | None`` → ``list[int] | None``)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (Union, types.UnionType):
+        return Union[tuple(json_type(a) for a in args)]
+    if origin is tuple:
+        return list[json_type(args[0])] if args else list
+    if origin is dict:
+        return dict[str, json_type(args[1])] if args else dict
+    return annotation
+
+
+def request_fields() -> dict[str, Any]:
+    """Every :class:`~modelrunner.SamplingParams` field a request sets under its own name → the JSON
+    type it takes there (None allowed: left out, the field keeps its default): all of them but those
+    whose metadata says otherwise (:data:`~modelrunner.sampling.params.REQUEST`), typed by their
+    ``REQUEST_TYPE`` metadata or their own annotation."""
+    hints = typing.get_type_hints(SamplingParams)
+    return {field.name: Optional[field.metadata.get(REQUEST_TYPE, json_type(hints[field.name]))]
+            for field in attrs.fields(SamplingParams) if field.metadata.get(REQUEST, True)}
+
+
+REQUEST_FIELDS = request_fields()
+"""SamplingParams field → its type in a request body (:class:`~.protocol.SamplingRequest` is built from it)."""
+PASSED_THROUGH = tuple(REQUEST_FIELDS)
 """SamplingParams fields a request sets under the same name."""
-GENERATION_CONFIG_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+GENERATION_CONFIG_FIELDS = tuple(field.name for field in attrs.fields(SamplingParams)
+                                 if GENERATION_CONFIG in field.metadata and field.name in REQUEST_FIELDS)
 """Fields whose default comes from the checkpoint's ``generation_config.json`` when the request
 omits them (as vLLM does)."""
 
