@@ -25,9 +25,26 @@ class LLM:
         a parallel configuration load the process's default plugins whatever this is).
     """
 
+    def __new__(cls, model: str = "smollm2", *, plugins: Any = None, **config: Any) -> LLM:
+        if cls is LLM and config.get("data_parallel_size", 1) not in (1, None):
+            from .data_parallel import DataParallelLLM
+
+            return super().__new__(DataParallelLLM)  # replicas in processes of their own, one front here
+        return super().__new__(cls)
+
     def __init__(self, model: str = "smollm2", *, plugins: Any = None, **config: Any) -> None:
+        self._start(RunnerConfig.from_dict({"model": model, **config}), plugins)
+
+    @classmethod
+    def from_config(cls, config: RunnerConfig, plugins: Any = None) -> LLM:
+        """An LLM for a whole :class:`RunnerConfig` (one engine: ``data_parallel_size`` is not looked at)."""
+        llm = super().__new__(LLM)
+        llm._start(config, plugins)
+        return llm
+
+    def _start(self, config: RunnerConfig, plugins: Any) -> None:
         # One process, or with tensor/pipeline_parallel_size > 1 rank 0 driving the other ranks.
-        executor = create_executor(RunnerConfig.from_dict({"model": model, **config}), plugins)
+        executor = create_executor(config, plugins)
         try:
             self.engine = LLMEngine(executor)
             """The engine; use its ``add_request`` / ``step`` to interleave requests yourself."""

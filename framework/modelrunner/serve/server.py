@@ -101,12 +101,20 @@ class ModelOwner(threading.Thread):
         try:
             if self._stop_requested.is_set():
                 return
+            from ..data_parallel import DataParallelLLM
             from ..engine.loop import EngineLoop
 
-            model = ServedModel.from_llm(llm)
-            loop = EngineLoop(llm.engine).start()
-            engine = AsyncEngine(loop, llm.engine.config.scheduler.max_num_seqs, settings.max_waiting_requests,
-                                 state.metrics, max_stream_buffer=settings.max_stream_buffer)
+            if isinstance(llm, DataParallelLLM):  # the replicas' loops run in their processes
+                model, loop, max_running = ServedModel.from_replicas(llm), llm.router, llm.max_num_seqs
+                state.metrics.watch_replicas(llm.router.replicas)
+                for r in llm.router.replicas:
+                    print(f"modelrunner: data-parallel replica {r.rank} ready (pid {r.pid} on {r.info['host']})",
+                          file=sys.stderr, flush=True)
+            else:
+                model, loop = ServedModel.from_llm(llm), EngineLoop(llm.engine).start()
+                max_running = llm.engine.config.scheduler.max_num_seqs
+            engine = AsyncEngine(loop, max_running, settings.max_waiting_requests, state.metrics,
+                                 max_stream_buffer=settings.max_stream_buffer)
             state.set_ready(model, engine)
             self.server.loaded(time.monotonic() - started)
             self._stop_requested.wait()
