@@ -49,3 +49,32 @@ def test_dp_options_are_no_longer_refused_and_bad_values_name_themselves():
         RunnerConfig.from_dict({"model": "m", "data_parallel_size": 0})
     with pytest.raises(ValueError, match="data_parallel_rpc_port must be an integer from 0 to 65535"):
         RunnerConfig.from_dict({"model": "m", "data_parallel_rpc_port": 70000})
+
+
+def test_a_hung_replica_is_failed_after_the_timeout_and_the_other_serves_on(tiny_llama, monkeypatch):
+    import os
+    import signal
+    import time
+
+    from modelrunner import LLM, SamplingParams
+    from modelrunner.data_parallel import ReplicaFailedError
+
+    monkeypatch.setenv("MODELRUNNER_DIST_TIMEOUT", "3")
+    llm = LLM(str(tiny_llama), data_parallel_size=2, **CONFIG)
+    try:
+        hung = llm.router.replicas[1]
+        os.kill(hung.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not llm.router.failures and time.monotonic() - stopped < 10:
+            time.sleep(0.05)
+        assert 2.5 < time.monotonic() - stopped < 6
+        (failure,) = llm.router.failures
+        assert isinstance(failure, ReplicaFailedError) and failure.rank == 1
+        assert f"replica 1 (pid {hung.pid}" in str(failure) and "MODELRUNNER_DIST_TIMEOUT" in str(failure)
+        assert hung.process.wait(5) == -signal.SIGKILL  # killed, not restarted
+        outputs = llm.generate([[1, 5, 9], [1, 6, 9]], SamplingParams(max_tokens=3, temperature=0), use_tqdm=False)
+        assert [len(o.outputs[0].token_ids) for o in outputs] == [3, 3]
+        assert llm.router.replicas[0].served == 2
+    finally:
+        llm.shutdown()
+    assert wait_for_no_children() == []

@@ -75,8 +75,9 @@ def local_ranks(config: RunnerConfig) -> range:
 
 
 def start_replicas(config: RunnerConfig) -> list[ReplicaClient]:
-    """Listen, start this machine's replicas, and wait (at most ``MODELRUNNER_DIST_TIMEOUT`` seconds)
-    until every replica of the deployment, local or joining from elsewhere, is ready.
+    """Listen, start this machine's replicas, and wait until every replica of the deployment, local or
+    joining from elsewhere, is ready (those from elsewhere must connect within ``MODELRUNNER_DIST_TIMEOUT``
+    seconds; then each is watched, as a local one is, until it says ready or fails).
 
     :raises ModelRunnerError: a replica failed to load, exited, or did not join in time (every replica
         started here is stopped then).
@@ -162,10 +163,11 @@ def _gather(listener: Listener, size: int, processes: dict[int, subprocess.Popen
 
                 raise ModelRunnerError(f"data-parallel replica {rank} (pid {proc.pid}) {describe_exit(proc.returncode)}"
                                        " while starting; its stderr above says why")
-        if time.monotonic() > deadline:
-            missing = sorted(set(range(size)) - set(ready))
-            raise ModelRunnerError(f"data-parallel replica(s) {missing} did not join and load within "
-                                   f"{collective_timeout():g} s (MODELRUNNER_DIST_TIMEOUT)")
+        if time.monotonic() > deadline:  # local replicas are watched by their process, joined ones by their connection
+            absent = sorted(set(range(size)) - set(ready) - set(pending.values()) - set(processes))
+            if absent:
+                raise ModelRunnerError(f"data-parallel replica(s) {absent} did not join within {collective_timeout():g} s "
+                                       "(MODELRUNNER_DIST_TIMEOUT); start them with serve --headless on their machines")
     return [ReplicaClient(rank, conn, info, processes.get(rank)) for rank, (conn, info) in sorted(ready.items())]
 
 
