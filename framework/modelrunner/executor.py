@@ -89,6 +89,25 @@ class Executor(ArticleAPI, abc.ABC):
     runner: ModelRunner
     """This process's runner (rank 0's shard under parallelism)."""
 
+    name: str = ""
+    """The name it is registered and chosen by (``distributed_executor_backend``); a plugin sets it."""
+    parallel: bool = False
+    """Capability: runs ``tensor_parallel_size × pipeline_parallel_size`` > 1 (ranks in other processes)."""
+    launched_externally: bool = False
+    """Capability: its ranks are processes a launcher started (torchrun), not processes it starts itself."""
+
+    @classmethod
+    def create(cls, config: RunnerConfig, plugins: Plugins | None = None) -> Executor:
+        """The executor for ``config``, not yet loaded (the kernel calls this; override it when building
+        one takes more than ``cls(config, plugins)``: starting processes, joining a launcher's group).
+
+        :raises ValueError: ``config`` asks for something this executor cannot run.
+        """
+        if config.parallel.world_size > 1 and not cls.parallel:
+            raise ValueError(f"distributed_executor_backend {cls.name!r} runs one process; tensor_parallel_size × "
+                             f"pipeline_parallel_size = {config.parallel.world_size} needs one that runs several")
+        return cls(config, plugins)  # type: ignore[call-arg]
+
     @abc.abstractmethod
     def load_model(self) -> LoadedModel:
         """Load the model on every rank and allocate the KV caches (same block count everywhere). Idempotent."""
@@ -177,6 +196,8 @@ class UniprocExecutor(Executor):
     :param runner: the runner (not yet loaded), or build one from ``config``.
     """
 
+    name = "uni"
+
     def __init__(self, config: RunnerConfig | dict[str, Any] | None = None, plugins: Plugins | None = None,
                  runner: ModelRunner | None = None) -> None:
         if runner is None:
@@ -201,55 +222,50 @@ class UniprocExecutor(Executor):
         """Nothing to stop."""
 
 
+VLLM_EXECUTOR_NAMES = {"external_launcher": "torchrun"}
+"""vLLM's ``distributed_executor_backend`` values that are another executor's name here."""
+
+
+def executor_name(config: RunnerConfig) -> str:
+    """The executor ``config`` runs on: ``distributed_executor_backend`` (vLLM's names mapped), else
+    ``uni`` for one process, ``torchrun`` inside processes torchrun started, ``mp`` otherwise."""
+    chosen = config.parallel.distributed_executor_backend
+    if chosen is not None:
+        return VLLM_EXECUTOR_NAMES.get(chosen, chosen)
+    if config.parallel.world_size == 1:
+        return "uni"
+    return "torchrun" if LaunchInfo.from_env() is not None else "mp"
+
+
 def create_executor(config: RunnerConfig | dict[str, Any], plugins: Plugins | None = None) -> Executor:
-    """The executor for ``config``, not yet loaded (call ``load_model()``).
+    """The executor for ``config``, not yet loaded (call ``load_model()``): the registered executor
+    :func:`executor_name` picks (see ``modelrunner plugins``), built by its :meth:`Executor.create`.
 
-    World size 1: a :class:`UniprocExecutor`. Otherwise a :class:`MultiprocExecutor` that is rank 0
-    of the group: of the processes torchrun started when its environment says so (``WORLD_SIZE`` > 1),
-    else of worker processes started here. Under torchrun, on ranks other than 0 this call loads
-    that rank's shard, serves steps until rank 0 shuts down, and then exits the process.
+    The kernel's: ``uni`` (:class:`UniprocExecutor`), ``mp`` (:class:`MultiprocExecutor`: this process is
+    rank 0 of worker processes it starts) and ``torchrun`` (:class:`TorchrunExecutor`: rank 0 of the
+    processes torchrun started; on other ranks this call loads that rank's shard, serves steps until
+    rank 0 shuts down, and then exits the process).
 
-    :raises ValueError: torchrun started a different number of processes than the sizes multiply to.
+    :raises UnknownNameError: no executor of that name is registered (the message lists those that are).
+    :raises ValueError: the executor cannot run ``config`` (e.g. ``uni`` with tensor_parallel_size 2), or
+        torchrun started a different number of processes than the sizes multiply to.
     """
+    from .plugins import get_plugins
+
     config = RunnerConfig.from_dict(config) if isinstance(config, dict) else config
-    world = config.parallel.world_size
-    if world == 1:
-        return UniprocExecutor(config, plugins)
-    launch = LaunchInfo.from_env()
-    if launch is not None:
-        return _join_torchrun(config, launch)
-    # Resolve (and convert) the checkpoint and check the names before starting anything, so a bad
-    # name costs no processes.
-    runner = ModelRunner(config, plugins=plugins)
-    runner.check_config()
-    source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
-    try:
-        quantization = runner.choose_quantization(source)
-        runner.check_supported(source, quantization)
-        check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device), runner.device,
-                         world, quantization is not None)
-    finally:
-        source.release_weights()
-    port = free_port()
-    workers = WorkerProcesses.spawn(config, "127.0.0.1", port)
-    try:
-        launch = LaunchInfo(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
-        ctx = init_distributed(launch, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
-                               rank_device(config, 0), while_waiting=workers.raise_if_dead)
-    except BaseException:
-        workers.kill()
-        raise
-    return MultiprocExecutor(config, ctx, workers)
+    registry = plugins if plugins is not None else get_plugins()
+    cls = registry.executor_class(executor_name(config))
+    return cls.create(config, plugins)
 
 
-def _join_torchrun(config: RunnerConfig, launch: LaunchInfo) -> Executor:
+def _join_torchrun(config: RunnerConfig, launch: LaunchInfo) -> TorchrunExecutor:
     device = rank_device(config, launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = init_distributed(launch, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
                            device)
     if launch.rank == 0:
-        return MultiprocExecutor(config, ctx, workers=None)
+        return TorchrunExecutor(config, ctx, workers=None)
     Worker(ctx, config).run()
     destroy_distributed()
     try:
@@ -457,6 +473,40 @@ class MultiprocExecutor(Executor):
     :param workers: the worker processes started here (None under torchrun).
     """
 
+    name = "mp"
+    parallel = True
+
+    @classmethod
+    def create(cls, config: RunnerConfig, plugins: Plugins | None = None) -> Executor:
+        """Check the checkpoint and names, start ranks ``1 … world_size - 1`` as worker processes, and
+        become rank 0 of their group. With world size 1, a :class:`UniprocExecutor` (nothing to start)."""
+        world = config.parallel.world_size
+        if world == 1:
+            return UniprocExecutor(config, plugins)
+        # Resolve (and convert) the checkpoint and check the names before starting anything, so a bad
+        # name costs no processes.
+        runner = ModelRunner(config, plugins=plugins)
+        runner.check_config()
+        source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
+        try:
+            quantization = runner.choose_quantization(source)
+            runner.check_supported(source, quantization)
+            check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device),
+                             runner.device, world, quantization is not None)
+        finally:
+            source.release_weights()
+        port = free_port()
+        workers = WorkerProcesses.spawn(config, "127.0.0.1", port)
+        try:
+            launch = LaunchInfo(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
+            ctx = init_distributed(launch, config.parallel.tensor_parallel_size,
+                                   config.parallel.pipeline_parallel_size, rank_device(config, 0),
+                                   while_waiting=workers.raise_if_dead)
+        except BaseException:
+            workers.kill()
+            raise
+        return cls(config, ctx, workers)
+
     def __init__(self, config: RunnerConfig, ctx: DistributedContext, workers: WorkerProcesses | None) -> None:
         self.runner = ModelRunner(rank_config(config, ctx.device), parallel=ctx.parallel)
         self.ctx = ctx
@@ -621,3 +671,26 @@ class MultiprocExecutor(Executor):
             pid = self.workers.processes[rank].pid
         where = f"{rank} (tensor-parallel rank {rank % tp}, pipeline stage {rank // tp}"
         return where + (f", pid {pid})" if pid is not None else ")")
+
+
+class TorchrunExecutor(MultiprocExecutor):
+    """Rank 0 of the processes ``torchrun`` started (one machine or several): as :class:`MultiprocExecutor`,
+    but it starts nothing; on the other ranks :meth:`create` serves steps until rank 0 shuts down, then
+    exits the process (vLLM's ``external_launcher``)."""
+
+    name = "torchrun"
+    launched_externally = True
+
+    @classmethod
+    def create(cls, config: RunnerConfig, plugins: Plugins | None = None) -> Executor:
+        """Join torchrun's group (its environment says where).
+
+        :raises ValueError: not started by torchrun, or it started a different number of processes.
+        """
+        launch = LaunchInfo.from_env()
+        if launch is None:
+            raise ValueError("distributed_executor_backend 'torchrun' (vLLM: 'external_launcher') needs the processes "
+                             "torchrun starts (its WORLD_SIZE, RANK, MASTER_ADDR environment); run the script with "
+                             "torchrun --nproc-per-node N, or leave distributed_executor_backend unset")
+        return _join_torchrun(config, launch)
+

@@ -37,7 +37,7 @@ def register(registry: Registry) -> None:
     allocator names your allocate hook answers, ``registry.compile_backends(...)`` with your compile
     backend names, and ``registry.attention_backends(cls)`` / ``registry.logits_processors(cls)`` /
     ``registry.quantization_methods(cls)`` / ``registry.matmul_kernels(cls)`` /
-    ``registry.grammar_backends(cls)`` with classes of those kinds. The kernel calls your other hooks only for the names you declare here.
+    ``registry.grammar_backends(cls)`` / ``registry.executors(cls)`` with classes of those kinds. The kernel calls your other hooks only for the names you declare here.
 
     :param registry: collects the names; it records which plugin gave each one.
     """

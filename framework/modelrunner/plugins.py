@@ -36,6 +36,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-quantization": "modelrunner.defaults.quantization",
     "default-grammars": "modelrunner.defaults.grammars",
     "default-tool-parsers": "modelrunner.defaults.tool_parsers",
+    "default-executors": "modelrunner.defaults.executors",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 
@@ -346,6 +347,10 @@ class Plugins:
     def tool_parser_class(self, name: str) -> type:
         """The :class:`~modelrunner.tool_parser.ToolParser` subclass registered as ``name``."""
         return self._class("tool_parsers", name)
+
+    def executor_class(self, name: str) -> type:
+        """The :class:`~modelrunner.executor.Executor` subclass registered as ``name``."""
+        return self._class("executors", name)
 
     def quantization_method_class(self, name: str) -> type:
         """The :class:`~modelrunner.quantization.QuantizationMethod` subclass registered as ``name``."""

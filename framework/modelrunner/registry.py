@@ -18,7 +18,7 @@ from .errors import PluginConflictError, did_you_mean
 NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
 CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels",
-               "grammar_backends", "tool_parsers")
+               "grammar_backends", "tool_parsers", "executors")
 """Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""
@@ -50,6 +50,7 @@ CLASS_CAPABILITIES = {
     "matmul_kernels": ("layout", "devices", "exact", "activations", "timed"),
     "grammar_backends": ("constraints", "auto_order"),
     "tool_parsers": ("start_markers", "parallel_calls"),
+    "executors": ("parallel", "launched_externally"),
 }
 """Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
 
@@ -85,6 +86,10 @@ def _base_class(kind: str) -> type:
         from .tool_parser import ToolParser
 
         return ToolParser
+    if kind == "executors":
+        from .executor import Executor
+
+        return Executor
     from .quantization.base import QuantizationMethod
 
     return QuantizationMethod
@@ -186,6 +191,11 @@ class Registry:
         """Declare tool-call parsers (:class:`modelrunner.tool_parser.ToolParser` subclasses), selectable
         by ``name`` (``modelrunner serve --enable-auto-tool-choice --tool-call-parser NAME``)."""
         self._add_classes("tool_parsers", parsers)
+
+    def executors(self, *executors: type) -> None:
+        """Declare executors (:class:`modelrunner.executor.Executor` subclasses: what runs a replica's
+        ranks), selectable by ``name`` (config ``distributed_executor_backend``)."""
+        self._add_classes("executors", executors)
 
     # -- looking up ----------------------------------------------------------------------------
 

@@ -22,6 +22,7 @@ SUITES = {
     "matmul_kernels": "modelrunner.conformance.matmul:MatmulKernelSuite",
     "grammar_backends": "modelrunner.conformance.grammar:GrammarBackendSuite",
     "tool_parsers": "modelrunner.conformance.tool_parser:ToolParserSuite",
+    "executors": "modelrunner.conformance.executor:ExecutorSuite",
 }
 """Registry kind → ``module:class`` of its suite (imported when used)."""
 

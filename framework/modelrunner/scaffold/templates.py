@@ -13,6 +13,7 @@ KINDS = {
     "matmul-kernel": "matmul_kernels",
     "grammar-backend": "grammar_backends",
     "tool-parser": "tool_parsers",
+    "executor": "executors",
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
@@ -430,6 +431,49 @@ def register(registry: Any) -> None:
     """Declare the parser (``modelrunner serve ... --enable-auto-tool-choice --tool-call-parser {name}``)."""
     registry.tool_parsers({cls})
 ''',
+    "executor": HEADER + '''
+import time
+
+from modelrunner.executor import UniprocExecutor
+
+
+class {cls}(UniprocExecutor):
+    """Runs the model in this process, as the kernel's ``uni`` executor does, and times every step.
+
+    To run the ranks elsewhere (a cluster's actors, remote machines), override ``create`` (build what
+    the configuration needs: processes, a group) and ``load_model`` / ``execute_model`` /
+    ``copy_blocks`` / ``shutdown`` / ``check_health``; set ``parallel = True`` once it runs
+    ``tensor_parallel_size`` x ``pipeline_parallel_size`` > 1.
+    """
+
+    name = "{name}"
+    parallel = False  # one process: a configuration of several ranks is refused up front
+    launched_externally = False
+
+    def __init__(self, config: Any = None, plugins: Any = None, runner: Any = None) -> None:
+        super().__init__(config, plugins, runner)
+        self.step_seconds: list[float] = []
+
+    def execute_model(self, batch: Any) -> Any:
+        """One step in this process, timed."""
+        started = time.perf_counter()
+        out = super().execute_model(batch)
+        self.step_seconds.append(time.perf_counter() - started)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """The runner's statistics, plus this executor's step count and mean step time."""
+        out = super().stats()
+        steps = self.step_seconds
+        out["{name}"] = {{"steps": len(steps), "mean_step_s": sum(steps) / len(steps) if steps else 0.0}}
+        return out
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the executor (``LLM(model, distributed_executor_backend="{name}")`` picks it)."""
+    registry.executors({cls})
+''',
 }
 """KIND → the plugin module (``{name}``, ``{cls}`` filled in; an adapter's ``{arch}`` too)."""
 
@@ -485,6 +529,7 @@ SUMMARIES = {
     "matmul-kernel": "The {name} matmul kernel for quantized weights in modelrunner.",
     "grammar-backend": "The {name} grammar backend for structured outputs in modelrunner.",
     "tool-parser": "The {name} tool-call parser for modelrunner's server.",
+    "executor": "The {name} executor for modelrunner (what runs a model's ranks).",
 }
 
 USAGE = {
@@ -501,6 +546,8 @@ USAGE = {
                        '`llm.generate(prompt, SamplingParams(structured_outputs=StructuredOutputsParams(choice=["yes", "no"])))`.',
     "tool-parser": '`modelrunner serve MODEL --enable-auto-tool-choice --tool-call-parser {name}`: with\n'
                    '`tool_choice="auto"` the calls the model writes come back as `tool_calls`.',
+    "executor": '`LLM(model, distributed_executor_backend="{name}")`, or\n'
+                '`modelrunner serve MODEL --set distributed_executor_backend={name}`.',
 }
 
 TEST_OPTIONS: dict[str, tuple[str, str]] = {}
