@@ -19,7 +19,7 @@ import time
 import torch
 
 from modelrunner import LLM, SamplingParams
-from modelrunner.data_parallel import DataParallelLLM
+from modelrunner.llm import DataParallelLLM
 
 PROMPT = "Write a short story about a robot learning to paint, number {i}."
 

@@ -87,7 +87,7 @@ def _base_class(kind: str) -> type:
 
         return ToolParser
     if kind == "executors":
-        from .executor import Executor
+        from .executor_base import Executor
 
         return Executor
     from .quantization.base import QuantizationMethod

@@ -5,15 +5,16 @@ tensor × pipeline group), behind one front that spreads requests over them.
 - :mod:`.launch` — the front's listener, starting replicas here, ``--headless`` machines joining it.
 - :mod:`.client` — one replica as the front sees it (outputs, heartbeats, failure).
 - :mod:`.router` — the engine-loop interface over the replicas (load and prefix affinity).
-- :mod:`.llm` — ``LLM(data_parallel_size=N)``.
+- :mod:`.front` — what the front knows of the replicas (``LLM(data_parallel_size=N)`` is
+  :class:`modelrunner.llm.DataParallelLLM`).
 """
 
 from __future__ import annotations
 
 from .client import ReplicaClient, ReplicaFailedError
 from .launch import run_headless, start_replicas
-from .llm import DataParallelLLM
+from .front import FrontEngine
 from .router import DataParallelRouter
 
-__all__ = ["DataParallelLLM", "DataParallelRouter", "ReplicaClient", "ReplicaFailedError", "run_headless",
+__all__ = ["DataParallelRouter", "FrontEngine", "ReplicaClient", "ReplicaFailedError", "run_headless",
            "start_replicas"]

@@ -105,13 +105,6 @@ class ServerMetrics:
                                                    "Generated tokens per finished request.", TOKEN_COUNT_BUCKETS)
         r.register(_EngineCollector(model_name, snapshot))
 
-    def watch_replicas(self, replicas: list) -> None:
-        """Also report each data-parallel replica's state, labelled ``engine="<rank>"`` (see
-        :mod:`.dp_metrics`); the unlabelled engine metrics are then the live replicas' totals."""
-        from .dp_metrics import ReplicaCollector
-
-        self.registry.register(ReplicaCollector(self._model_name, replicas))
-
     def tracker(self) -> RequestTracker:
         """A tracker for one engine request's outputs."""
         return RequestTracker(self)

@@ -31,6 +31,7 @@ import uvicorn
 from ..errors import DEBUG_ENV, error_line
 from .app import build_app
 from .async_engine import AsyncEngine
+from .dp_metrics import ReplicaCollector
 from .settings import ServeSettings
 from .state import ServedModel, ServerState
 
@@ -101,12 +102,12 @@ class ModelOwner(threading.Thread):
         try:
             if self._stop_requested.is_set():
                 return
-            from ..data_parallel import DataParallelLLM
             from ..engine.loop import EngineLoop
+            from ..llm import DataParallelLLM
 
             if isinstance(llm, DataParallelLLM):  # the replicas' loops run in their processes
                 model, loop, max_running = ServedModel.from_replicas(llm), llm.router, llm.max_num_seqs
-                state.metrics.watch_replicas(llm.router.replicas)
+                state.metrics.registry.register(ReplicaCollector(settings.model_name, llm.router.replicas))
                 for r in llm.router.replicas:
                     print(f"modelrunner: data-parallel replica {r.rank} ready (pid {r.pid} on {r.info['host']})",
                           file=sys.stderr, flush=True)
