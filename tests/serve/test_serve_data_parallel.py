@@ -63,6 +63,19 @@ def test_32_concurrent_requests_equal_offline_greedy_and_both_replicas_serve(dp_
     chunks = list(dp_server.client().completions.create(model=str(serve_llama_dir), prompt=PROMPTS[0], max_tokens=8,
                                                         temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == offline[0]
+    # A client that disconnects mid-stream: the abort reaches the replica running its request.
+    with httpx.stream("POST", dp_server.url + "/v1/completions", timeout=60, json={
+            "prompt": "Endless", "max_tokens": 1500, "ignore_eos": True, "stream": True}) as response:
+        lines = response.iter_lines()
+        assert [next(lines) for _ in range(4)]
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:
+        m = dp_server.metrics()
+        if m["modelrunner:replica_requests_in_flight{engine=0}"] + m["modelrunner:replica_requests_in_flight{engine=1}"] == 0:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the disconnected request still runs: {m}")
 
 
 def test_a_killed_replica_fails_only_its_requests_and_health_says_so_then_sigterm_stops_cleanly(dp_server):
