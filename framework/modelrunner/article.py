@@ -28,6 +28,12 @@ def _scratch_id() -> int:
     return -1_000_000 - next(_scratch_ids)  # never an engine's (engines count up from 0)
 
 
+ENGINE_FACTORY: list[Any] = []
+"""The engine class :meth:`ArticleAPI.engine` builds (``modelrunner.engine.llm_engine`` puts
+:class:`~modelrunner.engine.LLMEngine` here when it is imported: the engine sits above the runner
+and the executor, so this module cannot import it)."""
+
+
 class ArticleAPI:
     """``forward`` and ``generate`` for anything with ``execute_model`` and a KV cache.
 
@@ -54,10 +60,10 @@ class ArticleAPI:
         """The :class:`~modelrunner.engine.LLMEngine` that runs this object: the one attached, else one
         made now (it attaches itself, and its allocator then also serves :meth:`forward`)."""
         if self._engine is None:
-            # The engine sits above the runner and the executor; its public name resolves at call time.
-            from modelrunner import LLMEngine
-
-            LLMEngine(self)
+            if not ENGINE_FACTORY:
+                raise ModelRunnerError("no engine class is available: import modelrunner (or "
+                                       "modelrunner.engine) before calling generate()")
+            ENGINE_FACTORY[0](self)
         return self._engine
 
     def scratch_allocator(self) -> Any:

@@ -33,6 +33,14 @@ def _int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be an integer, got {value!r}")
 
 
+def _non_negative_below(limit: int):
+    def check(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
+            raise ValueError(f"{attribute.name} must be an integer from 0 to {limit - 1}, got {value!r}")
+
+    return check
+
+
 def _dict(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if not isinstance(value, dict):
         raise ValueError(f"{attribute.name} must be a dict, got {value!r}")
@@ -125,10 +133,24 @@ class ParallelConfig:
     """Ranks each layer's matrices are split across."""
     pipeline_parallel_size: int = attrs.field(default=1, validator=_positive)
     """Stages the layers are split into."""
+    data_parallel_size: int = attrs.field(default=1, validator=_positive)
+    """Engine replicas, each its own process (and each a tensor × pipeline group of its own); one
+    front spreads requests over them (:mod:`modelrunner.data_parallel`)."""
+    data_parallel_size_local: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    """Replicas this machine runs (None: all of them); the others join from ``--headless`` machines."""
+    data_parallel_address: str | None = attrs.field(default=None, validator=_optional_str)
+    """Address the front listens on for its replicas (None: 127.0.0.1, this machine only)."""
+    data_parallel_rpc_port: int = attrs.field(default=0, validator=_non_negative_below(65536))
+    """Port the front listens on for its replicas (0: a free one, for replicas on this machine only)."""
+    data_parallel_start_rank: int = attrs.field(default=0, validator=_non_negative_below(1 << 16))
+    """Data-parallel rank of this machine's first replica (``--headless`` machines start past the front's)."""
+    distributed_executor_backend: str | None = attrs.field(default=None, validator=_optional_str)
+    """The executor plugin that runs each replica's ranks (vLLM's option; None: the default for the
+    sizes, ``mp`` for worker processes, ``uni`` for one process); see ``modelrunner plugins``."""
 
     @property
     def world_size(self) -> int:
-        """Total number of processes."""
+        """Processes of one replica (``tensor_parallel_size × pipeline_parallel_size``)."""
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
@@ -412,13 +434,13 @@ VLLM_ALIASES = {"kv_cache_memory_bytes": "kv_cache_memory"}
 """vLLM engine-argument names that are another key's name here."""
 
 VLLM_ONLY = ("swap_space", "cpu_offload_gb", "max_seq_len_to_capture", "disable_log_stats", "kv_cache_dtype",
-             "distributed_executor_backend", "tokenizer_mode", "revision",
+             "tokenizer_mode", "revision",
              "tokenizer_revision", "code_revision", "download_dir", "load_format", "disable_custom_all_reduce",
              "max_logprobs", "limit_mm_per_prompt",
              "mm_processor_kwargs", "hf_overrides", "compilation_config", "task", "rope_scaling", "rope_theta",
              "enable_chunked_prefill", "num_scheduler_steps", "scheduling_policy", "worker_cls",
              "override_generation_config", "enable_sleep_mode", "calculate_kv_scales", "disable_async_output_proc",
-             "skip_tokenizer_init", "data_parallel_size", "enable_expert_parallel",
+             "skip_tokenizer_init", "enable_expert_parallel",
              "tokenizer_pool_size", "reasoning_parser", "logits_processors",
              "served_model_name", "allowed_local_media_path", "generation_config")
 """vLLM engine arguments modelrunner has no equivalent for; refused by name, never silently ignored."""

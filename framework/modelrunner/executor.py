@@ -18,7 +18,6 @@ workers. The executor is unusable afterwards; create a new one.
 
 from __future__ import annotations
 
-import abc
 import os
 import pickle
 import signal
@@ -33,7 +32,6 @@ from typing import Any
 
 import torch
 
-from .article import ArticleAPI
 from .config import RunnerConfig
 from .distributed import (
     DistributedContext,
@@ -45,8 +43,8 @@ from .distributed import (
     init_distributed,
 )
 from .errors import FatalError, ModelRunnerError
+from .executor_base import Executor
 from .forward_batch import ForwardBatch, ForwardOutput
-from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
 from .plugins import Plugins
 from .model_size import check_model_fits
@@ -78,113 +76,13 @@ class WorkerFailedError(FatalError):
         """What the group was doing."""
 
 
-class Executor(ArticleAPI, abc.ABC):
-    """The engine's interface to the model, whatever the number of processes.
-
-    Each executor has a :class:`~modelrunner.runner.ModelRunner` for this process's shard
-    (:attr:`runner`); what does not depend on the other ranks (tokenizer, block count, sizes) is
-    read from it.
-    """
-
-    runner: ModelRunner
-    """This process's runner (rank 0's shard under parallelism)."""
-
-    @abc.abstractmethod
-    def load_model(self) -> LoadedModel:
-        """Load the model on every rank and allocate the KV caches (same block count everywhere). Idempotent."""
-
-    @abc.abstractmethod
-    def execute_model(self, batch: ForwardBatch) -> ForwardOutput:
-        """Run one step on every rank; the last stage's float32 logits on the CPU."""
-
-    @abc.abstractmethod
-    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
-        """Copy KV blocks ``src → dst`` on every rank before the next step."""
-
-    @abc.abstractmethod
-    def shutdown(self) -> None:
-        """Stop the other ranks, if any. Idempotent; also runs at exit."""
-
-    def check_health(self) -> None:
-        """Raise if the executor can no longer run steps (a worker process died); cheap, call it often.
-
-        :raises WorkerFailedError: naming the rank and how it ended.
-        """
-
-    # -- read from this process's runner ------------------------------------------------------------
-
-    @property
-    def config(self) -> RunnerConfig:
-        """The whole configuration."""
-        return self.runner.config
-
-    @property
-    def plugins(self) -> Plugins:
-        """The plugins this process routes through."""
-        return self.runner.plugins
-
-    @property
-    def loaded(self) -> LoadedModel | None:
-        """This process's loaded model (None before :meth:`load_model`)."""
-        return self.runner.loaded
-
-    @property
-    def num_blocks(self) -> int:
-        """KV-cache blocks every rank holds."""
-        return self.runner.num_blocks
-
-    @property
-    def block_size(self) -> int:
-        """Token slots per KV-cache block."""
-        return self.runner.block_size
-
-    @property
-    def max_model_len(self) -> int:
-        """Longest sequence (prompt + output) served."""
-        return self.runner.max_model_len
-
-    @property
-    def tokenizer(self) -> Any:
-        """The checkpoint's tokenizer (None for a checkpoint without one)."""
-        return self.runner.tokenizer
-
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec | None:
-        """This rank's KV-cache layout (None: the model keeps its own cache)."""
-        return self.runner.kv_cache_spec
-
-    @property
-    def kv_cache_bytes(self) -> int:
-        """Bytes of this rank's KV-cache tensors."""
-        return self.runner.kv_cache_bytes
-
-    def process_inputs(self, prompt_text: str | None, token_ids: list[int],
-                       extra: dict[str, Any]) -> tuple[list[int], dict[str, Any]]:
-        """A request as the model runs it (see :meth:`ModelRunner.process_inputs`)."""
-        return self.runner.process_inputs(prompt_text, token_ids, extra)
-
-    def stats(self) -> dict[str, Any]:
-        """This process's runner statistics (``model``, ``compile``)."""
-        return self.runner.stats()
-
-    def add_lora(self, request: Any) -> None:
-        """Read and check a LoRA adapter here; other ranks read it from the first step that uses it
-        (:attr:`ForwardBatch.loras <modelrunner.forward_batch.ForwardBatch.loras>`)."""
-        self.runner.add_lora(request)
-
-    def remove_lora(self, lora_int_id: int) -> bool:
-        """Forget a LoRA adapter here (other ranks replace it when the id comes back with another path)."""
-        return self.runner.remove_lora(lora_int_id)
-
-    def _require_loaded(self) -> LoadedModel:
-        return self.runner._require_loaded()
-
-
 class UniprocExecutor(Executor):
     """Everything in this process: a :class:`ModelRunner` driven directly.
 
     :param runner: the runner (not yet loaded), or build one from ``config``.
     """
+
+    name = "uni"
 
     def __init__(self, config: RunnerConfig | dict[str, Any] | None = None, plugins: Plugins | None = None,
                  runner: ModelRunner | None = None) -> None:
@@ -216,55 +114,50 @@ class UniprocExecutor(Executor):
         """Nothing to stop."""
 
 
+VLLM_EXECUTOR_NAMES = {"external_launcher": "torchrun"}
+"""vLLM's ``distributed_executor_backend`` values that are another executor's name here."""
+
+
+def executor_name(config: RunnerConfig) -> str:
+    """The executor ``config`` runs on: ``distributed_executor_backend`` (vLLM's names mapped), else
+    ``uni`` for one process, ``torchrun`` inside processes torchrun started, ``mp`` otherwise."""
+    chosen = config.parallel.distributed_executor_backend
+    if chosen is not None:
+        return VLLM_EXECUTOR_NAMES.get(chosen, chosen)
+    if config.parallel.world_size == 1:
+        return "uni"
+    return "torchrun" if LaunchInfo.from_env() is not None else "mp"
+
+
 def create_executor(config: RunnerConfig | dict[str, Any], plugins: Plugins | None = None) -> Executor:
-    """The executor for ``config``, not yet loaded (call ``load_model()``).
+    """The executor for ``config``, not yet loaded (call ``load_model()``): the registered executor
+    :func:`executor_name` picks (see ``modelrunner plugins``), built by its :meth:`Executor.create`.
 
-    World size 1: a :class:`UniprocExecutor`. Otherwise a :class:`MultiprocExecutor` that is rank 0
-    of the group: of the processes torchrun started when its environment says so (``WORLD_SIZE`` > 1),
-    else of worker processes started here. Under torchrun, on ranks other than 0 this call loads
-    that rank's shard, serves steps until rank 0 shuts down, and then exits the process.
+    The kernel's: ``uni`` (:class:`UniprocExecutor`), ``mp`` (:class:`MultiprocExecutor`: this process is
+    rank 0 of worker processes it starts) and ``torchrun`` (:class:`TorchrunExecutor`: rank 0 of the
+    processes torchrun started; on other ranks this call loads that rank's shard, serves steps until
+    rank 0 shuts down, and then exits the process).
 
-    :raises ValueError: torchrun started a different number of processes than the sizes multiply to.
+    :raises UnknownNameError: no executor of that name is registered (the message lists those that are).
+    :raises ValueError: the executor cannot run ``config`` (e.g. ``uni`` with tensor_parallel_size 2), or
+        torchrun started a different number of processes than the sizes multiply to.
     """
+    from .plugins import get_plugins
+
     config = RunnerConfig.from_dict(config) if isinstance(config, dict) else config
-    world = config.parallel.world_size
-    if world == 1:
-        return UniprocExecutor(config, plugins)
-    launch = LaunchInfo.from_env()
-    if launch is not None:
-        return _join_torchrun(config, launch)
-    # Resolve (and convert) the checkpoint and check the names before starting anything, so a bad
-    # name costs no processes.
-    runner = ModelRunner(config, plugins=plugins)
-    runner.check_config()
-    source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
-    try:
-        quantization = runner.choose_quantization(source)
-        runner.check_supported(source, quantization)
-        check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device), runner.device,
-                         world, quantization is not None)
-    finally:
-        source.release_weights()
-    port = free_port()
-    workers = WorkerProcesses.spawn(config, "127.0.0.1", port)
-    try:
-        launch = LaunchInfo(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
-        ctx = init_distributed(launch, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
-                               rank_device(config, 0), while_waiting=workers.raise_if_dead)
-    except BaseException:
-        workers.kill()
-        raise
-    return MultiprocExecutor(config, ctx, workers)
+    registry = plugins if plugins is not None else get_plugins()
+    cls = registry.executor_class(executor_name(config))
+    return cls.create(config, plugins)
 
 
-def _join_torchrun(config: RunnerConfig, launch: LaunchInfo) -> Executor:
+def _join_torchrun(config: RunnerConfig, launch: LaunchInfo) -> TorchrunExecutor:
     device = rank_device(config, launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = init_distributed(launch, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
                            device)
     if launch.rank == 0:
-        return MultiprocExecutor(config, ctx, workers=None)
+        return TorchrunExecutor(config, ctx, workers=None)
     Worker(ctx, config).run()
     destroy_distributed()
     try:
@@ -472,6 +365,40 @@ class MultiprocExecutor(Executor):
     :param workers: the worker processes started here (None under torchrun).
     """
 
+    name = "mp"
+    parallel = True
+
+    @classmethod
+    def create(cls, config: RunnerConfig, plugins: Plugins | None = None) -> Executor:
+        """Check the checkpoint and names, start ranks ``1 … world_size - 1`` as worker processes, and
+        become rank 0 of their group. With world size 1, a :class:`UniprocExecutor` (nothing to start)."""
+        world = config.parallel.world_size
+        if world == 1:
+            return UniprocExecutor(config, plugins)
+        # Resolve (and convert) the checkpoint and check the names before starting anything, so a bad
+        # name costs no processes.
+        runner = ModelRunner(config, plugins=plugins)
+        runner.check_config()
+        source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
+        try:
+            quantization = runner.choose_quantization(source)
+            runner.check_supported(source, quantization)
+            check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device),
+                             runner.device, world, quantization is not None)
+        finally:
+            source.release_weights()
+        port = free_port()
+        workers = WorkerProcesses.spawn(config, "127.0.0.1", port)
+        try:
+            launch = LaunchInfo(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
+            ctx = init_distributed(launch, config.parallel.tensor_parallel_size,
+                                   config.parallel.pipeline_parallel_size, rank_device(config, 0),
+                                   while_waiting=workers.raise_if_dead)
+        except BaseException:
+            workers.kill()
+            raise
+        return cls(config, ctx, workers)
+
     def __init__(self, config: RunnerConfig, ctx: DistributedContext, workers: WorkerProcesses | None) -> None:
         self.runner = ModelRunner(rank_config(config, ctx.device), parallel=ctx.parallel)
         self.ctx = ctx
@@ -636,3 +563,26 @@ class MultiprocExecutor(Executor):
             pid = self.workers.processes[rank].pid
         where = f"{rank} (tensor-parallel rank {rank % tp}, pipeline stage {rank // tp}"
         return where + (f", pid {pid})" if pid is not None else ")")
+
+
+class TorchrunExecutor(MultiprocExecutor):
+    """Rank 0 of the processes ``torchrun`` started (one machine or several): as :class:`MultiprocExecutor`,
+    but it starts nothing; on the other ranks :meth:`create` serves steps until rank 0 shuts down, then
+    exits the process (vLLM's ``external_launcher``)."""
+
+    name = "torchrun"
+    launched_externally = True
+
+    @classmethod
+    def create(cls, config: RunnerConfig, plugins: Plugins | None = None) -> Executor:
+        """Join torchrun's group (its environment says where).
+
+        :raises ValueError: not started by torchrun, or it started a different number of processes.
+        """
+        launch = LaunchInfo.from_env()
+        if launch is None:
+            raise ValueError("distributed_executor_backend 'torchrun' (vLLM: 'external_launcher') needs the processes "
+                             "torchrun starts (its WORLD_SIZE, RANK, MASTER_ADDR environment); run the script with "
+                             "torchrun --nproc-per-node N, or leave distributed_executor_backend unset")
+        return _join_torchrun(config, launch)
+

@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-tool-parsers": "modelrunner.defaults.tool_parsers",
     "default-proposers": "modelrunner.defaults.proposers",
     "default-lora-kernels": "modelrunner.defaults.lora_kernels",
+    "default-executors": "modelrunner.defaults.executors",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 
@@ -355,6 +356,9 @@ class Plugins:
     def lora_kernel_class(self, name: str) -> type:
         """The :class:`~modelrunner.lora.LoRAKernel` subclass registered as ``name``."""
         return self._class("lora_kernels", name)
+    def executor_class(self, name: str) -> type:
+        """The :class:`~modelrunner.executor.Executor` subclass registered as ``name``."""
+        return self._class("executors", name)
 
     def quantization_method_class(self, name: str) -> type:
         """The :class:`~modelrunner.quantization.QuantizationMethod` subclass registered as ``name``."""

@@ -18,7 +18,8 @@ from .errors import PluginConflictError, did_you_mean
 NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
 CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels",
-               "grammar_backends", "tool_parsers", "proposers", "lora_kernels")
+               "grammar_backends", "tool_parsers", "proposers", "lora_kernels",
+               "executors")
 """Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""
@@ -52,6 +53,7 @@ CLASS_CAPABILITIES = {
     "tool_parsers": ("start_markers", "parallel_calls"),
     "proposers": (),
     "lora_kernels": ("devices",),
+    "executors": ("parallel", "launched_externally"),
 }
 """Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
 
@@ -95,6 +97,10 @@ def _base_class(kind: str) -> type:
         from .lora.kernel import LoRAKernel
 
         return LoRAKernel
+    if kind == "executors":
+        from .executor_base import Executor
+
+        return Executor
     from .quantization.base import QuantizationMethod
 
     return QuantizationMethod
@@ -201,10 +207,16 @@ class Registry:
         """Declare speculative-decoding proposers (:class:`modelrunner.spec_decode.Proposer` subclasses),
         selectable by ``name`` (``speculative_config={"method": NAME, ...}``)."""
         self._add_classes("proposers", proposers)
+
     def lora_kernels(self, *kernels: type) -> None:
         """Declare batched LoRA kernels (:class:`modelrunner.lora.LoRAKernel` subclasses), selectable by
         ``name`` (config field ``lora_kernel``)."""
         self._add_classes("lora_kernels", kernels)
+
+    def executors(self, *executors: type) -> None:
+        """Declare executors (:class:`modelrunner.executor.Executor` subclasses: what runs a replica's
+        ranks), selectable by ``name`` (config ``distributed_executor_backend``)."""
+        self._add_classes("executors", executors)
 
     # -- looking up ----------------------------------------------------------------------------
 

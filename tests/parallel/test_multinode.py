@@ -1,6 +1,7 @@
 """Two "machines" — two network namespaces joined by a veth pair, each with its own address — and
 torchrun on each (``--nnodes=2``, c10d rendezvous on the first machine's address), as users run
-modelrunner across machines: TP=2 and PP=2, each equal to one process's greedy tokens.
+modelrunner across machines: TP=2 and PP=2, each equal to one process's greedy tokens; and a
+data-parallel deployment whose second replica runs on the other machine (``serve --headless``).
 
 Creating namespaces needs root (CI runs as root); elsewhere these tests skip saying why. The flags are
 the ones docs/guide/scaling.md shows.
@@ -24,6 +25,7 @@ from .conftest import wait_for_no_children
 from .workload import LLM_KW, run_workload
 
 SCRIPT = Path(__file__).with_name("torchrun_workload.py")
+DP_SCRIPT = Path(__file__).with_name("dp_front_workload.py")
 RUN_TIMEOUT_S = 180
 SUBNET = "10.231.{}.{}"
 PORT = 29555
@@ -105,4 +107,33 @@ def test_torchrun_on_two_machines_matches_one_process(machines, tiny_llama, tmp_
     assert (got["logits"] - expected["logits"]).abs().max().item() <= 1e-4
     ranks = got["ranks"]
     assert [(r["tp_rank"], r["pp_rank"]) for r in ranks] == ([(0, 0), (1, 0)] if tp == 2 else [(0, 0), (0, 1)])
+    assert wait_for_no_children() == []
+
+
+def test_data_parallel_front_and_headless_machine_match_one_process(machines, tiny_llama, tmp_path):
+    # The commands docs/guide/scaling.md shows: the front (here the offline API, as `serve` runs it) on
+    # the first machine with one local replica, `modelrunner serve --headless` on the second.
+    expected = run_workload(LLM(str(tiny_llama), **LLM_KW))["tokens"]
+    (front_ns, first, _), (other_ns, _, _) = machines
+    out = tmp_path / "dp.pt"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    headless = subprocess.Popen(
+        ["ip", "netns", "exec", other_ns, sys.executable, "-m", "modelrunner.cli", "serve", "--model",
+         str(tiny_llama), *(f"--set={k}={v}" for k, v in LLM_KW.items()), "--headless", "--data-parallel-size", "2",
+         "--data-parallel-size-local", "1", "--data-parallel-start-rank", "1", "--data-parallel-address", first,
+         "--data-parallel-rpc-port", str(PORT + 1)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    front = subprocess.Popen(["ip", "netns", "exec", front_ns, sys.executable, str(DP_SCRIPT), str(tiny_llama), first,
+                              str(PORT + 1), str(out)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True)
+    logs = []
+    try:
+        for proc in (front, headless):
+            logs.append(proc.communicate(timeout=RUN_TIMEOUT_S)[0])
+    finally:
+        for proc in (front, headless):
+            proc.kill()
+    assert front.returncode == 0 and headless.returncode == 0, "\n---\n".join(log[-4000:] for log in logs)
+    got = torch.load(out)
+    assert got["errors"] == [] and got["tokens"] == expected
+    assert min(got["served"]) >= 1, got["served"]  # both machines' replicas answered
     assert wait_for_no_children() == []

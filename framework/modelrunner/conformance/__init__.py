@@ -24,6 +24,7 @@ SUITES = {
     "tool_parsers": "modelrunner.conformance.tool_parser:ToolParserSuite",
     "proposers": "modelrunner.conformance.proposer:ProposerSuite",
     "lora_kernels": "modelrunner.conformance.lora:LoRAKernelSuite",
+    "executors": "modelrunner.conformance.executor:ExecutorSuite",
 }
 """Registry kind → ``module:class`` of its suite (imported when used)."""
 

@@ -26,7 +26,7 @@ def add_parser(subparsers: Any) -> None:
                              "to run the adapter and quantization suites on instead of tiny ones")
     parser.add_argument("--kind", action="append", default=None,
                         help="only these kinds (architectures, attention_backends, allocators, compile_backends, "
-                             "quantization_methods, logits_processors, matmul_kernels, grammar_backends, tool_parsers, proposers, lora_kernels); repeatable")
+                             "quantization_methods, logits_processors, matmul_kernels, grammar_backends, tool_parsers, proposers, lora_kernels, executors); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:

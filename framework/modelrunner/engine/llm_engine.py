@@ -23,6 +23,7 @@ from typing import Any
 import attrs
 import torch
 
+from .. import article
 from ..config import RunnerConfig
 from ..errors import FatalError
 from ..executor import Executor, UniprocExecutor, create_executor
@@ -892,3 +893,6 @@ def _sampling_error(exc: Exception) -> str:
     if isinstance(exc, (BrokenLogits, ProcessorFailed, GrammarFailed)):
         return str(exc)
     return f"sampling failed: {type(exc).__name__}: {exc}"
+
+
+article.ENGINE_FACTORY[:] = [LLMEngine]  # ModelRunner.generate builds this engine when none is attached

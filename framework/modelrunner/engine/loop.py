@@ -107,7 +107,7 @@ class EngineLoop:
         while grace_s > 0 and time.monotonic() < deadline and self.snapshot.num_requests and self.error is None:
             time.sleep(0.02)
         try:
-            self.call(lambda engine: [engine.abort_request(rid) for rid in engine.unfinished_request_ids()]).result(10)
+            self.abort_all().result(10)
             self.call(lambda engine: engine.advance() if engine.has_undelivered_outputs() else None).result(10)
         except Exception:  # noqa: BLE001 - a dead loop has nothing left to abort
             pass
@@ -146,6 +146,10 @@ class EngineLoop:
     def abort_request(self, request_id: str) -> Future:
         """Abort a request (its consumer gets a final ``finish_reason="abort"`` output)."""
         return self.call(lambda engine: engine.abort_request(request_id))
+
+    def abort_all(self) -> Future:
+        """Abort every unfinished request (each consumer gets its final ``finish_reason="abort"`` output)."""
+        return self.call(lambda engine: [engine.abort_request(rid) for rid in engine.unfinished_request_ids()])
 
     # -- the loop thread --------------------------------------------------------------------------
 

@@ -15,6 +15,7 @@ KINDS = {
     "tool-parser": "tool_parsers",
     "proposer": "proposers",
     "lora-kernel": "lora_kernels",
+    "executor": "executors",
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
@@ -495,6 +496,49 @@ def register(registry: Any) -> None:
     """Declare the kernel (``LLM(model, enable_lora=True, lora_kernel="{name}")`` picks it)."""
     registry.lora_kernels({cls})
 ''',
+    "executor": HEADER + '''
+import time
+
+from modelrunner.executor import UniprocExecutor
+
+
+class {cls}(UniprocExecutor):
+    """Runs the model in this process, as the kernel's ``uni`` executor does, and times every step.
+
+    To run the ranks elsewhere (a cluster's actors, remote machines), override ``create`` (build what
+    the configuration needs: processes, a group) and ``load_model`` / ``execute_model`` /
+    ``copy_blocks`` / ``shutdown`` / ``check_health``; set ``parallel = True`` once it runs
+    ``tensor_parallel_size`` x ``pipeline_parallel_size`` > 1.
+    """
+
+    name = "{name}"
+    parallel = False  # one process: a configuration of several ranks is refused up front
+    launched_externally = False
+
+    def __init__(self, config: Any = None, plugins: Any = None, runner: Any = None) -> None:
+        super().__init__(config, plugins, runner)
+        self.step_seconds: list[float] = []
+
+    def execute_model(self, batch: Any) -> Any:
+        """One step in this process, timed."""
+        started = time.perf_counter()
+        out = super().execute_model(batch)
+        self.step_seconds.append(time.perf_counter() - started)
+        return out
+
+    def stats(self) -> dict[str, Any]:
+        """The runner's statistics, plus this executor's step count and mean step time."""
+        out = super().stats()
+        steps = self.step_seconds
+        out["{name}"] = {{"steps": len(steps), "mean_step_s": sum(steps) / len(steps) if steps else 0.0}}
+        return out
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the executor (``LLM(model, distributed_executor_backend="{name}")`` picks it)."""
+    registry.executors({cls})
+''',
 }
 """KIND → the plugin module (``{name}``, ``{cls}`` filled in; an adapter's ``{arch}`` too)."""
 
@@ -552,6 +596,7 @@ SUMMARIES = {
     "tool-parser": "The {name} tool-call parser for modelrunner's server.",
     "proposer": "The {name} speculative-decoding proposer for modelrunner.",
     "lora-kernel": "The {name} batched LoRA kernel for modelrunner.",
+    "executor": "The {name} executor for modelrunner (what runs a model's ranks).",
 }
 
 USAGE = {
@@ -571,6 +616,8 @@ USAGE = {
     "proposer": '`LLM(model, speculative_config={{"method": "{name}", "num_speculative_tokens": 4}})`.',
     "lora-kernel": '`LLM(model, enable_lora=True, lora_kernel="{name}")`, then\n'
                    '`llm.generate(prompt, lora_request=LoRARequest("my-adapter", 1, "/path/to/peft/adapter"))`.',
+    "executor": '`LLM(model, distributed_executor_backend="{name}")`, or\n'
+                '`modelrunner serve MODEL --set distributed_executor_backend={name}`.',
 }
 
 TEST_OPTIONS: dict[str, tuple[str, str]] = {}

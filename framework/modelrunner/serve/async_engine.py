@@ -138,7 +138,7 @@ class AsyncEngine:
     def abort_all(self) -> None:
         """Abort every unfinished request (at shutdown, after the grace period)."""
         try:
-            self.loop.call(lambda engine: [engine.abort_request(r) for r in engine.unfinished_request_ids()])
+            self.loop.abort_all()
         except EngineDeadError:
             pass
 

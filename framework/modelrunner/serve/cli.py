@@ -53,6 +53,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="let requests bring their own chat_template (refused by default)")
     p.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
                    help="server log verbosity (info adds the access log; default warning)")
+    dp = p.add_argument_group("data parallelism (vLLM's options; docs/guide/scaling.md)")
+    dp.add_argument("--data-parallel-size", "-dp", type=int, default=None, metavar="N",
+                    help="engine replicas, each a process of its own (and each a tensor x pipeline group), behind "
+                         "this one API (default 1)")
+    dp.add_argument("--data-parallel-size-local", "-dpl", type=int, default=None, metavar="N",
+                    help="replicas this machine runs (default: all); the others join with --headless")
+    dp.add_argument("--data-parallel-start-rank", "-dpr", type=int, default=None, metavar="RANK",
+                    help="data-parallel rank of this machine's first replica (on --headless machines)")
+    dp.add_argument("--data-parallel-address", "-dpa", default=None, metavar="HOST",
+                    help="address the front listens on for its replicas (default 127.0.0.1: this machine only)")
+    dp.add_argument("--data-parallel-rpc-port", "-dpp", type=int, default=None, metavar="PORT",
+                    help="port the front listens on for its replicas (default: a free one, this machine only)")
+    dp.add_argument("--headless", action="store_true",
+                    help="serve no API: run this machine's replicas for the front at --data-parallel-address")
     cors = p.add_argument_group("CORS (vLLM's options and defaults)")
     cors.add_argument("--allowed-origins", type=string_list, default=["*"], metavar="JSON_LIST",
                       help='origins whose pages may call the API, e.g. \'["https://app.example"]\' (default ["*"])')
@@ -168,6 +182,9 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
     for key in ("max_loras", "max_lora_rank", "max_cpu_loras"):
         if getattr(args, key) is not None:
             config[key] = getattr(args, key)
+    for flag in DATA_PARALLEL_FLAGS:
+        if getattr(args, flag, None) is not None:
+            config[flag] = getattr(args, flag)
     RunnerConfig.from_dict({"model": args.model, **config})  # a bad --set fails now, before binding
     template = args.chat_template
     if template is not None and os.path.isfile(template):
@@ -186,6 +203,11 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         lora_modules=tuple(args.lora_modules), allow_runtime_lora_updating=args.allow_runtime_lora_updating)
 
 
+DATA_PARALLEL_FLAGS = ("data_parallel_size", "data_parallel_size_local", "data_parallel_start_rank",
+                       "data_parallel_address", "data_parallel_rpc_port")
+"""The ``--data-parallel-*`` options: each sets the config key of its name."""
+
+
 def api_key_from(option: str | None) -> str | None:
     """The server's key: ``--api-key``, else ``$MODELRUNNER_API_KEY``, else ``$VLLM_API_KEY`` (None: no key)."""
     if option is not None:
@@ -199,6 +221,12 @@ def run(args: argparse.Namespace) -> int:
 
     from .server import serve
 
+    if args.headless:
+        from ..config import RunnerConfig
+        from ..data_parallel import run_headless
+
+        settings = settings_from_args(args)
+        return run_headless(RunnerConfig.from_dict({"model": settings.model, **settings.config}))
     if args.api_key is not None:
         print(f"modelrunner: warning: --api-key is visible to other users of this machine (ps); set "
               f"${API_KEY_ENV} instead", file=sys.stderr, flush=True)

@@ -31,6 +31,7 @@ import uvicorn
 from ..errors import DEBUG_ENV, error_line
 from .app import build_app
 from .async_engine import AsyncEngine
+from .dp_metrics import ReplicaCollector
 from .settings import ServeSettings
 from .state import ServedModel, ServerState
 
@@ -102,12 +103,21 @@ class ModelOwner(threading.Thread):
             if self._stop_requested.is_set():
                 return
             from ..engine.loop import EngineLoop
+            from ..llm import DataParallelLLM
 
-            model = ServedModel.from_llm(llm)
-            state.adapters.start(llm.engine, settings.lora_modules)
-            loop = EngineLoop(llm.engine).start()
-            engine = AsyncEngine(loop, llm.engine.config.scheduler.max_num_seqs, settings.max_waiting_requests,
-                                 state.metrics, max_stream_buffer=settings.max_stream_buffer)
+            if isinstance(llm, DataParallelLLM):  # the replicas' loops run in their processes
+                model, loop, max_running = ServedModel.from_replicas(llm), llm.router, llm.max_num_seqs
+                state.metrics.registry.register(ReplicaCollector(settings.model_name, llm.router.replicas))
+                for r in llm.router.replicas:
+                    print(f"modelrunner: data-parallel replica {r.rank} ready (pid {r.pid} on {r.info['host']})",
+                          file=sys.stderr, flush=True)
+            else:
+                model = ServedModel.from_llm(llm)
+                state.adapters.start(llm.engine, settings.lora_modules)
+                loop = EngineLoop(llm.engine).start()
+                max_running = llm.engine.config.scheduler.max_num_seqs
+            engine = AsyncEngine(loop, max_running, settings.max_waiting_requests, state.metrics,
+                                 max_stream_buffer=settings.max_stream_buffer)
             state.set_ready(model, engine)
             self.server.loaded(time.monotonic() - started)
             self._stop_requested.wait()

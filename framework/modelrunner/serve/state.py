@@ -47,6 +47,13 @@ class ServedModel:
     """When it finished loading (seconds since the epoch)."""
 
     @classmethod
+    def from_replicas(cls, llm: Any) -> ServedModel:
+        """Describe a :class:`~modelrunner.data_parallel.DataParallelLLM` from what replica 0 reported."""
+        info = llm.info
+        return cls(llm=llm, tokenizer=info["tokenizer"], max_model_len=info["max_model_len"], root=info["root"],
+                   defaults=info["defaults"], image_token=info["image_token"], created=now())
+
+    @classmethod
     def from_llm(cls, llm: Any) -> ServedModel:
         """Describe a freshly loaded ``llm``."""
         from ..llm import generation_defaults
@@ -109,6 +116,10 @@ class ServerState:
     def health(self) -> tuple[int, dict[str, Any]]:
         """``GET /health``: 200 when requests can be served, 503 with the reason otherwise."""
         if self.phase == "ready" and self.engine is not None:
+            failures = getattr(self.engine.loop, "failures", ())  # data-parallel replicas that failed
+            if failures and self.engine.loop.error is None:
+                return 503, {"status": "degraded", "detail": "; ".join(str(f) for f in failures) +
+                             " (the other replicas serve; restart the server to bring it back)"}
             if self.engine.loop.error is not None:
                 error = self.engine.loop.error
                 return 503, {"status": "error", "detail": f"the engine stopped after a fatal error: "

@@ -1,0 +1,167 @@
+"""One data-parallel replica: a whole engine (an :class:`~modelrunner.LLM`, itself possibly a tensor ×
+pipeline group) in a process of its own, driven by the front over one connection.
+
+``python -m modelrunner.data_parallel.replica`` reads its orders from stdin (as a tensor-parallel
+worker does), loads the model, connects to the front's listener and says ``ready`` (with what the
+front needs to serve without a model: the tokenizer, sizes, sampling defaults). Then it runs the
+front's commands on its :class:`~modelrunner.engine.loop.EngineLoop` and sends back every output and,
+every :data:`HEARTBEAT_S`, its loop's snapshot — the heartbeat by which the front tells a hung replica.
+It leaves when the front says ``stop``, when the connection ends (the front is gone) or when its engine
+loop dies (it says why first).
+
+Messages (tuples, pickled by :mod:`multiprocessing.connection`):
+
+- front → replica: ``("add", rid, prompt, params, extra)``, ``("abort", rid)``, ``("abort_all",)``,
+  ``("call", token, name)`` for ``stats`` / ``memory_stats`` / ``reset_prefix_cache``, ``("stop",)``.
+- replica → front: ``("ready", info)``, ``("failed", message)``, ``("added", rid, error)``,
+  ``("out", rid, output)``, ``("snap", snapshot)``, ``("result", token, value, error)``, ``("dead", message)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+import traceback
+from multiprocessing.connection import Client, Connection
+from typing import Any
+
+from .protocol import CALLS, HEARTBEAT_S, ReplicaOrders
+
+logger = logging.getLogger("modelrunner.data_parallel")
+
+class _Link:
+    """The connection to the front, safe to send on from several threads."""
+
+    def __init__(self, conn: Connection) -> None:
+        self.conn = conn
+        self._lock = threading.Lock()
+        self.closed = False
+
+    def send(self, message: tuple) -> None:
+        if self.closed:
+            return
+        try:
+            with self._lock:
+                self.conn.send(message)
+        except (OSError, EOFError, ValueError):
+            self.closed = True  # the front is gone: the receiving thread notices too
+
+
+def _describe(llm: Any) -> dict[str, Any]:
+    """What the front needs to serve this model without loading it."""
+    from ..serve.state import ServedModel
+
+    served = ServedModel.from_llm(llm)
+    return {"pid": os.getpid(), "host": socket.gethostname(), "tokenizer": served.tokenizer,
+            "max_model_len": served.max_model_len, "root": served.root, "defaults": served.defaults,
+            "image_token": served.image_token, "vocab_size": llm.engine.vocab_size,
+            "max_num_seqs": llm.engine.config.scheduler.max_num_seqs}
+
+
+def serve_front(orders: ReplicaOrders) -> int:
+    """Load, connect, serve the front's commands; the exit status."""
+    from ..engine.loop import EngineLoop
+    from ..errors import error_line
+    from ..llm import LLM
+
+    conn = Client(orders.address, authkey=orders.authkey)
+    link = _Link(conn)
+    link.send(("hello", orders.rank, os.getpid()))
+    try:
+        llm = LLM.from_config(orders.config)
+    except Exception as e:  # noqa: BLE001 - told to the front in one line
+        link.send(("failed", error_line(e, hint=False)))
+        return 2
+    loop = EngineLoop(llm.engine).start()
+    try:
+        link.send(("ready", _describe(llm)))
+        stop = threading.Event()
+
+        def heartbeat() -> None:
+            while not stop.wait(HEARTBEAT_S) and not link.closed:
+                link.send(("snap", loop.snapshot))
+                if loop.error is not None:
+                    link.send(("dead", f"{type(loop.error).__name__}: {loop.error}"))
+                    stop.set()
+
+        threading.Thread(target=heartbeat, name="modelrunner-dp-heartbeat", daemon=True).start()
+        _serve_commands(conn, link, loop, llm, stop)
+        stop.set()
+        loop.stop(0.0)
+        return 0 if loop.error is None else 1
+    finally:
+        llm.shutdown()
+
+
+def _serve_commands(conn: Connection, link: _Link, loop: Any, llm: Any, stop: threading.Event) -> None:
+    while not stop.is_set():
+        try:
+            if not conn.poll(0.2):
+                continue
+            message = conn.recv()
+        except (EOFError, OSError):
+            return  # the front is gone
+        kind = message[0]
+        if kind == "stop":
+            return
+        try:
+            if kind == "add":
+                _, rid, prompt, params, extra = message
+                future = loop.add_request(rid, prompt, params, extra,
+                                          on_output=lambda out, rid=rid: link.send(("out", rid, out)))
+                future.add_done_callback(lambda f, rid=rid: link.send(("added", rid, _error_of(f))))
+            elif kind == "abort":
+                loop.abort_request(message[1])
+            elif kind == "abort_all":
+                loop.abort_all()
+            elif kind == "call":
+                _, token, name = message
+                if name not in CALLS:
+                    link.send(("result", token, None, f"ValueError: unknown call {name!r}"))
+                    continue
+                loop.call(lambda engine, name=name: getattr(llm, name)()).add_done_callback(
+                    lambda f, token=token: link.send(("result", token, None if f.exception() else f.result(),
+                                                      _error_of(f))))
+        except Exception as e:  # noqa: BLE001 - the loop is dead: the heartbeat says so
+            logger.debug("replica command %s failed: %s", kind, e)
+
+
+def _error_of(future: Any) -> tuple[str, str] | None:
+    """``(kind, message)`` of a failed command: ``value`` for the engine's ``ValueError`` (a bad
+    request), ``dead`` for a stopped engine loop, ``other`` for anything else; None if it succeeded."""
+    from ..engine.loop import EngineDeadError
+
+    exc = future.exception()
+    if exc is None:
+        return None
+    kind = "value" if isinstance(exc, ValueError) else "dead" if isinstance(exc, EngineDeadError) else "other"
+    return kind, str(exc) if kind != "other" else f"{type(exc).__name__}: {exc}"
+
+
+def main() -> None:
+    """``python -m modelrunner.data_parallel.replica``: read ``pickle((sys.path, pickle(orders)))`` from
+    stdin and serve the front until it stops this replica or goes away."""
+    path, payload = pickle.loads(sys.stdin.buffer.read())
+    for entry in reversed(path):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    orders: ReplicaOrders = pickle.loads(payload)
+    from ..worker import _die_with_parent
+
+    _die_with_parent(orders.parent_pid)
+    try:
+        status = serve_front(orders)
+    except BaseException:  # noqa: BLE001
+        traceback.print_exc()
+        status = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)  # as a worker does: gloo's threads can abort interpreter teardown
+
+
+if __name__ == "__main__":
+    main()

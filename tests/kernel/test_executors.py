@@ -1,0 +1,43 @@
+"""Executors are a registered kind: the kernel's three are listed, ``distributed_executor_backend``
+picks one by name (vLLM's values mapped), unknown names and impossible combinations fail naming
+themselves, and the ``uni`` executor passes its conformance suite."""
+
+from __future__ import annotations
+
+import pytest
+from modelrunner.errors import UnknownNameError
+from modelrunner.plugins import get_plugins
+from plugin_dists import run_cli
+
+
+def test_the_kernels_executors_are_listed():
+    run = run_cli("plugins")
+    assert run.returncode == 0, run.stderr
+    assert "executors: mp, torchrun, uni" in run.stdout
+
+
+def test_names_select_and_bad_ones_are_refused(tiny_llama_dir):
+    from modelrunner import LLM
+    from modelrunner.executor import TorchrunExecutor, UniprocExecutor, executor_name
+    from modelrunner.config import RunnerConfig
+
+    assert get_plugins().executor_class("torchrun") is TorchrunExecutor
+    config = RunnerConfig.from_dict({"model": "m", "distributed_executor_backend": "external_launcher"})
+    assert executor_name(config) == "torchrun"  # vLLM's name for it
+    assert executor_name(RunnerConfig.from_dict({"model": "m"})) == "uni"
+    assert executor_name(RunnerConfig.from_dict({"model": "m", "tensor_parallel_size": 2})) == "mp"
+    with pytest.raises(UnknownNameError, match=r"unknown executor 'ray'; installed: mp, torchrun, uni"):
+        LLM(str(tiny_llama_dir), distributed_executor_backend="ray")
+    with pytest.raises(ValueError, match=r"'uni' runs one process; .* = 2 needs one that runs several"):
+        LLM(str(tiny_llama_dir), distributed_executor_backend="uni", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=r"'torchrun' \(vLLM: 'external_launcher'\) needs the processes torchrun"):
+        LLM(str(tiny_llama_dir), distributed_executor_backend="external_launcher", tensor_parallel_size=2)
+    llm = LLM(str(tiny_llama_dir), distributed_executor_backend="uni", compile=False, kv_cache_memory=4 << 20)
+    assert type(llm.runner) is UniprocExecutor
+
+
+def test_the_uni_executor_passes_its_suite():
+    from modelrunner.conformance import suite
+
+    results = {r.check: r.status for r in suite("executors", "uni").run()}
+    assert results == {"runs-like-one-process": "passed", "refuses-what-it-cannot-run": "passed"}

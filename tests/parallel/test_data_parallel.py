@@ -1,0 +1,74 @@
+"""``LLM(data_parallel_size=2)``: two replica processes behind one front; the same greedy tokens as
+one engine, in the prompts' order; a hung replica is failed after ``MODELRUNNER_DIST_TIMEOUT`` while
+the other serves on; nothing left running after shutdown."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from .conftest import children, wait_for_no_children
+
+CONFIG = dict(dtype="float32", compile=False, max_model_len=128)
+HUNG_TIMEOUT_S = 4
+
+
+def test_offline_dp2_equals_dp1_in_order_and_a_hung_replica_fails_alone(tiny_llama, monkeypatch):
+    from modelrunner import LLM, SamplingParams
+    from modelrunner.data_parallel import ReplicaFailedError
+    from modelrunner.llm import DataParallelLLM
+
+    monkeypatch.setenv("MODELRUNNER_DIST_TIMEOUT", str(HUNG_TIMEOUT_S))
+    prompts = [[1, 5 + i, 9, 17 + 3 * i] for i in range(12)]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    llm = LLM(str(tiny_llama), data_parallel_size=2, **CONFIG)
+    assert isinstance(llm, DataParallelLLM) and isinstance(llm, LLM)
+    try:
+        started = [p for p in children() if "modelrunner.data_parallel.replica" in " ".join(p.cmdline())]
+        assert len(started) == 2
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [r.served for r in llm.router.replicas] == [6, 6]  # balanced by load
+        with pytest.raises(ValueError, match=r"^prompt 1: .*not in the vocabulary"):
+            llm.generate([[1, 2], [1, 99999]], params, use_tqdm=False)
+        stats = llm.stats()["data_parallel"]
+        assert [r["rank"] for r in stats["replicas"]] == [0, 1] and stats["failed"] == []
+
+        served_before = llm.router.replicas[0].served
+        hung = llm.router.replicas[1]
+        os.kill(hung.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        while not llm.router.failures and time.monotonic() - stopped < 3 * HUNG_TIMEOUT_S:
+            time.sleep(0.05)
+        assert HUNG_TIMEOUT_S - 0.5 < time.monotonic() - stopped < HUNG_TIMEOUT_S + 3
+        (failure,) = llm.router.failures
+        assert isinstance(failure, ReplicaFailedError) and failure.rank == 1
+        assert f"replica 1 (pid {hung.pid}" in str(failure) and "MODELRUNNER_DIST_TIMEOUT" in str(failure)
+        assert hung.process.wait(5) == -signal.SIGKILL  # killed, not restarted
+        again = llm.generate(prompts[:2], params, use_tqdm=False)  # the survivor serves
+        assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs[:2]]
+        assert llm.router.replicas[0].served == served_before + 2
+    finally:
+        llm.shutdown()
+    assert llm.router.replicas[0].process.returncode == 0  # left when told to, not killed
+    assert wait_for_no_children() == []
+    one = LLM(str(tiny_llama), **CONFIG)
+    try:
+        expected = one.generate(prompts, params, use_tqdm=False)
+    finally:
+        one.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.prompt_token_ids for o in outputs] == prompts
+
+
+def test_dp_options_are_no_longer_refused_and_bad_values_name_themselves():
+    from modelrunner.config import RunnerConfig
+
+    cfg = RunnerConfig.from_dict({"model": "m", "data_parallel_size": 2, "distributed_executor_backend": "mp"})
+    assert cfg.parallel.data_parallel_size == 2
+    with pytest.raises(ValueError, match="data_parallel_size must be a positive integer, got 0"):
+        RunnerConfig.from_dict({"model": "m", "data_parallel_size": 0})
+    with pytest.raises(ValueError, match="data_parallel_rpc_port must be an integer from 0 to 65535"):
+        RunnerConfig.from_dict({"model": "m", "data_parallel_rpc_port": 70000})
