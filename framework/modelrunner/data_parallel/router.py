@@ -45,9 +45,23 @@ def prefix_key(prompt: Any, block_size: int) -> tuple | None:
 
 
 def total_snapshot(snapshots: list[LoopSnapshot]) -> LoopSnapshot:
-    """The replicas' snapshots summed field by field."""
-    fields = [f.name for f in attrs.fields(LoopSnapshot)]
-    return LoopSnapshot(**{name: sum(getattr(s, name) for s in snapshots) for name in fields})
+    """The replicas' snapshots summed field by field (speculative decoding's counters too, where the
+    replicas have them)."""
+    total: dict[str, Any] = {}
+    for field in attrs.fields(LoopSnapshot):
+        values = [getattr(s, field.name) for s in snapshots]
+        present = [v for v in values if v is not None]
+        if field.name == "spec_decode":
+            total[field.name] = _summed_counters(present) if present else None
+        else:
+            total[field.name] = sum(present)
+    return LoopSnapshot(**total)
+
+
+def _summed_counters(counters: list[Any]) -> Any:
+    """attrs counter objects of one class summed field by field."""
+    cls = type(counters[0])
+    return cls(**{f.name: sum(getattr(c, f.name) for c in counters) for f in attrs.fields(cls)})
 
 
 class DataParallelRouter:
@@ -92,11 +106,15 @@ class DataParallelRouter:
         return [r.error for r in self.replicas if r.error is not None]
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, extra: dict[str, Any] | None = None,
-                    on_output: Any = None) -> Future:
+                    on_output: Any = None, lora_request: Any = None) -> Future:
         """Send the request to the replica :meth:`choose` picks; the future completes once it accepted it.
 
         :raises EngineDeadError: stopped, or no replica lives.
+        :raises ValueError: a ``lora_request`` (LoRA adapters are not served with data parallelism yet).
         """
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not served with data_parallel_size > 1 yet; "
+                             "run one replica for LoRA")
         replica = self.choose(prompt)
 
         def consume(output: Any) -> None:
