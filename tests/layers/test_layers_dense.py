@@ -75,17 +75,22 @@ def test_unpacked_paths_keep_no_packed_copy(path):
 
 
 def test_timed_plans_are_cached_and_never_hold_two_copies_of_an_unshared_weight(tmp_path):
-    linear, _, _, model = _tied_model()
+    linear, _, head, model = _tied_model()
     x = torch.randn(3, 32)
     before = linear(x)
     total = prepack_weights(model, cache_dir=tmp_path)
+    # Each weight is timed on its own (a loaded machine may pack one and not the other): the bytes
+    # returned are those of the weights whose plan holds a packed copy.
+    packed_bytes = sum(w.numel() * 4 for w in {id(w): w for w in (linear.weight, head.weight)}.values()
+                       if dense_plan(w) is not None and dense_plan(w).packed is not None)
+    assert total == packed_bytes
     cached = json.loads((tmp_path / "kernels.json").read_text())
     (choices,) = cached.values()
     assert {"dense:fp32:48x32:decode", "dense:fp32:48x32:batch"} <= set(choices)
     plan = dense_plan(linear.weight)
     assert plan.decode in PATHS and plan.batch in PATHS
     uses_packed = "onednn_packed" in (plan.decode, plan.batch)
-    assert (plan.packed is not None) == uses_packed and (total > 0) == uses_packed
+    assert (plan.packed is not None) == uses_packed
     if plan.plain_released:  # one copy: then every input size takes the packed path
         assert plan.decode == plan.batch == "onednn_packed" and linear.weight.is_meta
     assert (linear(x) - before).abs().max().item() < 1e-4

@@ -49,7 +49,8 @@ def test_offline_dp2_equals_dp1_in_order_and_a_hung_replica_fails_alone(tiny_lla
         assert hung.process.wait(5) == -signal.SIGKILL  # killed, not restarted
         again = llm.generate(prompts[:2], params, use_tqdm=False)  # the survivor serves
         assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outputs[:2]]
-        assert llm.router.replicas[0].served == served_before + 2
+        # At least these two (the refused call's first prompt may be counted late, when its abort lands).
+        assert llm.router.replicas[0].served >= served_before + 2
     finally:
         llm.shutdown()
     assert llm.router.replicas[0].process.returncode == 0  # left when told to, not killed
