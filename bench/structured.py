@@ -112,8 +112,8 @@ def compare(batch: int, tokens: int, rounds: int) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "json_schemas.jsonl"
         write_dataset(data, batch, tokens)
-        return subprocess.call([sys.executable, "-m", "modelrunner", "bench", "compare", "--dataset", str(data),
-                                "--batch-size", str(batch), "--repeat", str(max(rounds, 2)),
+        return subprocess.call([sys.executable, "-m", "modelrunner.cli", "bench", "compare", "--dataset", str(data),
+                                "--num-prompts", str(batch), "--repeat", str(max(rounds, 2)),
                                 "--vary", f"structured_outputs_backend={','.join(BACKENDS)}"])
 
 
