@@ -139,6 +139,17 @@ def sample(
     if metadata.all_greedy:
         return argmax_rows(logits)
     greedy_ids = argmax_rows(logits) if metadata.any_greedy else None
+    probs, is_greedy = _filtered_probs(logits, metadata)
+    noise = _exponential_noise(tuple(probs.shape), metadata.generators, generator, probs.device)
+    sampled = argmax_rows(probs.div_(noise))
+    if greedy_ids is None:
+        return sampled
+    return torch.where(is_greedy, greedy_ids, sampled)
+
+
+def _filtered_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 ``logits`` with temperature, top-k / top-p and min-p applied, as probabilities (not
+    renormalized after min-p), and which rows are greedy."""
     temperature = metadata.temperature.to(logits.device)
     is_greedy = temperature == 0.0
     scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
@@ -148,11 +159,7 @@ def sample(
         # Tokens less likely than min_p times the likeliest are dropped (the likeliest always stays).
         floor = probs.amax(dim=-1, keepdim=True) * metadata.min_p.to(probs.device).unsqueeze(1)
         probs = probs.masked_fill_(probs < floor, 0.0)
-    noise = _exponential_noise(tuple(probs.shape), metadata.generators, generator, probs.device)
-    sampled = argmax_rows(probs.div_(noise))
-    if greedy_ids is None:
-        return sampled
-    return torch.where(is_greedy, greedy_ids, sampled)
+    return probs, is_greedy
 
 
 def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Tensor:
@@ -163,14 +170,8 @@ def sampling_probs(logits: torch.Tensor, metadata: SamplingMetadata) -> torch.Te
     :returns: [S, V] float32 probabilities.
     """
     logits = logits.float()
-    temperature = metadata.temperature.to(logits.device)
-    is_greedy = temperature == 0.0
-    scaled = logits / torch.where(is_greedy, 1.0, temperature).unsqueeze(1)
-    scaled = apply_top_k_top_p(scaled, metadata.top_k, metadata.top_p)
-    probs = scaled.softmax(dim=-1)
+    probs, is_greedy = _filtered_probs(logits, metadata)
     if metadata.min_p is not None:
-        floor = probs.amax(dim=-1, keepdim=True) * metadata.min_p.to(probs.device).unsqueeze(1)
-        probs = probs.masked_fill_(probs < floor, 0.0)
         probs = probs.div_(probs.sum(dim=-1, keepdim=True))
     if metadata.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(1, argmax_rows(logits).view(-1, 1), 1.0)
