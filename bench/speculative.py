@@ -34,9 +34,17 @@ CODE = '''def merge_sorted(a, b):
     out.extend(b[j:])
     return out
 '''
+# Longer than the tokens measured (128), so the whole measured output is a copy, not what follows it.
 PASSAGE = ("The river rose slowly through the night, and by morning the low fields along the valley were "
            "under water. Farmers moved their animals to the hills, and the old bridge, built a century ago, "
-           "held against the current while the town watched from the church steps.")
+           "held against the current while the town watched from the church steps. By noon the rain had "
+           "stopped, but the water kept coming down from the mountains, brown and fast, carrying branches, "
+           "fence posts and once a small wooden boat with nobody in it. The mayor walked along the embankment "
+           "with two engineers, pointing at the places where the stones had begun to move. Children were sent "
+           "to the school on the hill, where teachers handed out blankets and bread, and the baker kept his "
+           "ovens going all afternoon. When the evening came, the river began to fall, a few centimetres an "
+           "hour, and people stood at their windows watching the fields appear again, grey with mud and "
+           "covered in everything the flood had carried away.")
 COPY_PROMPTS = [
     [{"role": "user", "content": "Rename the function to merge_lists and repeat the rest of the code unchanged:\n"
                                  + CODE}],

@@ -252,7 +252,15 @@ class StructuredOutputsConfig:
     grammar is ready; compiled grammars are cached by backend and schema)."""
 
 
-_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model")
+_SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+                     "disable_by_batch_size")
+
+
+def _batch_limit(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{attribute.name} must be a positive integer, 'auto' or None, got {value!r}")
 
 
 @attrs.frozen
@@ -276,6 +284,10 @@ class SpeculativeConfig:
     """``ngram``: longest suffix looked up (longer matches are tried first)."""
     model: str | None = attrs.field(default=None, validator=_optional_str)
     """``draft``: the draft model's checkpoint (its vocabulary must be the target's)."""
+    disable_by_batch_size: int | str | None = attrs.field(default="auto", validator=_batch_limit)
+    """When steps draft nothing: an integer (vLLM's meaning) — where at least this many sequences
+    decode; ``"auto"`` — at batch sizes where steps with drafts measured slower per emitted token than
+    steps without (timed on this machine as it runs); None — never (each sequence still adapts)."""
 
     def __attrs_post_init__(self) -> None:
         if self.prompt_lookup_min > self.prompt_lookup_max:

@@ -169,13 +169,37 @@ class ForwardBatch:
         ``finished_seq_ids`` and ``extra`` are kept as they are."""
         return self._pick(seqs)[1]
 
-    def split_decodes(self) -> list[tuple[torch.Tensor, ForwardBatch]] | None:
-        """A step holding both decodes (one new token) and longer queries as two parts, ``(token
-        rows, step)`` of its decodes and of its other sequences; None when it holds only one kind."""
-        decodes = self.query_lens == 1
+    def split_decodes(self, up_to: int = 1) -> list[tuple[torch.Tensor, ForwardBatch]] | None:
+        """A step holding both decodes and longer queries as two parts, ``(token rows, step)`` of its
+        decodes and of its other sequences; None when it holds only one kind. A decode has at most
+        ``up_to`` new tokens (1: exactly one; more: speculative verifications count too)."""
+        decodes = self.query_lens <= up_to
         if self.num_seqs < 2 or not bool(decodes.any()) or bool(decodes.all()):
             return None
         return [self._pick(seqs) for seqs in (decodes.nonzero().flatten(), (~decodes).nonzero().flatten())]
+
+    def as_decodes(self) -> ForwardBatch:
+        """The same step with each new token as a one-token sequence of its own, which sees its
+        sequence's cache up to and including itself (a step stores all its keys/values before
+        attending): how an attention backend runs short queries, such as a speculative
+        verification's ``1 + k`` tokens, through its decode path. Tokens, slots and
+        ``logits_indices`` keep their rows; ``seq_ids``, ``lora_ids`` and block tables repeat per token."""
+        if self.max_query_len == 1:
+            return self
+        num_tokens = self.num_tokens
+        seq_index = torch.repeat_interleave(torch.arange(self.num_seqs, device=self.positions.device),
+                                            self.query_lens, output_size=num_tokens)
+        picked = seq_index.tolist()
+        return attrs.evolve(
+            self,
+            seq_ids=tuple(self.seq_ids[i] for i in picked),
+            lora_ids=tuple(self.lora_ids[i] for i in picked) if self.lora_ids else (),
+            query_start_loc=torch.arange(num_tokens + 1, device=self.positions.device),
+            seq_lens=self.positions + 1,
+            context_lens=self.positions.clone(),
+            block_tables=self.block_tables.index_select(0, seq_index),
+            max_query_len=1,
+        )
 
     def _pick(self, seqs: torch.Tensor) -> tuple[torch.Tensor, ForwardBatch]:
         rows = self.token_rows(seqs)

@@ -48,6 +48,24 @@ def _skip_if_recording_failed(stats: dict) -> None:
         pytest.skip(f"torch cannot record decode graphs on this machine: {failed[0]}")
 
 
+def test_speculative_verifications_replay_as_decode_rows(tmp_path):
+    # The model drafting for itself: every proposal is accepted, so each step verifies 1 + 3 tokens of
+    # one sequence; cpu_paged runs them as four decode rows, which replay one recorded graph.
+    _checkpoint("llama-gqa-untied-biases", tmp_path)
+    prompt = [{"prompt_token_ids": PROMPTS[1]}]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    eager = LLM(str(tmp_path), compile_options={"decode_graphs": False}, **KW)
+    want = eager.generate(prompt, params, use_tqdm=False)[0].outputs[0].token_ids
+    llm = LLM(str(tmp_path), speculative_config={"model": str(tmp_path), "num_speculative_tokens": 3,
+                                                  "disable_by_batch_size": None}, **KW)
+    out = llm.generate(prompt, params, use_tqdm=False)[0]
+    assert out.outputs[0].token_ids == want
+    assert out.metrics.spec_num_accepted_tokens == out.metrics.spec_num_draft_tokens > 20
+    stats = llm.runner.stats()["compile"]["decode_graphs"]
+    _skip_if_recording_failed(stats)
+    assert stats["graphs"] >= 1 and stats["replays"] >= 4 and stats["refused"] == {}, stats
+
+
 def test_a_hook_added_after_recording_runs_on_every_step(tmp_path):
     _checkpoint("llama-gqa-tied", tmp_path)
     llm = LLM(str(tmp_path), **KW)

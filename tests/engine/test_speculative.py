@@ -9,6 +9,7 @@ random Llama repeats itself, so ``ngram`` proposals get accepted there.
 from __future__ import annotations
 
 import random
+import re
 
 import pytest
 
@@ -17,7 +18,8 @@ from modelrunner.config import RunnerConfig
 from modelrunner.engine import LLMEngine, SamplingParams
 
 GREEDY = dict(temperature=0.0, ignore_eos=True)
-NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+         "disable_by_batch_size": None}  # every step drafts: the counts asserted must not depend on timing
 
 
 def _prompts(count: int, seed: int = 0) -> list[list[int]]:
@@ -42,6 +44,7 @@ def _run(engine: LLMEngine, prompts, params) -> list:
     ({"num_speculative_tokens": 2, "lookahead": 1}, "unknown speculative_config key 'lookahead'"),
     ({"method": "draft"}, "method 'draft' needs 'model'"),
     ("ngram", "speculative_config must be a dict"),
+    ({"disable_by_batch_size": 0}, "disable_by_batch_size must be a positive integer, 'auto' or None, got 0"),
 ])
 def test_bad_speculative_config_is_refused_by_name(bad, message):
     with pytest.raises(ValueError) as info:
@@ -70,7 +73,8 @@ def test_garbage_proposals_change_nothing_even_under_preemption(fake_runner):
               for i in range(8)]
     kw = dict(num_blocks=24, block_size=4)
     plain = _run(LLMEngine(fake_runner(**kw)), prompts, params)
-    engine = LLMEngine(fake_runner(**kw, speculative_config={"method": "garbage", "num_speculative_tokens": 4}))
+    engine = LLMEngine(fake_runner(**kw, speculative_config={"method": "garbage", "num_speculative_tokens": 4,
+                                                       "disable_by_batch_size": None}))
     spec = _run(engine, prompts, params)
     for a, b in zip(plain, spec):
         assert [(c.token_ids, c.finish_reason) for c in a.outputs] == [(c.token_ids, c.finish_reason)
@@ -81,6 +85,33 @@ def test_garbage_proposals_change_nothing_even_under_preemption(fake_runner):
                        [{t: round(v.logprob, 4) for t, v in pos.items()} for pos in cb.logprobs]
     assert engine.speculator.stats()["num_draft_tokens"] > 50  # (the fake executor has no stats() of its own)
     assert engine.allocator.stats().used_blocks == 0 and engine.scheduler.num_preemptions > 0
+
+
+def test_drafting_stops_at_batch_sizes_where_it_measured_slower():
+    from modelrunner.spec_decode.speculator import StepCost
+
+    cost = StepCost()
+    explored = []
+    for _ in range(8):  # each step asks, runs, and reports its cost
+        explored.append(cost.drafting())
+        cost.observe(explored[-1], 3e-3 if explored[-1] else 2e-3)  # drafting: 3 ms per token, plain: 2 ms
+    assert explored == [True, False] * 4  # both kinds measured, alternating
+    later = [cost.drafting() for _ in range(128)]
+    assert sum(later) == 2  # only the re-probes (one step in 64) draft
+    for _ in range(12):
+        cost.observe(True, 1e-3)  # the text changed: drafting now pays
+    assert cost.drafting() and cost.drafting()
+
+
+def test_a_fixed_disable_by_batch_size_drafts_only_below_it(fake_runner):
+    prompts, params = _prompts(6), SamplingParams(max_tokens=12, **GREEDY)
+    engine = LLMEngine(fake_runner(num_blocks=64, block_size=4, speculative_config={
+        "method": "garbage", "num_speculative_tokens": 2, "disable_by_batch_size": 4}))
+    _run(engine, prompts[:3], [params] * 3)
+    assert engine.speculator.stats()["num_drafts"] > 0
+    before = engine.speculator.stats()["num_drafts"]
+    _run(engine, prompts, [params] * 6)  # six decode together, from the same step to the same end
+    assert engine.speculator.stats()["num_drafts"] == before
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +167,31 @@ def test_ngram_greedy_is_plain_decoding_with_stops_and_logprobs(tiny_llms):
     assert spec.memory_stats()["used_blocks"] == 0
 
 
+@pytest.mark.parametrize("backend", ["xgrammar", "guidance"])
+def test_structured_outputs_speculate_and_keep_plain_decodings_tokens(tiny_llms, backend):
+    """Each verified position is masked by the grammar's state there; a draft token the grammar refuses
+    ends the draft, and the matcher is back where it was for the tokens actually appended."""
+    _, _, path = tiny_llms
+    kw = dict(device="cpu", dtype="float32", max_model_len=256, kv_cache_memory=4 * 2**20, block_size=8,
+              structured_outputs_config={"backend": backend})
+    prompts = ["ab ab ab ab ab ab", "1, 2, 3, 1, 2, 3, 1, 2,", "x y x y x y", "red green red green red",
+               "yes no yes no yes"]
+    constraints = [{"regex": "(ab ){8}ab"}, {"regex": "([0-9], ){12}[0-9]"}, {"regex": "[xy ]{10,40}"},
+                   {"json": {"type": "object", "properties": {"colors": {"type": "array", "items": {
+                       "enum": ["red", "green"]}, "minItems": 6, "maxItems": 6}}, "required": ["colors"]}},
+                   {"choice": ["yes no yes no yes no", "yes yes", "no"]}]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, logprobs=2 if i == 1 else None, structured_outputs=c)
+              for i, c in enumerate(constraints)]
+    want = LLM(str(path), **kw).generate(prompts, params, use_tqdm=False)
+    got = LLM(str(path), **kw, speculative_config=NGRAM).generate(prompts, params, use_tqdm=False)
+    for x, y in zip(want, got):
+        assert (y.outputs[0].token_ids, y.outputs[0].finish_reason) == (x.outputs[0].token_ids,
+                                                                         x.outputs[0].finish_reason)
+    assert [lp.keys() for lp in got[1].outputs[0].logprobs] == [lp.keys() for lp in want[1].outputs[0].logprobs]
+    assert re.fullmatch("(ab ){8}ab", got[0].outputs[0].text)
+    assert sum(o.metrics.spec_num_accepted_tokens for o in got) > 10, [o.metrics for o in got]
+
+
 def test_prefix_cache_holds_only_accepted_tokens(tiny_llms):
     """A second request whose prompt is the first's prompt plus output reuses the cached blocks, and
     gets exactly what plain decoding gives it: no rejected draft's KV was ever registered."""
@@ -167,7 +223,8 @@ def test_draft_model_greedy_is_plain_decoding(tiny_llms, tiny_llama_dir):
     params[1] = SamplingParams(max_tokens=15, logit_bias={5: 1.0}, **GREEDY)  # does not speculate
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
     for draft, least in ((path, 0.9), (tiny_llama_dir, 0.0)):
-        llm = LLM(str(path), **kw, speculative_config={"model": str(draft), "num_speculative_tokens": 3})
+        llm = LLM(str(path), **kw, speculative_config={"model": str(draft), "num_speculative_tokens": 3,
+                                                    "disable_by_batch_size": None})
         got = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].token_ids for o in got] == want
         stats = llm.llm_engine.stats()["speculative"]
@@ -190,7 +247,8 @@ def test_fruitless_proposals_turn_speculation_down(fake_runner):
     """Garbage is (nearly) never accepted: after three misses in a row a sequence pauses 2, 4, 8 …
     steps, so 120 tokens cost far fewer verifications than steps."""
     engine = LLMEngine(fake_runner(num_blocks=64, block_size=4, max_model_len=160,
-                                   speculative_config={"method": "garbage", "num_speculative_tokens": 4}))
+                                   speculative_config={"method": "garbage", "num_speculative_tokens": 4,
+                                                       "disable_by_batch_size": None}))
     out = _run(engine, [[1, 2, 3]], [SamplingParams(max_tokens=120, **GREEDY)])[0]
     assert len(out.outputs[0].token_ids) == 120
     assert out.metrics.spec_num_drafts < 25, out.metrics

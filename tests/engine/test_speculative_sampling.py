@@ -85,7 +85,8 @@ def test_engine_sampling_histogram_matches_plain(fake_runner):
         return Counter(_second(engine, prompt, params)), engine
 
     plain, _ = second_tokens()
-    spec, engine = second_tokens(speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    spec, engine = second_tokens(speculative_config={"method": "ngram", "num_speculative_tokens": 2,
+                                                          "disable_by_batch_size": None})
     stats = engine.speculator.stats()
     assert stats["num_drafts"] >= n * 0.9 and stats["num_accepted_tokens"] > 0, stats
     tokens = sorted(set(plain) | set(spec))

@@ -31,7 +31,8 @@ def test_ngram_and_draft_greedy_equal_plain_on_smollm2(smollm2_dir, tiny_llama_d
         SamplingParams(max_tokens=16, temperature=0.0, min_tokens=4)]
     plain = LLM(str(smollm2_dir), **kw).generate(prompts, params, use_tqdm=False)
     llm = LLM(str(smollm2_dir), **kw, speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                          "prompt_lookup_max": 3})
+                                                          "prompt_lookup_max": 3,
+                                                          "disable_by_batch_size": None})
     spec = llm.generate(prompts, params, use_tqdm=False)
     for prompt, a, b in zip(prompts, plain, spec):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, prompt
@@ -39,7 +40,8 @@ def test_ngram_and_draft_greedy_equal_plain_on_smollm2(smollm2_dir, tiny_llama_d
     stats = llm.llm_engine.stats()["speculative"]
     assert stats["num_accepted_tokens"] > 10, stats
     # A tiny random draft with SmolLM2's vocabulary: mostly rejected, never wrong.
-    llm = LLM(str(smollm2_dir), **kw, speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 3})
+    llm = LLM(str(smollm2_dir), **kw, speculative_config={"model": str(tiny_llama_dir), "num_speculative_tokens": 3,
+                                                                 "disable_by_batch_size": None})
     drafted = llm.generate(prompts, params, use_tqdm=False)
     for prompt, a, b in zip(prompts, plain, drafted):
         assert b.outputs[0].token_ids == a.outputs[0].token_ids, prompt

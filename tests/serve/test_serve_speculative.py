@@ -11,7 +11,7 @@ from modelrunner import LLM, SamplingParams
 
 from .conftest import TINY_CONFIG, TINY_ENV, TINY_LLM_CONFIG, ServerProcess
 
-SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}'
+SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "disable_by_batch_size": null}'
 
 
 def test_bad_speculative_config_is_refused_before_loading(capsys):

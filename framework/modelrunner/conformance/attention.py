@@ -4,8 +4,9 @@ Every case builds a paged KV cache with each sequence's history scattered over s
 runs one step of new queries through the backend (eager, then under ``torch.compile(fullgraph=True)``
 for a subset) and compares the output with plain softmax attention computed per sequence; it also
 checks the new keys and values landed at their slots. Cases cover chunked prefill mixed with decodes,
-decode-only steps, lone prompts, grouped-query attention and a sliding window (skipped for a backend
-declaring ``supports_sliding_window = False``).
+speculative verifications (a few new tokens on a cached sequence), decode-only steps, lone prompts,
+grouped-query attention and a sliding window (skipped for a backend declaring
+``supports_sliding_window = False``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ CASES: dict[str, tuple[list[int], list[int]]] = {
     "decode-only": ([5, 12, 1, 7], [1, 1, 1, 1]),
     "fresh-single-prompt": ([0], [13]),
     "single-chunk-on-cache": ([8], [5]),
+    "verifications-among-decodes": ([9, 6, 14, 3], [5, 1, 3, 1]),  # speculative decoding's 1 + k tokens
+    "verification-beside-a-long-chunk": ([9, 0, 4], [5, 20, 1]),
 }
 """Case name → (tokens already cached, new tokens) per sequence of the step."""
 HEADS = ((4, 4), (4, 2), (6, 2))

@@ -383,6 +383,7 @@ class LLMEngine:
         return list(failed.values())
 
     def _run_step(self) -> list[RequestOutput]:
+        started = time.perf_counter()
         failed_grammars = self._admit_compiled() if self._compiling else []
         out = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
@@ -417,11 +418,15 @@ class LLMEngine:
                             speculated.setdefault(o.item, []).append(r)
                         else:
                             sampled.append((r, scheduled[o.item].seq))
+                emitted = 0
                 for seq, choice in self._sample([r for r, _ in sampled], [seq for _, seq in sampled], logits,
                                                 outputs):
                     self._append(seq, choice, changed, outputs)
+                    emitted += 1
                 for index, rows in speculated.items():
-                    self._verify(scheduled[index], logits[rows], changed, outputs)
+                    emitted += self._verify(scheduled[index], logits[rows], changed, outputs)
+                if self.speculator is not None and all(item.num_new_tokens == 1 for item in scheduled):
+                    self.speculator.observe(len(scheduled), bool(speculated), time.perf_counter() - started, emitted)
             if self.speculator is not None:
                 self._release_lookahead(out)
         for request in changed.values():
@@ -551,15 +556,15 @@ class LLMEngine:
     # -- speculative decoding ----------------------------------------------------------------------
 
     def _verify(self, item: ScheduledSequence, raw: torch.Tensor, changed: dict[str, Request],
-                outputs: list[RequestOutput]) -> None:
+                outputs: list[RequestOutput]) -> int:
         """Check ``item``'s drafts against the target's logits ``raw`` (its last token's row, then one per
         draft) and append what survives: the accepted drafts and one token of the target's. Greedy
         rows accept the drafts matching the argmax; sampled rows use rejection sampling, which keeps the
         target's distribution. The accepted drafts' KV, already in the lookahead slots, becomes the
-        sequence's; the prefix cache sees only those."""
+        sequence's; the prefix cache sees only those. Returns the number of tokens appended."""
         seq = item.seq
         if seq.is_finished:
-            return
+            return 0
         draft = item.draft
         try:
             with self._rewind_on_failure([seq]):
@@ -568,7 +573,7 @@ class LLMEngine:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
             self._fail(seq.request, _sampling_error(exc), outputs)
-            return
+            return 0
         accepted = len(tokens) - 1
         self.speculator.record(seq, len(draft), accepted, len(tokens))
         if accepted:
@@ -577,29 +582,58 @@ class LLMEngine:
             if copies:  # none from the paged allocator: the slots are the sequence's alone
                 self.executor.copy_blocks(copies)
             seq.num_computed_tokens += accepted
+        appended = 0
         for token, entry in zip(tokens, entries):
             self._append(seq, _Chosen(token, entry), changed, outputs)
+            appended += 1
             if seq.is_finished:
                 break  # EOS, a stop string or max_tokens inside the accepted run: the rest is dropped
+        return appended
 
     def _accept(self, raw: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[list[int], list]:
         """The tokens to append after verifying ``draft``, with their log-probabilities when asked."""
-        rows = [seq] * len(raw)
-        self._check_raw(raw, rows)
+        self._check_raw(raw, [seq] * len(raw))
+        logits = raw
+        if seq.grammar is not None:  # log-probabilities stay the model's own, as in plain decoding
+            logits, draft = self._grammar_masked(raw, seq, draft)
+        rows = [seq] * len(logits)
         params = seq.params
         metadata = SamplingMetadata.from_rows([params.temperature] * len(rows), [params.top_k] * len(rows),
                                               [params.top_p] * len(rows), [seq.generator] * len(rows),
                                               [params.min_p] * len(rows))
         if metadata.all_greedy:
-            tokens = greedy_accept(self.sampler(raw, metadata).tolist(), draft)
+            tokens = greedy_accept(self.sampler(logits, metadata).tolist(), draft)
         else:
             generator = seq.generator if seq.generator is not None else self.sampler.generator
-            tokens = rejection_sample(sampling_probs(raw, metadata), draft, generator)
+            tokens = rejection_sample(sampling_probs(logits, metadata), draft, generator)
         if params.logprobs is None:
             return tokens, [None] * len(tokens)
         picked, rank, top_ids, top_lps = token_logprobs(raw[:len(tokens)], torch.tensor(tokens), params.logprobs)
         return tokens, [self._logprob_entry(t, float(picked[j]), int(rank[j]), top_ids[j].tolist(),
                                             top_lps[j].tolist()) for j, t in enumerate(tokens)]
+
+    def _grammar_masked(self, raw: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """A constrained sequence's verification rows, each masked by its grammar at that position: the
+        matcher walks the draft (a draft token its mask refuses ends the draft there, and the rows
+        after it are dropped), then is rolled back to where it was; the accepted tokens advance it
+        when they are appended."""
+        matcher, grammar = seq.grammar, seq.request.grammar
+        logits = raw.clone()
+        walked = 0
+        try:
+            for j in range(len(draft) + 1):
+                self.structured_outputs.apply_bitmasks(logits[j:j + 1], [matcher], [grammar])
+                if j == len(draft) or bool(torch.isneginf(logits[j, draft[j]])) or matcher.is_terminated():
+                    draft = draft[:j]
+                    break
+                if not matcher.accept_tokens([draft[j]]):
+                    raise GrammarFailed(f"grammar backend {grammar.backend.name!r} refused token {draft[j]}, "
+                                        "which its own mask allowed")
+                walked += 1
+        finally:
+            if walked:
+                matcher.rollback(walked)
+        return logits[:len(draft) + 1], draft
 
     def _release_lookahead(self, out: SchedulerOutput) -> None:
         """Give back the lookahead slots of this step's drafts (the accepted ones hold tokens now), and

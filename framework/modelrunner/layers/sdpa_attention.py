@@ -12,7 +12,8 @@ Per layer and step, with no Python loop over sequences:
 
 A step that mixes decodes with longer queries (a prompt chunk arriving while others generate)
 runs its decodes and its other sequences as two separate parts, so the decodes' single queries
-are not padded to the prompt chunk's length (:class:`SDPASplitMetadata`).
+are not padded to the prompt chunk's length (:class:`SDPASplitMetadata`). A backend whose
+``decode_rows_up_to`` is above 1 runs short queries (speculative verifications) as decode rows.
 
 Decode-only steps skip the query scatter and fold each group of query heads that share a key/value
 head into the query-length axis (``[S, kv_heads, heads // kv_heads, head_dim]``), so grouped-query
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -119,16 +120,24 @@ class TorchSDPABackend(AttentionBackend):
 
     name = "torch_sdpa"
     priority = 0
+    decode_rows_up_to: ClassVar[int] = 1
+    """Longest query run through the decode path as one-token rows (:meth:`ForwardBatch.as_decodes`);
+    1: decodes only. Each row reads its sequence's cached keys again, which pays only for short
+    queries (speculative verification) and where decode attention is cheaper than the padded path."""
 
     def build_metadata(self, batch: ForwardBatch,
                        sliding_windows: Iterable[int | None] = (None,)) -> SDPAMetadata | SDPASplitMetadata:
         sliding_windows = tuple(sliding_windows)
         # Compiling first: nothing else may be read then, or dynamo guards on it (and recompiles).
         if not torch.compiler.is_compiling() and batch.max_query_len > 1:
-            parts = batch.split_decodes()
+            short = self.decode_rows_up_to
+            if batch.max_query_len <= short:
+                return self._metadata(batch.as_decodes(), sliding_windows)
+            parts = batch.split_decodes(short)
             if parts is not None:
-                return SDPASplitMetadata(slot_mapping=batch.slot_mapping,
-                                         parts=[(rows, self._metadata(part, sliding_windows)) for rows, part in parts])
+                return SDPASplitMetadata(slot_mapping=batch.slot_mapping, parts=[
+                    (rows, self._metadata(part.as_decodes() if part.max_query_len <= short else part, sliding_windows))
+                    for rows, part in parts])
         return self._metadata(batch, sliding_windows)
 
     def _metadata(self, batch: ForwardBatch, sliding_windows: tuple[int | None, ...]) -> SDPAMetadata:

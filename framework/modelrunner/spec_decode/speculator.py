@@ -1,12 +1,21 @@
 """The engine's side of speculative decoding: who speculates, how many tokens, and the counts.
 
-A decoding sequence speculates unless it uses something whose per-token state the verification
-does not replay: a structured-output grammar or a logits processor (``logit_bias``, penalties,
-``bad_words``, ``min_tokens``, named processors …). Those decode one token per step as usual, in the
-same batch. How many tokens a sequence is offered adapts to how many it had accepted: all accepted →
+A decoding sequence speculates unless it uses a logits processor (``logit_bias``, penalties,
+``bad_words``, ``min_tokens``, named processors …), whose per-token state the verification does not
+replay: those decode one token per step as usual, in the same batch. A structured-output grammar
+does speculate: the engine masks each verified position by the grammar's state there, walking its
+matcher over the draft and rolling it back. How many tokens a sequence is offered adapts to how many it had accepted: all accepted →
 one more (up to ``num_speculative_tokens``), some → one more than accepted, none → half; after
 three proposals in a row with nothing accepted the sequence stops speculating for a while (2, 4, 8 …
 up to 64 steps), so text with nothing to copy runs at plain speed.
+
+Whether speculation pays also depends on the machine and the batch: a verification's extra query
+tokens cost little where a step is bound by reading the weights (a few sequences) and as much as
+they save, or more, where it is bound by arithmetic (large batches on a CPU). So the speculator
+measures, per batch size (powers of two of the decoding sequences), the seconds per emitted token of
+steps with and without drafts (the fastest of the latest few of each), and proposes nothing at a batch size where drafting has been slower;
+there it tries a drafting step again every :data:`_REPROBE` steps, in case the text has changed
+(``disable_by_batch_size="auto"``, the default; an integer is vLLM's fixed limit, None turns it off).
 """
 
 from __future__ import annotations
@@ -37,6 +46,48 @@ class SpecState:
     """Proposals in a row of which nothing was accepted."""
     pause: int = 0
     """Decode steps left before it speculates again."""
+
+
+_EXPLORE = 4
+"""Steps of each kind (with drafts, without) measured at a batch size before the faster one is kept."""
+_REPROBE = 64
+"""At a batch size where drafting was slower, one step in this many drafts again (to measure anew)."""
+_WINDOW = 8
+"""Latest measurements of each kind kept; their fastest are compared. Noise on a step only adds
+time (a graph being recorded, another process on the cores), which a mean or even a median of a
+few steps would carry for long."""
+
+
+@attrs.define
+class StepCost:
+    """Measured seconds per emitted token at one batch size, of steps with and without drafts."""
+
+    drafted: list[float] = attrs.field(factory=list)
+    """Latest steps with drafts (at most :data:`_WINDOW`)."""
+    plain: list[float] = attrs.field(factory=list)
+    """Latest steps without."""
+    steps: int = 0
+    """Steps asked about at this batch size."""
+
+    def drafting(self) -> bool:
+        """Whether the next step at this batch size should draft."""
+        self.steps += 1
+        if len(self.drafted) < _EXPLORE or len(self.plain) < _EXPLORE:
+            return len(self.drafted) <= len(self.plain)  # measure both, alternating
+        return self.pays() or self.steps % _REPROBE == 0
+
+    def pays(self) -> bool:
+        """Whether steps with drafts have been as fast per emitted token as steps without (True
+        until both are measured)."""
+        if len(self.drafted) < _EXPLORE or len(self.plain) < _EXPLORE:
+            return True
+        return min(self.drafted) <= min(self.plain)
+
+    def observe(self, drafted: bool, seconds_per_token: float) -> None:
+        """Add one step's measurement."""
+        kept = self.drafted if drafted else self.plain
+        kept.append(seconds_per_token)
+        del kept[:-_WINDOW]
 
 
 @attrs.define
@@ -72,16 +123,24 @@ class Speculator:
         """Token ids at or above this are cut from proposals."""
         self.counters = SpecCounters()
         """Totals since the engine started."""
+        self.costs: dict[int, StepCost] = {}
+        """Batch-size bucket (``bit_length`` of the decoding sequences) → measured step costs."""
         self._states: dict[int, SpecState] = {}
 
     @staticmethod
     def eligible(seq: Any) -> bool:
         """Whether ``seq`` may speculate (see the module docstring for who does not)."""
-        return seq.grammar is None and not seq.request.processor_states
+        return not seq.request.processor_states
 
     def propose(self, seqs: Seq[Any], max_model_len: int) -> dict[int, list[int]]:
         """Drafts for the decoding sequences ``seqs`` (by seq id); sequences absent speculate not this step."""
         requests: list[ProposalRequest] = []
+        limit = self.config.disable_by_batch_size
+        if limit == "auto":
+            if not self.costs.setdefault(len(seqs).bit_length(), StepCost()).drafting():
+                return {}
+        elif limit is not None and len(seqs) >= limit:
+            return {}
         for seq in seqs:
             if not self.eligible(seq):
                 continue
@@ -121,6 +180,12 @@ class Speculator:
             if clean:
                 drafts[request.seq_id] = clean
         return drafts
+
+    def observe(self, num_decodes: int, drafted: bool, seconds: float, tokens: int) -> None:
+        """One step's cost: ``num_decodes`` sequences were decoding, with drafts or not, and the step
+        took ``seconds`` to emit ``tokens`` tokens (steps that also prefill are not reported)."""
+        if num_decodes and tokens and self.config.disable_by_batch_size == "auto":
+            self.costs.setdefault(num_decodes.bit_length(), StepCost()).observe(drafted, seconds / tokens)
 
     def record(self, seq: Any, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
         """Count one verification of ``seq`` and adapt its ``k``."""
@@ -166,5 +231,9 @@ class Speculator:
                                "num_speculative_tokens": self.config.num_speculative_tokens, **attrs.asdict(c)}
         out["acceptance_rate"] = c.num_accepted_tokens / c.num_draft_tokens if c.num_draft_tokens else 0.0
         out["mean_acceptance_length"] = c.num_emitted_tokens / c.num_drafts if c.num_drafts else 0.0
+        out["step_costs"] = {f"{2 ** (b - 1)}-{2 ** b - 1} seqs": {
+            "drafted_ms_per_token": round(min(c.drafted) * 1e3, 3) if c.drafted else None,
+            "plain_ms_per_token": round(min(c.plain) * 1e3, 3) if c.plain else None,
+            "drafting": c.pays()} for b, c in sorted(self.costs.items())}
         out.update(self.proposer.stats())
         return out

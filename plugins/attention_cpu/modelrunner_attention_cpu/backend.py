@@ -15,8 +15,9 @@ from . import kernel
 
 
 class CPUPagedAttentionBackend(TorchSDPABackend):
-    """Paged attention for CPUs: decode steps (and the decode part of mixed steps) read the cache in
-    place through the block table in one C++ pass; prompts keep torch's SDPA. Traced, the kernel
+    """Paged attention for CPUs: decode steps (and the decode part of mixed steps, speculative
+    verifications included as one row per token) read the cache in place through the block table in
+    one C++ pass; prompts keep torch's SDPA. Traced, the kernel
     runs where it measured faster than torch_sdpa's compiled path (see
     :func:`_traced_reductions_are_faster`)."""
 
@@ -24,6 +25,9 @@ class CPUPagedAttentionBackend(TorchSDPABackend):
     priority = 10
     max_block_size = 256  # the kernel keeps one block's row pointers on the stack
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
+    # Speculative verifications (1 + k tokens) as decode rows: the kernel reads a sequence's cache once per
+    # row, which for a few rows costs less than the padded SDPA path, and the step can replay a decode graph.
+    decode_rows_up_to = 16
 
     def __init__(self) -> None:
         kernel.load()  # raises KernelUnavailable with the compiler's message
