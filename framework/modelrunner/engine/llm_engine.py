@@ -418,15 +418,15 @@ class LLMEngine:
                             speculated.setdefault(o.item, []).append(r)
                         else:
                             sampled.append((r, scheduled[o.item].seq))
-                emitted = 0
+                emitted: list[int] = []  # tokens appended, per sequence
                 for seq, choice in self._sample([r for r, _ in sampled], [seq for _, seq in sampled], logits,
                                                 outputs):
                     self._append(seq, choice, changed, outputs)
-                    emitted += 1
+                    emitted.append(1)
                 for index, rows in speculated.items():
-                    emitted += self._verify(scheduled[index], logits[rows], changed, outputs)
+                    emitted.append(self._verify(scheduled[index], logits[rows], changed, outputs))
                 if self.speculator is not None and all(item.num_new_tokens == 1 for item in scheduled):
-                    self.speculator.observe(len(scheduled), bool(speculated), time.perf_counter() - started, emitted)
+                    self.speculator.observe(bool(speculated), time.perf_counter() - started, emitted)
             if self.speculator is not None:
                 self._release_lookahead(out)
         for request in changed.values():

@@ -11,9 +11,10 @@ up to 64 steps), so text with nothing to copy runs at plain speed.
 
 Whether speculation pays also depends on the machine and the batch: a verification's extra query
 tokens cost little where a step is bound by reading the weights (a few sequences) and as much as
-they save, or more, where it is bound by arithmetic (large batches on a CPU). So the speculator
-measures, per batch size (powers of two of the decoding sequences), the seconds per emitted token of
-steps with and without drafts (the fastest of the latest few of each), and proposes nothing at a batch size where drafting has been slower;
+they save, or more, where it is bound by arithmetic (large batches on a CPU), where they also slow
+the steps of every sequence beside them. So the speculator measures, per batch size (powers of two
+of the decoding sequences), the seconds per token of the slower quarter of the sequences, in steps
+with and without drafts (the fastest of the latest few of each), and proposes nothing at a batch size where drafting has been slower;
 there it tries a drafting step again every :data:`_REPROBE` steps, in case the text has changed
 (``disable_by_batch_size="auto"``, the default; an integer is vLLM's fixed limit, None turns it off).
 """
@@ -181,11 +182,16 @@ class Speculator:
                 drafts[request.seq_id] = clean
         return drafts
 
-    def observe(self, num_decodes: int, drafted: bool, seconds: float, tokens: int) -> None:
-        """One step's cost: ``num_decodes`` sequences were decoding, with drafts or not, and the step
-        took ``seconds`` to emit ``tokens`` tokens (steps that also prefill are not reported)."""
-        if num_decodes and tokens and self.config.disable_by_batch_size == "auto":
-            self.costs.setdefault(num_decodes.bit_length(), StepCost()).observe(drafted, seconds / tokens)
+    def observe(self, drafted: bool, seconds: float, emitted: Seq[int]) -> None:
+        """One decode step's cost (steps that also prefill are not reported): with drafts or not, it
+        took ``seconds`` and appended ``emitted[i]`` tokens to its i-th sequence. Measured is the time
+        per token of the slower quarter of the sequences: drafting must pay for most of the batch, not
+        only for the sequences whose drafts are accepted while it slows every other one's steps."""
+        if not emitted or self.config.disable_by_batch_size != "auto":
+            return
+        slow = sorted(emitted)[(len(emitted) - 1) // 4]
+        if slow:
+            self.costs.setdefault(len(emitted).bit_length(), StepCost()).observe(drafted, seconds / slow)
 
     def record(self, seq: Any, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
         """Count one verification of ``seq`` and adapt its ``k``."""
