@@ -19,7 +19,7 @@ def test_check_prints_the_table_and_exits_0():
     assert lines[0] == "| suite | check | status | s | message |"
     assert any(line.startswith("| attention_backends:torch_sdpa | eager/decode-only/gqa4x2/window=3 | passed |")
                for line in lines)
-    assert lines[-1] == "default-sdpa: 40 passed, 0 failed, 0 skipped"
+    assert lines[-1] == "default-sdpa: 52 passed, 0 failed, 0 skipped"
     assert "checking attention_backends:torch_sdpa" in result.stderr
 
 
