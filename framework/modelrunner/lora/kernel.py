@@ -77,11 +77,13 @@ class LoRAKernel:
 
 
 class TorchLoRAKernel(LoRAKernel):
-    """The default, in a fixed handful of ops whatever the number of adapters in the step: a step of one
-    adapter runs two plain matmuls over all rows; a mixed step shrinks every token through every
-    slot's A at once, keeps each token's own slot's ranks (a 0/1 mask computed once per step), and
-    expands through the slots' B with one batched matmul. (Per-group matmuls with ``index_add_``
-    cost four ops per adapter and layer, which small batches on CPUs pay for in dispatch time.)"""
+    """The default, in three ops whatever the number of adapters in the step: a step of one adapter
+    runs two plain matmuls over all rows; a mixed step shrinks every token through every slot's A at
+    once, keeps each token's own slot's ranks (a 0/1 mask computed once per step), and expands
+    through every slot's B stacked (``[slots · rank, out]``, a view of the layers' rank-major
+    storage), accumulating into the output in place. (Per-group matmuls with ``index_add_`` cost
+    four ops per adapter and layer, which small batches on CPUs pay for in dispatch time; a batched
+    matmul per slot writes a ``[slots, tokens, out]`` intermediate to sum.)"""
 
     name = "torch"
 
@@ -89,11 +91,14 @@ class TorchLoRAKernel(LoRAKernel):
               mapping: LoRAMapping) -> torch.Tensor:
         if len(mapping.groups) == 1 and mapping.groups[0][1] is None:
             slot = mapping.groups[0][0]
-            return y.add_((x @ lora_a[slot].t()) @ lora_b[slot].t())
-        slots, rank, _ = lora_a.shape
-        shrunk = (x @ lora_a.reshape(slots * rank, -1).t()) * mapping.rank_mask(slots, rank, x.dtype)
-        expanded = torch.bmm(shrunk.view(-1, slots, rank).transpose(0, 1), lora_b.transpose(1, 2))
-        return y.add_(expanded.sum(0))
+            shrunk, expand = x @ lora_a[slot].t(), lora_b[slot].t()
+        else:
+            slots, rank, _ = lora_a.shape
+            shrunk = (x @ lora_a.reshape(slots * rank, -1).t()).mul_(mapping.rank_mask(slots, rank, x.dtype))
+            expand = lora_b.transpose(1, 2).reshape(slots * rank, -1)
+        if y.dtype == shrunk.dtype and y.is_contiguous():
+            return y.addmm_(shrunk, expand)
+        return y.add_(shrunk @ expand)
 
 
 def reference_apply(y: torch.Tensor, x: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
