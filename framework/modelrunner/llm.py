@@ -371,7 +371,9 @@ class DataParallelLLM(LLM):
     of their own (each a ``tensor_parallel_size × pipeline_parallel_size`` group).
 
     Replicas load the process's default plugins (``plugins`` is not passed to them). Available:
-    ``generate``, ``chat``, ``stats``, ``memory_stats``, ``reset_prefix_cache``, ``shutdown``; what
+    ``generate``, ``chat``, ``stats``, ``memory_stats``, ``reset_prefix_cache``, ``shutdown`` and
+    ``add_lora`` / ``remove_lora`` (every replica reads an adapter itself, also the first time a request
+    uses it); what
     needs one engine in this process (``generate_stream``, ``beam_search``, ``llm_engine``,
     ``runner``) raises :class:`~modelrunner.errors.ModelRunnerError` saying so.
     """
@@ -380,9 +382,6 @@ class DataParallelLLM(LLM):
         from .data_parallel import DataParallelRouter, FrontEngine, start_replicas
 
         cfg = RunnerConfig.from_dict({"model": model, **config})
-        if cfg.lora.enable_lora:
-            raise ModelRunnerError("enable_lora with data_parallel_size > 1 is not supported yet: the replicas "
-                                   "would not share adapters; run one replica (data_parallel_size=1) for LoRA")
         replicas = start_replicas(cfg)
         self.router = DataParallelRouter(replicas, cfg.cache.block_size)
         """Routes requests over the replicas (the server's engine loop)."""
@@ -450,15 +449,28 @@ class DataParallelLLM(LLM):
         self.router.stop(0.0)
         self._finalizer.detach()
 
+    def add_lora(self, lora_request: Any) -> None:
+        """Read an adapter on every replica now (else each reads it when a request first uses it).
+
+        :raises ValueError: naming what is wrong with the adapter.
+        """
+        self.router.add_lora(lora_request).result()
+
+    def remove_lora(self, lora_int_id: int) -> bool:
+        """Forget an adapter on every replica; whether any had it."""
+        return self.router.remove_lora(lora_int_id).result()
+
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[RequestOutput]:
-        """As :meth:`LLM.generate`: the prompts spread over the replicas, the outputs in the prompts' order.
+                 use_tqdm: bool = True, lora_request: Any = None) -> list[RequestOutput]:
+        """As :meth:`LLM.generate`: the prompts spread over the replicas, the outputs in the prompts' order;
+        ``lora_request`` as there (the adapters are read on each replica that runs one of their prompts).
 
         :raises ValueError: a replica refused prompt ``i`` (nothing else runs then).
         :raises ReplicaFailedError: a replica failed while running some of them.
         """
         batch = _as_prompt_list(prompts)
         params = _per_prompt_params(sampling_params, len(batch))
+        loras = _per_prompt_loras(lora_request, len(batch))
         done: dict[str, RequestOutput] = {}
         finished = threading.Condition()
         bar = None
@@ -478,10 +490,10 @@ class DataParallelLLM(LLM):
         ids: list[str] = []
         try:
             futures = []
-            for prompt, p in zip(batch, params):
+            for prompt, p, lora in zip(batch, params, loras):
                 with self._ids_lock:
                     rid = f"dp-{next(self._ids)}"
-                futures.append(self.router.add_request(rid, prompt, p, on_output=collect))
+                futures.append(self.router.add_request(rid, prompt, p, on_output=collect, lora_request=lora))
                 ids.append(rid)
             for i, future in enumerate(futures):
                 try:

@@ -73,3 +73,35 @@ def test_dp_options_are_no_longer_refused_and_bad_values_name_themselves():
         RunnerConfig.from_dict({"model": "m", "data_parallel_size": 0})
     with pytest.raises(ValueError, match="data_parallel_rpc_port must be an integer from 0 to 65535"):
         RunnerConfig.from_dict({"model": "m", "data_parallel_rpc_port": 70000})
+
+
+def test_lora_adapters_are_read_by_every_replica_and_give_one_engines_tokens(tiny_llama, tmp_path):
+    from modelrunner import LLM, LoRARequest, SamplingParams
+    from peft_adapters import save_peft_adapter
+
+    adapters = [LoRARequest(f"a{i}", i + 1, str(save_peft_adapter(tiny_llama, tmp_path / f"a{i}", seed=i + 1)))
+                for i in range(2)]
+    prompts = [[1, 5 + i, 9, 17 + 3 * i] for i in range(8)]
+    loras = [adapters[0], adapters[1], None, adapters[0], adapters[1], None, adapters[0], adapters[1]]
+    params = SamplingParams(max_tokens=6, temperature=0)
+    kw = dict(CONFIG, enable_lora=True, max_loras=2, max_lora_rank=8)
+    llm = LLM(str(tiny_llama), data_parallel_size=2, **kw)
+    try:
+        with pytest.raises(ValueError, match=r"missing"):
+            llm.add_lora(LoRARequest("bad", 9, str(tmp_path / "missing")))
+        llm.add_lora(adapters[0])  # read now on both; adapters[1] is read where a request first uses it
+        outputs = llm.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        replicas = llm.stats()["data_parallel"]["replicas"]
+        assert [r["served"] for r in replicas] == [4, 4]
+        assert all(r["lora"]["adapters"] == 2 for r in replicas), [r["lora"] for r in replicas]
+        assert llm.remove_lora(adapters[0].lora_int_id) is True
+    finally:
+        llm.shutdown()
+    one = LLM(str(tiny_llama), **kw)
+    try:
+        expected = one.generate(prompts, params, lora_request=loras, use_tqdm=False)
+        base = one.generate(prompts[:2], params, use_tqdm=False)
+    finally:
+        one.shutdown()
+    assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
+    assert [o.outputs[0].token_ids for o in outputs[:2]] != [o.outputs[0].token_ids for o in base]  # deltas applied

@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 
@@ -98,3 +99,28 @@ def test_load_and_unload_at_run_time(server, adapters, offline, tmp_path):
     with pytest.raises(openai.NotFoundError):
         _complete(client, "gamma")
     assert _complete(client, "alpha") == offline[1]  # the others keep serving
+
+
+def test_with_data_parallel_replicas_every_replica_serves_the_adapters(serve_llama_dir, adapters, offline):
+    proc = ServerProcess(["--model", str(serve_llama_dir), *TINY_CONFIG, *LORA_FLAGS, "--data-parallel-size", "2",
+                          "--allow-runtime-lora-updating", "--lora-modules", f"alpha={adapters[0]}"], env=TINY_ENV)
+    async def ask(client, model: str, count: int) -> list[str]:
+        replies = await asyncio.gather(*(client.completions.create(
+            model=model, prompt=PROMPT, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+            for _ in range(count)))
+        return [r.choices[0].text for r in replies]
+
+    with proc.serving() as ready:
+        client = ready.client()
+        served = "modelrunner:replica_requests_served_total{{engine={}}}"
+        before = ready.metrics()
+        assert asyncio.run(ask(ready.async_client(), "alpha", 12)) == [offline[1]] * 12
+        after = ready.metrics()
+        assert all(after[served.format(r)] > before[served.format(r)] for r in (0, 1))  # both ran the adapter
+        r = ready.post("/v1/load_lora_adapter", {"lora_name": "beta", "lora_path": str(adapters[1])})
+        assert r.status_code == 200, r.text
+        assert asyncio.run(ask(ready.async_client(), "beta", 12)) == [offline[2]] * 12
+        r = ready.post("/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": "/nonexistent/adapter"})
+        assert r.status_code == 400 and "/nonexistent/adapter" in r.text, r.text
+        assert ready.post("/v1/unload_lora_adapter", {"lora_name": "beta"}).status_code == 200
+        assert _complete(client, str(serve_llama_dir)) == offline[0]

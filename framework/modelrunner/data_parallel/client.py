@@ -92,9 +92,10 @@ class ReplicaClient:
     # -- commands (any thread) --------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Any, params: Any = None, extra: dict[str, Any] | None = None,
-                    on_output: Any = None) -> Future:
-        """Send a request; the future completes once the replica's engine accepted it (or raises its
-        ``ValueError``). Its outputs go to ``on_output`` from the reader thread.
+                    on_output: Any = None, lora_request: Any = None) -> Future:
+        """Send a request (run with ``lora_request``, None: the base model); the future completes once
+        the replica's engine accepted it (or raises its ``ValueError``). Its outputs go to
+        ``on_output`` from the reader thread.
 
         :raises EngineDeadError: the replica has failed.
         """
@@ -106,7 +107,7 @@ class ReplicaClient:
             self._adds[request_id] = future
             self.in_flight += 1
         try:
-            self._send(("add", request_id, prompt, params, extra))
+            self._send(("add", request_id, prompt, params, extra, lora_request))
         except (OSError, EOFError):
             self.fail("closed its connection")
         except Exception as e:  # noqa: BLE001 - pickling failed before anything was sent
@@ -123,15 +124,16 @@ class ReplicaClient:
         """Abort every request it runs."""
         self._send_quietly(("abort_all",))
 
-    def call(self, name: str) -> Future:
-        """Call the LLM method ``name`` (see :data:`~.protocol.CALLS`) in the replica; its result in the future."""
+    def call(self, name: str, *args: Any) -> Future:
+        """Call the LLM method ``name`` (:data:`~.protocol.CALLS`) or engine method (``ENGINE_CALLS``,
+        with ``args``) in the replica; its result in the future (a ``ValueError`` for a refused one)."""
         future: Future = Future()
         token = next(self._tokens)
         with self._lock:
             if self.error is not None:
                 raise EngineDeadError(str(self.error))
             self._calls[token] = future
-        self._send_quietly(("call", token, name))
+        self._send_quietly(("call", token, name, args))
         return future
 
     def stop(self) -> None:
@@ -226,7 +228,8 @@ class ReplicaClient:
                 if error is None:
                     future.set_result(value)
                 else:
-                    future.set_exception(EngineDeadError(error[1]))
+                    kind_, text = error
+                    future.set_exception(ValueError(text) if kind_ == "value" else EngineDeadError(text))
         elif kind == "dead":
             self.fail(f"stopped: its engine failed ({message[1]})")
 

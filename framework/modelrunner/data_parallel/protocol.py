@@ -12,7 +12,10 @@ import attrs
 HEARTBEAT_S = 0.25
 """How often a replica sends its snapshot (the front's sign that it still answers)."""
 CALLS = ("stats", "memory_stats", "reset_prefix_cache")
-"""The LLM methods the front may call on a replica."""
+"""The LLM methods the front may call on a replica (without arguments)."""
+ENGINE_CALLS = ("add_lora", "remove_lora")
+"""The engine methods the front may call on a replica, with arguments: LoRA adapters are read by every
+replica from the same path."""
 
 
 @attrs.frozen

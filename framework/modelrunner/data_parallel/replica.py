@@ -11,8 +11,9 @@ loop dies (it says why first).
 
 Messages (tuples, pickled by :mod:`multiprocessing.connection`):
 
-- front → replica: ``("add", rid, prompt, params, extra)``, ``("abort", rid)``, ``("abort_all",)``,
-  ``("call", token, name)`` for ``stats`` / ``memory_stats`` / ``reset_prefix_cache``, ``("stop",)``.
+- front → replica: ``("add", rid, prompt, params, extra, lora_request)``, ``("abort", rid)``,
+  ``("abort_all",)``, ``("call", token, name, args)`` for ``stats`` / ``memory_stats`` /
+  ``reset_prefix_cache`` (the LLM's) and ``add_lora`` / ``remove_lora`` (the engine's), ``("stop",)``.
 - replica → front: ``("ready", info)``, ``("failed", message)``, ``("added", rid, error)``,
   ``("out", rid, output)``, ``("snap", snapshot)``, ``("result", token, value, error)``, ``("dead", message)``.
 """
@@ -29,7 +30,7 @@ import traceback
 from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from .protocol import CALLS, HEARTBEAT_S, ReplicaOrders
+from .protocol import CALLS, ENGINE_CALLS, HEARTBEAT_S, ReplicaOrders
 
 logger = logging.getLogger("modelrunner.data_parallel")
 
@@ -110,8 +111,8 @@ def _serve_commands(conn: Connection, link: _Link, loop: Any, llm: Any, stop: th
             return
         try:
             if kind == "add":
-                _, rid, prompt, params, extra = message
-                future = loop.add_request(rid, prompt, params, extra,
+                _, rid, prompt, params, extra, lora = message
+                future = loop.add_request(rid, prompt, params, extra, lora_request=lora,
                                           on_output=lambda out, rid=rid: link.send(("out", rid, out)))
                 future.add_done_callback(lambda f, rid=rid: link.send(("added", rid, _error_of(f))))
             elif kind == "abort":
@@ -119,11 +120,15 @@ def _serve_commands(conn: Connection, link: _Link, loop: Any, llm: Any, stop: th
             elif kind == "abort_all":
                 loop.abort_all()
             elif kind == "call":
-                _, token, name = message
-                if name not in CALLS:
-                    link.send(("result", token, None, f"ValueError: unknown call {name!r}"))
+                _, token, name, args = message
+                if name in CALLS:
+                    call = lambda engine, name=name: getattr(llm, name)()  # noqa: E731
+                elif name in ENGINE_CALLS:
+                    call = lambda engine, name=name, args=args: getattr(engine, name)(*args)  # noqa: E731
+                else:
+                    link.send(("result", token, None, ("value", f"unknown call {name!r}")))
                     continue
-                loop.call(lambda engine, name=name: getattr(llm, name)()).add_done_callback(
+                loop.call(call).add_done_callback(
                     lambda f, token=token: link.send(("result", token, None if f.exception() else f.result(),
                                                       _error_of(f))))
         except Exception as e:  # noqa: BLE001 - the loop is dead: the heartbeat says so

@@ -109,12 +109,11 @@ class DataParallelRouter:
                     on_output: Any = None, lora_request: Any = None) -> Future:
         """Send the request to the replica :meth:`choose` picks; the future completes once it accepted it.
 
+        With a ``lora_request``, the replica reads the adapter the first time one of its requests uses
+        it (or at :meth:`add_lora`).
+
         :raises EngineDeadError: stopped, or no replica lives.
-        :raises ValueError: a ``lora_request`` (LoRA adapters are not served with data parallelism yet).
         """
-        if lora_request is not None:
-            raise ValueError("lora_request: LoRA adapters are not served with data_parallel_size > 1 yet; "
-                             "run one replica for LoRA")
         replica = self.choose(prompt)
 
         def consume(output: Any) -> None:
@@ -125,7 +124,8 @@ class DataParallelRouter:
 
         self._routes[request_id] = replica
         try:
-            return replica.add_request(request_id, prompt, params, extra, on_output=consume)
+            return replica.add_request(request_id, prompt, params, extra, on_output=consume,
+                                       lora_request=lora_request)
         except BaseException:
             self._routes.pop(request_id, None)
             raise
@@ -157,6 +157,17 @@ class DataParallelRouter:
                 if len(self._affinity) > AFFINITY_ENTRIES:
                     self._affinity.popitem(last=False)
         return chosen
+
+    def add_lora(self, lora_request: Any) -> Future:
+        """Read an adapter on every live replica (each serves it from its own memory); the future
+        completes when all have, or fails with the first one's error (a ``ValueError`` naming what is
+        wrong with the adapter)."""
+        return _gather([r.call("add_lora", lora_request) for r in self.replicas if r.alive], lambda _: None)
+
+    def remove_lora(self, lora_int_id: int) -> Future:
+        """Forget an adapter on every live replica; the future's result: whether any had it (a
+        ``ValueError`` while requests still use it there)."""
+        return _gather([r.call("remove_lora", lora_int_id) for r in self.replicas if r.alive], any)
 
     def abort_request(self, request_id: str) -> Future:
         """Abort a request on the replica that runs it (its consumer gets a final ``abort`` output)."""
@@ -195,6 +206,31 @@ class DataParallelRouter:
         for replica in self.replicas:
             replica.stop()
             replica.kill()
+
+
+def _gather(futures: list[Future], combine: Any) -> Future:
+    """One future for ``futures``: ``combine(results)`` once all are done, or the first error among them."""
+    out: Future = Future()
+    if not futures:
+        out.set_result(combine([]))
+        return out
+    lock = threading.Lock()
+    left = [len(futures)]
+
+    def done(_: Future) -> None:
+        with lock:
+            left[0] -= 1
+            if left[0]:
+                return
+        error = next((f.exception() for f in futures if f.exception() is not None), None)
+        if error is not None:
+            out.set_exception(error)
+        else:
+            out.set_result(combine([f.result() for f in futures]))
+
+    for future in futures:
+        future.add_done_callback(done)
+    return out
 
 
 def _done() -> Future:

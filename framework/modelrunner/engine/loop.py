@@ -130,6 +130,14 @@ class EngineLoop:
         self._commands.put((fn, future))
         return future
 
+    def add_lora(self, lora_request: Any) -> Future:
+        """Read an adapter into the engine (:meth:`LLMEngine.add_lora`) in the loop's thread."""
+        return self.call(lambda engine: engine.add_lora(lora_request))
+
+    def remove_lora(self, lora_int_id: int) -> Future:
+        """Forget an adapter (:meth:`LLMEngine.remove_lora`) in the loop's thread."""
+        return self.call(lambda engine: engine.remove_lora(lora_int_id))
+
     def add_request(self, request_id: str, prompt: Any, params: Any = None, extra: dict[str, Any] | None = None,
                     on_output: OutputConsumer | None = None, lora_request: Any = None) -> Future:
         """Queue a request (run with ``lora_request``, None: the base model); the future completes (or

@@ -64,8 +64,10 @@ class LoRALayer:
         rank = self.num_shards * max_rank
         self.lora_a = torch.zeros(max_loras, rank, in_local, device=device, dtype=dtype)
         """``[slots, num_shards · max_rank, in_local]``."""
-        self.lora_b = torch.zeros(max_loras, out_local, rank, device=device, dtype=dtype)
-        """``[slots, out_local, num_shards · max_rank]`` with each adapter's scaling folded in."""
+        self.lora_b = torch.zeros(max_loras, rank, out_local, device=device, dtype=dtype).transpose(1, 2)
+        """``[slots, out_local, num_shards · max_rank]`` with each adapter's scaling folded in; stored
+        rank-major underneath, so that ``lora_b.transpose(1, 2).reshape(slots * rank, out_local)`` (every
+        slot's B stacked, what a kernel expands a mixed step through in one matmul) is a view."""
         self.reduces = isinstance(module, RowParallelLinear) and module.tp_size > 1 and module.reduce_results
         """Whether the delta is a partial sum to all-reduce (row-parallel over several ranks)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
+from concurrent.futures import Future
 from typing import Any
 
 from ..lora import LoRARequest
@@ -27,12 +28,16 @@ class ServedAdapters:
     def start(self, engine: Any, modules: tuple[tuple[str, str], ...]) -> None:
         """Read the ``--lora-modules`` adapters into ``engine`` before it serves (a bad one fails the start).
 
+        :param engine: the :class:`~modelrunner.engine.LLMEngine`, or the data-parallel router (whose
+            ``add_lora`` reads the adapter on every replica and returns a future).
         :raises ValueError: naming the module and what is wrong with it.
         """
         for name, path in modules:
             request = LoRARequest(name, next(self._ids), path)
             try:
-                engine.add_lora(request)
+                added = engine.add_lora(request)
+                if isinstance(added, Future):
+                    added.result()
             except ValueError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e}") from None
             self._by_name[name] = request
@@ -63,7 +68,7 @@ class ServedAdapters:
                                   param="lora_name", code="invalid_value")
             request = LoRARequest(name, next(self._ids), path)
         try:
-            await asyncio.wrap_future(engine.loop.call(lambda e: e.add_lora(request)))
+            await asyncio.wrap_future(engine.loop.add_lora(request))
         except ValueError as e:
             raise bad_request(str(e), param="lora_path") from None
         with self._lock:
@@ -81,7 +86,7 @@ class ServedAdapters:
                                 f"{', '.join(map(repr, self._by_name)) or 'none'}", param="lora_name",
                            code="model_not_found")
         try:
-            await asyncio.wrap_future(engine.loop.call(lambda e: e.remove_lora(request.lora_int_id)))
+            await asyncio.wrap_future(engine.loop.remove_lora(request.lora_int_id))
         except ValueError as e:
             raise bad_request(str(e), param="lora_name") from None
         with self._lock:

@@ -107,6 +107,7 @@ class ModelOwner(threading.Thread):
 
             if isinstance(llm, DataParallelLLM):  # the replicas' loops run in their processes
                 model, loop, max_running = ServedModel.from_replicas(llm), llm.router, llm.max_num_seqs
+                state.adapters.start(llm.router, settings.lora_modules)
                 state.metrics.registry.register(ReplicaCollector(settings.model_name, llm.router.replicas))
                 for r in llm.router.replicas:
                     print(f"modelrunner: data-parallel replica {r.rank} ready (pid {r.pid} on {r.info['host']})",
