@@ -164,3 +164,34 @@ def test_grammar_backends_compare_on_a_constrained_dataset(bench, tiny_args, tmp
     assert [c["resolved"]["structured_outputs_backend"] for c in configs] == ["xgrammar", "guidance"]
     assert all(c["workload"]["constrained_prompts"] == 2 for c in configs)
     assert report["outputs_differ"] == [] and configs[1]["outputs"]["same_as_baseline"] is True
+
+
+def test_lora_kernels_compare_on_a_dataset_of_adapters(bench, tiny_args, tiny_llama_dir, tmp_path, read_json,
+                                                       monkeypatch):
+    """Issue 35: a LoRA kernel written with ``new-plugin`` (a batched gather), installed, and compared
+    with the kernel's ``torch`` on prompts spread over two adapters and the base model."""
+    import subprocess
+    import sys
+
+    from modelrunner.scaffold import new_plugin
+    from peft_adapters import save_peft_adapter
+
+    folder = new_plugin("lora-kernel", "gather_lora", tmp_path)
+    site = tmp_path / "site"
+    install = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+                              "--target", str(site), str(folder)], capture_output=True, text=True, timeout=300)
+    assert install.returncode == 0, install.stderr
+    monkeypatch.setenv("PYTHONPATH", f"{site}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    adapters = [save_peft_adapter(tiny_llama_dir, tmp_path / f"a{i}", seed=i + 1) for i in range(2)]
+    data = tmp_path / "adapters.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"Story {i}:", **({"lora": str(adapters[i % 3])} if i % 3 < 2
+                                                                       else {})}) for i in range(6)) + "\n")
+    out_json = tmp_path / "lora.json"
+    code, out, err = bench("compare", *tiny_args, "--warmup", "0", "--repeat", "1", "--dataset", str(data),
+                           "--output-len", "6", "--set", "enable_lora=true", "--set", "max_loras=2",
+                           "--set", "max_lora_rank=8", "--vary", "lora_kernel=torch,gather_lora",
+                           "--output-json", str(out_json))
+    assert code == 0, out + err
+    configs = read_json(out_json)["configurations"]
+    assert [c["resolved"]["lora_kernel"] for c in configs] == ["torch", "gather_lora"]
+    assert all(c["workload"]["lora_prompts"] == 4 and c["workload"]["lora_adapters"] == 2 for c in configs)

@@ -31,7 +31,7 @@ def test_the_digest_names_the_work():
     assert other.digest != a.digest
     assert a.describe() == {"source": "synthetic", "num_prompts": 2, "prompt_tokens": 8, "min_prompt_len": 4,
                             "max_prompt_len": 4, "output_tokens": 6, "constrained_prompts": 0,
-                            "digest": a.digest}
+                            "lora_prompts": 0, "lora_adapters": 0, "digest": a.digest}
 
 
 def test_a_dataset_gives_text_and_token_prompts_with_their_own_lengths(tmp_path, smollm2_tokenizer):

@@ -33,9 +33,10 @@ def measure_latency(llm: Any, workload: Workload) -> tuple[dict[str, float | int
 
     ids = []
     start = time.perf_counter()
-    for prompt, params in zip(workload.prompts, workload.sampling_params()):
+    loras = workload.lora_requests() or [None] * len(workload.prompts)
+    for prompt, params, lora in zip(workload.prompts, workload.sampling_params(), loras):
         rid = engine.new_request_id()
-        engine.add_request(rid, prompt, params, on_output=consume)
+        engine.add_request(rid, prompt, params, on_output=consume, lora_request=lora)
         ids.append(rid)
     prefill_s, prefill_steps, decode = 0.0, 0, []
     try:

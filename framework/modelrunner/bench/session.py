@@ -111,6 +111,7 @@ def resolved_choices(llm: Any) -> dict[str, Any]:
         "block_size": executor.block_size,
         "num_kv_blocks": executor.num_blocks,
         "structured_outputs_backend": config.structured_outputs.backend,
+        "lora_kernel": config.lora.lora_kernel if config.lora.enable_lora else None,
     }
 
 

@@ -19,7 +19,7 @@ def measure_throughput(llm: Any, workload: Workload) -> tuple[dict[str, float | 
     """
     params = workload.sampling_params()
     start = time.perf_counter()
-    outputs = llm.generate(workload.prompts, params, use_tqdm=False)
+    outputs = llm.generate(workload.prompts, params, use_tqdm=False, lora_request=workload.lora_requests())
     elapsed = time.perf_counter() - start
     for out in outputs:
         if out.error:

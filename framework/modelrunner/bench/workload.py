@@ -66,13 +66,17 @@ class Workload:
     """``synthetic`` or the dataset's path."""
     constraints: list[dict[str, Any] | None] | None = None
     """Per prompt, the ``structured_outputs`` fields of its dataset line (None: unconstrained)."""
+    loras: list[str | None] | None = None
+    """Per prompt, the LoRA adapter (PEFT directory) of its dataset line (None: the base model)."""
 
     @property
     def digest(self) -> str:
-        """A hash of the prompts, output lengths and constraints: equal digests mean the same work."""
+        """A hash of the prompts, output lengths, constraints and adapters: equal digests mean the same work."""
         parts: list[Any] = [self.prompts, self.output_lens]
         if self.constraints is not None and any(self.constraints):
             parts.append(self.constraints)
+        if self.loras is not None and any(self.loras):
+            parts.append(self.loras)
         blob = json.dumps(parts, separators=(",", ":"), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -87,12 +91,27 @@ class Workload:
                                structured_outputs=None if c is None else StructuredOutputsParams(**c))
                 for n, c in zip(self.output_lens, constraints)]
 
+    def lora_requests(self) -> list[Any] | None:
+        """Per prompt, a :class:`~modelrunner.lora.LoRARequest` of its adapter (ids by first appearance,
+        named by path) or None; None when no prompt names one."""
+        if not self.loras or not any(self.loras):
+            return None
+        from ..lora import LoRARequest
+
+        ids: dict[str, int] = {}
+        for path in self.loras:
+            if path is not None and path not in ids:
+                ids[path] = len(ids) + 1
+        return [None if path is None else LoRARequest(path, ids[path], path) for path in self.loras]
+
     def describe(self) -> dict[str, Any]:
         """Sizes and the digest, for reports."""
         lens = [len(p) for p in self.prompts]
         return {"source": self.source, "num_prompts": len(self.prompts), "prompt_tokens": sum(lens),
                 "min_prompt_len": min(lens), "max_prompt_len": max(lens), "output_tokens": sum(self.output_lens),
-                "constrained_prompts": sum(1 for c in self.constraints or [] if c is not None), "digest": self.digest}
+                "constrained_prompts": sum(1 for c in self.constraints or [] if c is not None),
+                "lora_prompts": sum(1 for path in self.loras or [] if path is not None),
+                "lora_adapters": len({path for path in self.loras or [] if path is not None}), "digest": self.digest}
 
 
 def synthetic_prompts(count: int, input_len: int, seed: int, tokenizer: Any = None,
@@ -121,9 +140,10 @@ def synthetic_prompts(count: int, input_len: int, seed: int, tokenizer: Any = No
 
 def read_dataset(path: str | Path) -> list[dict[str, Any]]:
     """The lines of a JSONL dataset: each an object with ``prompt`` (text) or ``prompt_token_ids``
-    (a list of ints), and optionally ``output_len`` (a positive int) and ``structured_outputs`` (the
+    (a list of ints), and optionally ``output_len`` (a positive int), ``structured_outputs`` (the
     fields of :class:`~modelrunner.sampling_params.StructuredOutputsParams`, such as
-    ``{"json": {...schema...}}``, to constrain that prompt's output). Blank lines are skipped.
+    ``{"json": {...schema...}}``, to constrain that prompt's output) and ``lora`` (a PEFT adapter's
+    directory that prompt runs with; the configuration needs ``enable_lora``). Blank lines are skipped.
 
     :raises ValueError: naming the file and line of the first malformed entry, or an empty file.
     :raises OSError: the file cannot be read.
@@ -154,6 +174,9 @@ def read_dataset(path: str | Path) -> list[dict[str, Any]]:
                 raise ValueError(f"{where}: output_len must be a positive integer, got {out!r}")
             if entry.get("structured_outputs") is not None:
                 _check_constraint(entry["structured_outputs"], where)
+            lora = entry.get("lora")
+            if lora is not None and (not isinstance(lora, str) or not lora):
+                raise ValueError(f"{where}: lora must be a LoRA adapter's directory (a non-empty string), got {lora!r}")
             entries.append(entry)
     if not entries:
         raise ValueError(f"--dataset {path}: no prompts in the file")
@@ -196,4 +219,6 @@ def build_workload(spec: WorkloadSpec, tokenizer: Any = None, vocab_size: int | 
             prompts.append(list(tokenizer.encode(entry["prompt"])))  # as the engine tokenizes text prompts
     output_lens = [entry.get("output_len") or spec.output_len for entry in entries]
     constraints = [entry.get("structured_outputs") for entry in entries]
-    return Workload(prompts, output_lens, str(spec.dataset), constraints if any(constraints) else None)
+    loras = [entry.get("lora") for entry in entries]
+    return Workload(prompts, output_lens, str(spec.dataset), constraints if any(constraints) else None,
+                    loras if any(loras) else None)
