@@ -372,10 +372,9 @@ class DataParallelLLM(LLM):
 
     Replicas load the process's default plugins (``plugins`` is not passed to them). Available:
     ``generate``, ``chat``, ``stats``, ``memory_stats``, ``reset_prefix_cache``, ``shutdown`` and
-    ``add_lora`` / ``remove_lora`` (every replica reads an adapter itself, also the first time a request
-    uses it); what
-    needs one engine in this process (``generate_stream``, ``beam_search``, ``llm_engine``,
-    ``runner``) raises :class:`~modelrunner.errors.ModelRunnerError` saying so.
+    ``add_lora`` / ``remove_lora`` (every replica reads an adapter itself, also the first time a
+    request uses it); what needs one engine in this process (``generate_stream``, ``beam_search``,
+    ``llm_engine``, ``runner``) raises :class:`~modelrunner.errors.ModelRunnerError` saying so.
     """
 
     def __init__(self, model: str = "smollm2", *, plugins: Any = None, **config: Any) -> None:

@@ -8,7 +8,7 @@ import os
 import statistics
 
 import pytest
-from bench_checks import check_environment, check_summary
+from bench_checks import KV_CACHE_BYTES, check_environment, check_summary
 from modelrunner.plugins import get_plugins
 
 PERTURBED_ENV = "MODELRUNNER_TEST_PERTURBED_ATTENTION"
@@ -192,6 +192,23 @@ def test_lora_kernels_compare_on_a_dataset_of_adapters(bench, tiny_args, tiny_ll
                            "--set", "max_lora_rank=8", "--vary", "lora_kernel=torch,gather_lora",
                            "--output-json", str(out_json))
     assert code == 0, out + err
-    configs = read_json(out_json)["configurations"]
+    report = read_json(out_json)
+    configs = report["configurations"]
     assert [c["resolved"]["lora_kernel"] for c in configs] == ["torch", "gather_lora"]
     assert all(c["workload"]["lora_prompts"] == 4 and c["workload"]["lora_adapters"] == 2 for c in configs)
+    assert report["outputs_differ"] == []  # both kernels compute the same deltas
+    # The dataset's adapters really run: its LoRA prompts' tokens are not the base model's.
+    import attrs
+
+    from modelrunner import LLM
+    from modelrunner.bench.throughput import measure_throughput
+    from modelrunner.bench.workload import WorkloadSpec, build_workload
+
+    llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=KV_CACHE_BYTES)
+    try:
+        workload = build_workload(WorkloadSpec(dataset=str(data), output_len=6), llm.get_tokenizer())
+        _, with_loras = measure_throughput(llm, workload)
+        _, base = measure_throughput(llm, attrs.evolve(workload, loras=None))
+    finally:
+        llm.shutdown()
+    assert [a == b for a, b in zip(with_loras, base)] == [i % 3 == 2 for i in range(6)]

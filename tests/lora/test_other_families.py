@@ -4,28 +4,13 @@ LLaVA's language model (a tiny LLaVA, text prompts; the vision tower carries non
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from modelrunner import LLM, LoRARequest, SamplingParams
+from peft_adapters import random_peft_lora
 
 TOKENS = 12
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-
-
-def _save_adapter(model, path, targets, seed: int):
-    """A random LoRA (non-zero B) on ``targets`` of ``model``, saved by peft."""
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(seed)
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets,
-                                                  init_lora_weights=False))
-    with torch.no_grad():
-        for name, p in peft_model.named_parameters():
-            if "lora_" in name:
-                p.normal_(0.0, 0.05)
-    peft_model.save_pretrained(str(path))
-    return peft_model
 
 
 def _greedy(model, prompt_ids: list[int]) -> list[int]:
@@ -59,7 +44,7 @@ def test_mixtral_attention_lora_matches_peft(tmp_path):
     prompts = [[1, 5, 9, 17, 30], [1, 40, 41, 42]]
     base = AutoModelForCausalLM.from_pretrained(str(path), torch_dtype=torch.float32)
     want_base = [_greedy(base, p) for p in prompts]
-    peft_model = _save_adapter(base, tmp_path / "adapter", ATTENTION, seed=3)
+    peft_model = random_peft_lora(base, tmp_path / "adapter", seed=3, targets=ATTENTION)
     want = [_greedy(peft_model, p) for p in prompts]
     got, got_base = _ours(path, tmp_path / "adapter", prompts)
     assert got == want and got_base == want_base
@@ -76,7 +61,7 @@ def test_llava_language_model_lora_matches_peft(smollm2_dir, tmp_path):
     base = LlavaForConditionalGeneration.from_pretrained(str(path), torch_dtype=torch.float32)
     want_base = [_greedy(base, p) for p in prompts]
     targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
-    peft_model = _save_adapter(base, tmp_path / "adapter", targets, seed=4)
+    peft_model = random_peft_lora(base, tmp_path / "adapter", seed=4, targets=targets)
     want = [_greedy(peft_model, p) for p in prompts]
     got, got_base = _ours(path, tmp_path / "adapter", prompts)
     assert got == want and got_base == want_base

@@ -418,15 +418,14 @@ class LLMEngine:
                             speculated.setdefault(o.item, []).append(r)
                         else:
                             sampled.append((r, scheduled[o.item].seq))
-                emitted: list[int] = []  # tokens appended, per sequence
-                for seq, choice in self._sample([r for r, _ in sampled], [seq for _, seq in sampled], logits,
-                                                outputs):
+                chosen = self._sample([r for r, _ in sampled], [seq for _, seq in sampled], logits, outputs)
+                for seq, choice in chosen:
                     self._append(seq, choice, changed, outputs)
-                    emitted.append(1)
-                for index, rows in speculated.items():
-                    emitted.append(self._verify(scheduled[index], logits[rows], changed, outputs))
+                verified = [self._verify(scheduled[index], logits[rows], changed, outputs)
+                            for index, rows in speculated.items()]  # tokens each appended
                 if self.speculator is not None and all(item.num_new_tokens == 1 for item in scheduled):
-                    self.speculator.observe(bool(speculated), time.perf_counter() - started, emitted)
+                    self.speculator.observe(bool(speculated), time.perf_counter() - started,
+                                            [1] * len(chosen) + verified)
             if self.speculator is not None:
                 self._release_lookahead(out)
         for request in changed.values():

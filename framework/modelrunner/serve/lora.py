@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import threading
-from concurrent.futures import Future
+from collections.abc import Callable
 from typing import Any
 
 from ..lora import LoRARequest
@@ -25,19 +25,17 @@ class ServedAdapters:
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
-    def start(self, engine: Any, modules: tuple[tuple[str, str], ...]) -> None:
-        """Read the ``--lora-modules`` adapters into ``engine`` before it serves (a bad one fails the start).
+    def start(self, add_lora: Callable[[LoRARequest], Any], modules: tuple[tuple[str, str], ...]) -> None:
+        """Read the ``--lora-modules`` adapters before the server serves (a bad one fails the start).
 
-        :param engine: the :class:`~modelrunner.engine.LLMEngine`, or the data-parallel router (whose
-            ``add_lora`` reads the adapter on every replica and returns a future).
+        :param add_lora: reads one adapter, raising ``ValueError`` for a bad one: the engine's
+            ``add_lora``, or the data-parallel LLM's (which reads it on every replica).
         :raises ValueError: naming the module and what is wrong with it.
         """
         for name, path in modules:
             request = LoRARequest(name, next(self._ids), path)
             try:
-                added = engine.add_lora(request)
-                if isinstance(added, Future):
-                    added.result()
+                add_lora(request)
             except ValueError as e:
                 raise ValueError(f"--lora-modules {name}={path}: {e}") from None
             self._by_name[name] = request

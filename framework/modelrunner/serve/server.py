@@ -107,14 +107,14 @@ class ModelOwner(threading.Thread):
 
             if isinstance(llm, DataParallelLLM):  # the replicas' loops run in their processes
                 model, loop, max_running = ServedModel.from_replicas(llm), llm.router, llm.max_num_seqs
-                state.adapters.start(llm.router, settings.lora_modules)
+                state.adapters.start(llm.add_lora, settings.lora_modules)
                 state.metrics.registry.register(ReplicaCollector(settings.model_name, llm.router.replicas))
                 for r in llm.router.replicas:
                     print(f"modelrunner: data-parallel replica {r.rank} ready (pid {r.pid} on {r.info['host']})",
                           file=sys.stderr, flush=True)
             else:
                 model = ServedModel.from_llm(llm)
-                state.adapters.start(llm.engine, settings.lora_modules)
+                state.adapters.start(llm.engine.add_lora, settings.lora_modules)
                 loop = EngineLoop(llm.engine).start()
                 max_running = llm.engine.config.scheduler.max_num_seqs
             engine = AsyncEngine(loop, max_running, settings.max_waiting_requests, state.metrics,

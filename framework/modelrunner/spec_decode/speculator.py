@@ -4,19 +4,20 @@ A decoding sequence speculates unless it uses a logits processor (``logit_bias``
 ``bad_words``, ``min_tokens``, named processors …), whose per-token state the verification does not
 replay: those decode one token per step as usual, in the same batch. A structured-output grammar
 does speculate: the engine masks each verified position by the grammar's state there, walking its
-matcher over the draft and rolling it back. How many tokens a sequence is offered adapts to how many it had accepted: all accepted →
-one more (up to ``num_speculative_tokens``), some → one more than accepted, none → half; after
-three proposals in a row with nothing accepted the sequence stops speculating for a while (2, 4, 8 …
-up to 64 steps), so text with nothing to copy runs at plain speed.
+matcher over the draft and rolling it back. How many tokens a sequence is offered adapts to how
+many it had accepted: all accepted → one more (up to ``num_speculative_tokens``), some → one more
+than accepted, none → half; after three proposals in a row with nothing accepted the sequence stops
+speculating for a while (2, 4, 8 … up to 64 steps), so text with nothing to copy runs at plain speed.
 
 Whether speculation pays also depends on the machine and the batch: a verification's extra query
 tokens cost little where a step is bound by reading the weights (a few sequences) and as much as
 they save, or more, where it is bound by arithmetic (large batches on a CPU), where they also slow
 the steps of every sequence beside them. So the speculator measures, per batch size (powers of two
 of the decoding sequences), the seconds per token of the slower quarter of the sequences, in steps
-with and without drafts (the fastest of the latest few of each), and proposes nothing at a batch size where drafting has been slower;
-there it tries a drafting step again every :data:`_REPROBE` steps, in case the text has changed
-(``disable_by_batch_size="auto"``, the default; an integer is vLLM's fixed limit, None turns it off).
+with and without drafts (the fastest of the latest few of each), and proposes nothing at a batch
+size where drafting has been slower; there it tries a drafting step again every :data:`_REPROBE`
+steps, in case the text has changed (``disable_by_batch_size="auto"``, the default; an integer is
+vLLM's fixed limit, None turns it off).
 """
 
 from __future__ import annotations
@@ -70,19 +71,22 @@ class StepCost:
     steps: int = 0
     """Steps asked about at this batch size."""
 
+    @property
+    def explored(self) -> bool:
+        """Whether both kinds of step have been measured :data:`_EXPLORE` times."""
+        return len(self.drafted) >= _EXPLORE and len(self.plain) >= _EXPLORE
+
     def drafting(self) -> bool:
         """Whether the next step at this batch size should draft."""
         self.steps += 1
-        if len(self.drafted) < _EXPLORE or len(self.plain) < _EXPLORE:
+        if not self.explored:
             return len(self.drafted) <= len(self.plain)  # measure both, alternating
         return self.pays() or self.steps % _REPROBE == 0
 
     def pays(self) -> bool:
         """Whether steps with drafts have been as fast per emitted token as steps without (True
         until both are measured)."""
-        if len(self.drafted) < _EXPLORE or len(self.plain) < _EXPLORE:
-            return True
-        return min(self.drafted) <= min(self.plain)
+        return not self.explored or min(self.drafted) <= min(self.plain)
 
     def observe(self, drafted: bool, seconds_per_token: float) -> None:
         """Add one step's measurement."""
