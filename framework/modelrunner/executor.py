@@ -28,7 +28,7 @@ import threading
 import time
 import weakref
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -192,6 +192,30 @@ def process_state(pid: int) -> str | None:
         return None
 
 
+class Workers(Protocol):
+    """The ranks ``1 … world_size - 1`` an executor started: what rank 0 needs to watch, diagnose and
+    stop them. :class:`WorkerProcesses` is the kernel's (local processes); an executor plugin that
+    starts its ranks elsewhere brings its own (:meth:`MultiprocExecutor.start_workers`)."""
+
+    processes: dict[int, Any]
+    """rank → a handle whose ``pid`` is the rank's process id (named in failure messages)."""
+
+    def exited(self) -> dict[int, str]:
+        """rank → how it ended (``exited with code 1``), for every rank that no longer runs."""
+
+    def stopped(self) -> list[int]:
+        """Ranks whose process is alive but stopped (``SIGSTOP``), where that can be told."""
+
+    def raise_if_dead(self) -> None:
+        """Raise :class:`WorkerFailedError` if a rank has ended already (called while they join)."""
+
+    def join(self, timeout: float) -> None:
+        """Wait up to ``timeout`` seconds for every rank to end after a clean stop, then kill the rest."""
+
+    def kill(self) -> None:
+        """Kill every rank still running."""
+
+
 class WorkerProcesses:
     """The worker processes rank 0 started, one per rank ``1 … world_size - 1``.
 
@@ -274,7 +298,7 @@ class WorkerWatcher:
     :param tp_size: tensor-parallel size (to name a rank's place in the group).
     """
 
-    def __init__(self, workers: WorkerProcesses, tp_size: int, interval_s: float = WATCH_INTERVAL_S) -> None:
+    def __init__(self, workers: Workers, tp_size: int, interval_s: float = WATCH_INTERVAL_S) -> None:
         self.failure: WorkerFailedError | None = None
         """The first worker seen ended, once one is."""
         self._stop = threading.Event()
@@ -282,7 +306,7 @@ class WorkerWatcher:
                                         name="modelrunner-worker-watcher", daemon=True)
         self._thread.start()
 
-    def _watch(self, workers: WorkerProcesses, tp_size: int, interval_s: float) -> None:
+    def _watch(self, workers: Workers, tp_size: int, interval_s: float) -> None:
         while not self._stop.wait(interval_s):
             exited = workers.exited()
             if exited and not self._stop.is_set():
@@ -301,7 +325,7 @@ class WorkerWatcher:
 class _Group:
     """What closing the group needs, kept apart from the executor so a finalizer can close it."""
 
-    def __init__(self, ctx: DistributedContext, workers: WorkerProcesses | None) -> None:
+    def __init__(self, ctx: DistributedContext, workers: Workers | None) -> None:
         self.ctx = ctx
         """Rank 0's membership of the group."""
         self.workers = workers
@@ -370,27 +394,18 @@ class MultiprocExecutor(Executor):
 
     @classmethod
     def create(cls, config: RunnerConfig, plugins: Plugins | None = None) -> Executor:
-        """Check the checkpoint and names, start ranks ``1 … world_size - 1`` as worker processes, and
-        become rank 0 of their group. With world size 1, a :class:`UniprocExecutor` (nothing to start)."""
+        """Check the checkpoint and names (:meth:`check_runnable`), start ranks ``1 … world_size - 1``
+        (:meth:`start_workers`), and become rank 0 of their group. With world size 1, a
+        :class:`UniprocExecutor` (nothing to start)."""
         world = config.parallel.world_size
         if world == 1:
             return UniprocExecutor(config, plugins)
         # Resolve (and convert) the checkpoint and check the names before starting anything, so a bad
         # name costs no processes.
-        runner = ModelRunner(config, plugins=plugins)
-        runner.check_config()
-        source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
+        cls.check_runnable(config, plugins)
+        workers, master_addr, port = cls.start_workers(config)
         try:
-            quantization = runner.choose_quantization(source)
-            runner.check_supported(source, quantization)
-            check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device),
-                             runner.device, world, quantization is not None)
-        finally:
-            source.release_weights()
-        port = free_port()
-        workers = WorkerProcesses.spawn(config, "127.0.0.1", port)
-        try:
-            launch = LaunchInfo(rank=0, world_size=world, local_rank=0, master_addr="127.0.0.1", master_port=port)
+            launch = LaunchInfo(rank=0, world_size=world, local_rank=0, master_addr=master_addr, master_port=port)
             ctx = init_distributed(launch, config.parallel.tensor_parallel_size,
                                    config.parallel.pipeline_parallel_size, rank_device(config, 0),
                                    while_waiting=workers.raise_if_dead)
@@ -399,7 +414,33 @@ class MultiprocExecutor(Executor):
             raise
         return cls(config, ctx, workers)
 
-    def __init__(self, config: RunnerConfig, ctx: DistributedContext, workers: WorkerProcesses | None) -> None:
+    @classmethod
+    def check_runnable(cls, config: RunnerConfig, plugins: Plugins | None = None) -> None:
+        """Resolve the checkpoint and check the configuration's names, supported features and memory
+        in this process, before any rank starts.
+
+        :raises ModelRunnerError: (or ``ValueError``) what the first rank would fail on.
+        """
+        runner = ModelRunner(config, plugins=plugins)
+        runner.check_config()
+        source = resolve_source(config.model.model, config.model.cache_dir, config.model.trust_remote_code)
+        try:
+            quantization = runner.choose_quantization(source)
+            runner.check_supported(source, quantization)
+            check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device),
+                             runner.device, config.parallel.world_size, quantization is not None)
+        finally:
+            source.release_weights()
+
+    @classmethod
+    def start_workers(cls, config: RunnerConfig) -> tuple[Workers, str, int]:
+        """Start ranks ``1 … world_size - 1``, each joining the group rank 0 hosts; the started ranks
+        and the address and port rank 0 listens on. Here: worker processes on this machine
+        (:class:`WorkerProcesses`); an executor plugin overrides this to start them elsewhere."""
+        port = free_port()
+        return WorkerProcesses.spawn(config, "127.0.0.1", port), "127.0.0.1", port
+
+    def __init__(self, config: RunnerConfig, ctx: DistributedContext, workers: Workers | None) -> None:
         self.runner = ModelRunner(rank_config(config, ctx.device), parallel=ctx.parallel)
         self.ctx = ctx
         """This process's membership of the group (rank 0)."""

@@ -243,26 +243,36 @@ def _die_with_parent(parent_pid: int) -> None:
     threading.Thread(target=watch, name="modelrunner-parent-watch", daemon=True).start()
 
 
-def worker_main(launch: LaunchInfo, config: RunnerConfig, parent_pid: int) -> None:
-    """Run rank ``launch.rank`` in this process until rank 0 (``parent_pid``) stops the group.
+def serve_rank(launch: LaunchInfo, config: RunnerConfig) -> None:
+    """Be rank ``launch.rank`` in this process: join the group rank 0 hosts at ``launch``'s address,
+    load this rank's shard, run steps until rank 0 stops the group, then leave it.
 
-    The process (started by rank 0 in a session of its own) kills itself when rank 0 disappears.
+    What a started rank runs, wherever it was started (a worker process, a Ray actor). A failure is
+    reported to rank 0 (:func:`report_failure`) and raised; the group is then left as it is.
     """
-    _die_with_parent(parent_pid)
     limit_threads(launch.world_size)
     device = rank_device(config, launch.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     ctx = init_distributed(launch, config.parallel.tensor_parallel_size, config.parallel.pipeline_parallel_size,
                            device)
+    Worker(ctx, config).run()
+    destroy_distributed()
+
+
+def worker_main(launch: LaunchInfo, config: RunnerConfig, parent_pid: int) -> None:
+    """Run rank ``launch.rank`` in this process until rank 0 (``parent_pid``) stops the group.
+
+    The process (started by rank 0 in a session of its own) kills itself when rank 0 disappears.
+    """
+    _die_with_parent(parent_pid)
     try:
-        Worker(ctx, config).run()
+        serve_rank(launch, config)
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
         # Skip interpreter teardown: process-group threads of a broken group can abort it.
         os._exit(1)
-    destroy_distributed()
     sys.stdout.flush()
     sys.stderr.flush()
     # Skip interpreter teardown here too: gloo's threads can abort it ("terminate called without an

@@ -26,8 +26,8 @@ def test_names_select_and_bad_ones_are_refused(tiny_llama_dir):
     assert executor_name(config) == "torchrun"  # vLLM's name for it
     assert executor_name(RunnerConfig.from_dict({"model": "m"})) == "uni"
     assert executor_name(RunnerConfig.from_dict({"model": "m", "tensor_parallel_size": 2})) == "mp"
-    with pytest.raises(UnknownNameError, match=r"unknown executor 'ray'; installed: mp, torchrun, uni"):
-        LLM(str(tiny_llama_dir), distributed_executor_backend="ray")
+    with pytest.raises(UnknownNameError, match=r"unknown executor 'dask'; installed: mp, ray, torchrun, uni"):
+        LLM(str(tiny_llama_dir), distributed_executor_backend="dask")
     with pytest.raises(ValueError, match=r"'uni' runs one process; .* = 2 needs one that runs several"):
         LLM(str(tiny_llama_dir), distributed_executor_backend="uni", tensor_parallel_size=2)
     with pytest.raises(ValueError, match=r"'torchrun' \(vLLM: 'external_launcher'\) needs the processes torchrun"):
