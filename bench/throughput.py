@@ -67,9 +67,10 @@ def make_prompts(tokenizer: Any, count: int, seed: int, low: int = 28, high: int
 class MatmulBound:
     """Times the model's fp32 linear layers (fused qkv / gate_up, o, down; LM head) as bare matmuls,
     with each kernel this machine has: ``F.linear`` (MKL, what transformers runs) and oneDNN on
-    prepacked weights (what modelrunner's eager backend runs). The bound is the faster of the two."""
+    prepacked weights (what modelrunner's eager backend runs). The bound is the faster of the two.
+    With ``dtype=torch.bfloat16``: ``F.linear`` in bfloat16 (oneDNN's, AMX where present) alone."""
 
-    def __init__(self, hf_config: Any) -> None:
+    def __init__(self, hf_config: Any, dtype: torch.dtype = torch.float32) -> None:
         from modelrunner.layers.dense import onednn_usable
 
         c = hf_config
@@ -79,13 +80,14 @@ class MatmulBound:
         shapes = [(qkv, h), (h, c.num_attention_heads * head_dim), (2 * i, h), (h, i)]
         self.num_layers = c.num_hidden_layers
         # Every layer its own weights, as in the model: reused ones would be read from the CPU's cache.
-        self.layers = [[torch.empty(shape).normal_() for shape in shapes] for _ in range(self.num_layers)]
-        self.lm_head = torch.empty(c.vocab_size, h).normal_()
+        self.dtype = dtype
+        self.layers = [[torch.empty(shape, dtype=dtype).normal_() for shape in shapes] for _ in range(self.num_layers)]
+        self.lm_head = torch.empty(c.vocab_size, h, dtype=dtype).normal_()
         self.hidden, self.inter = h, i
         self.layer_params = sum(o * k for o, k in shapes)
         self.kernels: dict[str, tuple[list[list[Any]], Any, Any]] = {
             "MKL": (self.layers, self.lm_head, torch.nn.functional.linear)}
-        if onednn_usable():
+        if onednn_usable() and dtype == torch.float32:
             pack = torch.ops.mkldnn._reorder_linear_weight
 
             def onednn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -96,7 +98,7 @@ class MatmulBound:
         self._cache: dict[tuple[int, int], dict[str, float]] = {}
 
     def _layer_inputs(self, rows: int) -> list[torch.Tensor]:
-        return [torch.randn(rows, w.shape[1]) for w in self.layers[0]]
+        return [torch.randn(rows, w.shape[1], dtype=self.dtype) for w in self.layers[0]]
 
     def kernel_seconds(self, rows: int, lm_rows: int) -> dict[str, float]:
         """Seconds for one step's matmuls with each kernel: every layer at ``rows`` rows, the LM head
@@ -104,7 +106,7 @@ class MatmulBound:
         key = (rows, lm_rows)
         if key not in self._cache:
             xs = self._layer_inputs(rows)
-            x_lm = torch.randn(lm_rows, self.hidden)
+            x_lm = torch.randn(lm_rows, self.hidden, dtype=self.dtype)
             result = {}
             with torch.inference_mode():
                 for name, (layers, head, linear) in self.kernels.items():
@@ -135,7 +137,7 @@ class MatmulBound:
 
     def weight_bytes(self) -> int:
         """Bytes of weights one decode step reads."""
-        return 4 * (self.layer_params * self.num_layers + self.lm_head.numel())
+        return self.lm_head.element_size() * (self.layer_params * self.num_layers + self.lm_head.numel())
 
     def run_seconds(self, batch: int, prompt_tokens: int, new_tokens: int, prefill_rows: int = 2048) -> float:
         """Matmul-only time of a whole run: prefill in chunks of ``prefill_rows``, then decode steps."""

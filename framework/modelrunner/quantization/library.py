@@ -32,6 +32,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..native import cpu_flags
 from .matmul import MatmulKernel, QuantizedWeight, WeightFormat
 from .planar_layout import pack_int4, unpack_int4
 
@@ -45,19 +46,6 @@ PACK_CHUNK_ROWS = 4096
 BF16_CHUNK_BYTES = 4 << 20
 """``onednn_bf16``'s working copy: bfloat16 bytes of weight dequantized at a time (a float32 temporary
 of the same rows, twice that, comes on top while it is made)."""
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from ``/proc/cpuinfo`` (empty where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.partition(":")[2].split())
-    except OSError:
-        pass
-    return frozenset()
 
 
 def native_bf16() -> bool:
