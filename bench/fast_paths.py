@@ -38,18 +38,6 @@ TARGETS_FP32 = {"prompt": 1.3, "batch 64": 1.3, "single": 1.2}
 """Elsewhere: ratios to transformers-fp32 (prompt, batch 64) and to llama.cpp (single)."""
 
 
-def cpu_name() -> str:
-    """The CPU's model name from ``/proc/cpuinfo``."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.partition(":")[2].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
-
-
 class Transformers:
     """transformers' ``generate`` on the file's float32 conversion, in ``dtype``, sdpa attention."""
 
@@ -91,12 +79,13 @@ def main(argv: list[str] | None = None) -> int:
 
     from modelrunner.quantization.library import cpu_flags, native_bf16
     from modelrunner.source import resolve_source
+    from modelrunner.timing_cache import cpu_model
 
     bf16 = native_bf16()
     targets = TARGETS_BF16 if bf16 else TARGETS_FP32
     flags = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16", "amx_int8"})
     load1 = os.getloadavg()[0]
-    print(f"{cpu_name()} ({', '.join(flags)}); torch {torch.__version__}, {args.threads} threads on "
+    print(f"{cpu_model()} ({', '.join(flags)}); torch {torch.__version__}, {args.threads} threads on "
           f"{os.cpu_count()} cores; load average {load1:.2f}")
     if load1 > 0.5:
         print(f"WARNING: load average {load1:.2f} before the run: other processes compete for the CPU")

@@ -103,8 +103,10 @@ class RayWorkers:
                 info = ray.get(ref)
                 workers.processes[rank] = RayRank(actors[rank], info["pid"], info["node_ip"], info["host"])
         except BaseException:
-            workers.processes = {rank: RayRank(actor, 0, "", "") for rank, actor in actors.items()}
-            workers.kill()
+            for actor in actors.values():
+                ray.kill(actor, no_restart=True)
+            if owns_ray:
+                ray.shutdown()
             raise
         return workers
 
@@ -237,8 +239,6 @@ class RayExecutor(MultiprocExecutor):
     def stats(self) -> dict[str, Any]:
         """As ``mp``'s, plus ``parallel.ray``: each actor's node address."""
         out = super().stats()
-        workers = self.workers
-        if isinstance(workers, RayWorkers):
-            out["parallel"]["ray"] = {rank: {"node_ip": r.node_ip, "pid": r.pid}
-                                      for rank, r in sorted(workers.processes.items())}
+        out["parallel"]["ray"] = {rank: {"node_ip": r.node_ip, "pid": r.pid}
+                                  for rank, r in sorted(self.workers.processes.items())}
         return out
