@@ -27,8 +27,8 @@ candidates are allowed:
   names an allowed one steps aside (the same arithmetic, slower at every row count).
 
 A shape's kernels for both buckets come from one *family* — the kind of activations (float, int8 or
-bf16) and the layout — the one whose fastest kernels take least time summed over the timed row
-counts, so that a layer's storage has one layout and a request's activations are taken one way
+bf16) and the layout — the one whose slower bucket is closest to that bucket's fastest family (the
+least of each family's largest ratio to the fastest over the timed row counts), so that a layer's storage has one layout and a request's activations are taken one way
 (float, int8 or bf16) however many rows share its step. A layer whose family has another layout has
 its storage regrouped in place by that kernel's :meth:`~.matmul.MatmulKernel.pack` (no second copy),
 and :meth:`~.planar.PlanarScheme.planar_storage` reads it back through the kernel's ``unpack``.
@@ -58,7 +58,7 @@ from .planar import dequantize_planar
 
 logger = logging.getLogger(__name__)
 
-KERNEL_VERSION = 8
+KERNEL_VERSION = 9
 """Bumped when the selection rules change, so cached choices are remade."""
 ACTIVATIONS = ("float", "int8", "bf16", "auto")
 """The values of the quantization methods' ``activations`` option (see :class:`KernelSelector`)."""
@@ -195,8 +195,8 @@ class KernelSelector:
         return [n for n in names if not any(s in names for s in kernels[n].superseded_by)]
 
     def _family(self, scheme: Any, layer: Any, names: list[str]) -> str:
-        """The family of ``layer``'s shape among those of ``names``, for every row count alike: the one
-        whose fastest kernel takes least time summed over the timed row counts."""
+        """The family of ``layer``'s shape among those of ``names``, for every row count alike (see
+        :meth:`_fastest_family`)."""
         families = {self.family_of(n) for n in names}
         if len(families) == 1:
             return families.pop()
@@ -208,26 +208,35 @@ class KernelSelector:
         return self.families[shape]
 
     def _fastest_family(self, qualified: str, families: set[str], layers: list[tuple[Any, Any, list[str]]]) -> str:
-        """Of ``families``, the cached choice under ``qualified``, else (timed, then cached) the one whose
-        fastest kernel among each layer's ``names`` takes least time summed over the layers and the
-        timed row counts. ``layers``: ``(scheme, layer, names)``."""
+        """Of ``families``, the cached choice under ``qualified``, else (timed, then cached) the one
+        closest to the fastest in its slower bucket: per bucket, each family's fastest kernels summed
+        over the layers, divided by the smallest such sum; the family whose larger ratio is least wins
+        (ties: the least time in all). A 64-row call takes tens of times a one-row call, so summing
+        raw times would let the batch bucket alone decide, however much faster a family decodes.
+        ``layers``: ``(scheme, layer, names)``."""
         cached = self.cache.get(qualified)
         if cached in families:
             return cached
-        total = dict.fromkeys(sorted(families), 0.0)
+        kinds = sorted(families)
+        totals = {bucket_name: dict.fromkeys(kinds, 0.0) for bucket_name in TIMING_ROWS}
         for scheme, layer, names in layers:
-            for bucket_name in TIMING_ROWS:
+            for bucket_name, total in totals.items():
                 times = self._measure(scheme, layer, bucket_name, names)
-                for kind in total:
+                for kind in kinds:
                     total[kind] += min(t for n, t in times.items() if self.family_of(n) == kind)
-        family = min(total, key=total.get)
+
+        def regret(kind: str) -> tuple[float, float]:
+            ratios = [total[kind] / max(min(total.values()), 1e-12) for total in totals.values()]
+            return max(ratios), sum(total[kind] for total in totals.values())
+
+        family = min(kinds, key=regret)
         self.cache.put(qualified, family)
         return family
 
     def share_family(self, layers: list[tuple[Any, Any]]) -> None:
         """Give ``layers`` — ``(scheme, layer)`` pairs that run back to back, such as a gated MLP's two
-        projections — one family: among those every one of them can run, the one whose fastest
-        kernels take least time summed over all of them and the timed row counts. Then a kernel's
+        projections — one family: among those every one of them can run, the one closest to the
+        fastest over all of them in its slower bucket (:meth:`_fastest_family`). Then a kernel's
         fused form (:meth:`~.matmul.MatmulKernel.bind_gated_mlp`) can run them in one call, where
         choosing each shape alone could split them between families on a near tie. Where one of the
         shapes already has a family, each keeps its own; a pinned ``kernel`` leaves this to the pin."""

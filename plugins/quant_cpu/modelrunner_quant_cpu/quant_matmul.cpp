@@ -1070,10 +1070,14 @@ void q8_packed_rows(const QuantWeight& w, const QuantizedInput& in, int64_t M, f
 }
 
 // Large M: tiles of rows dequantized into a per-thread float buffer (about 256 KB, so it stays in
-// L2), each multiplied by MKL/oneDNN through at::mm into its columns of y.
-void exact_gemm(const QuantWeight& w, const at::Tensor& x, at::Tensor& y) {
+// L2), each multiplied by MKL/oneDNN through at::mm into its columns of y. Tiles are whole multiples of
+// 16 rows (but the last). dequantize(n0, n1, out, tile, scratch) writes rows [n0, n1) of the weight
+// as floats, [n1 - n0][K]; kTransposed: as columns, [K][tile] (the tile's row count rounded up to 16
+// may be written, the rest left out of the product). Scratch is its per-thread state.
+template <typename Scratch, bool kTransposed, typename Dequantize>
+void gemm_tiles(int64_t N, int64_t K, const at::Tensor& x, at::Tensor& y, Dequantize&& dequantize) {
   constexpr int64_t kTileBytes = 256 << 10;
-  const int64_t N = w.rows, K = w.cols, threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t max_tile = std::max<int64_t>(16, kTileBytes / (4 * K) / 16 * 16);
   int64_t tiles = (N + max_tile - 1) / max_tile;
   tiles = std::min((tiles + threads - 1) / threads * threads, (N + 15) / 16);  // every thread busy
@@ -1084,14 +1088,20 @@ void exact_gemm(const QuantWeight& w, const at::Tensor& x, at::Tensor& y) {
   const bool inference = c10::InferenceMode::is_enabled();
   at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
     c10::InferenceMode guard(inference);
-    at::Tensor buffer = at::empty({tile, K}, x.options());
-    RowScales rs;
+    at::Tensor buffer = kTransposed ? at::empty({K, tile}, x.options()) : at::empty({tile, K}, x.options());
+    Scratch scratch;
     for (int64_t t = t0; t < t1; ++t) {
       const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
-      dequantize_rows(w, n0, n1, buffer.data_ptr<float>(), rs);
+      dequantize(n0, n1, buffer.data_ptr<float>(), tile, scratch);
       at::Tensor out = y.narrow(1, n0, n1 - n0);
-      at::mm_out(out, x, buffer.narrow(0, 0, n1 - n0).t());
+      at::mm_out(out, x, kTransposed ? buffer.narrow(1, 0, n1 - n0) : buffer.narrow(0, 0, n1 - n0).t());
     }
+  });
+}
+
+void exact_gemm(const QuantWeight& w, const at::Tensor& x, at::Tensor& y) {
+  gemm_tiles<RowScales, false>(w.rows, w.cols, x, y, [&](int64_t n0, int64_t n1, float* out, int64_t, RowScales& rs) {
+    dequantize_rows(w, n0, n1, out, rs);
   });
 }
 
@@ -1361,9 +1371,11 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* digits, int64
 //   y += s * sum_k x_k q_k + m * sum_k x_k
 // with float products and sums (the same value as the float matmul with the dequantized weights, up
 // to summation order). No horizontal sums, and a converted weight vector serves every row of x.
+// AVX2 takes each tile as two halves of 8 rows (below); from kP16GemmRows rows of x on, it dequantizes
+// tiles for MKL instead, as the planar exact kernel does.
 
 bool p16_exact_supported_bits(int64_t bits) {
-#ifdef MRQ_AVX512
+#ifdef MRQ_AVX2
   return bits == 4 || bits == 8;
 #else
   (void)bits;
@@ -1492,27 +1504,244 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
     t += step;
   }
 }
-#endif  // MRQ_AVX512
+#elif defined(MRQ_AVX2)
+
+// AVX2 has 8 float lanes: a p16 tile is two halves of 8 rows, the low and the high 32 bytes of each
+// 64-byte word row, taken NH halves at a time. A 4-bit weight becomes a float lane with a shift, a
+// mask and a conversion (no 16-entry table in one register here); an 8-bit one as on AVX-512.
+constexpr int p16x_nh(int mt) { return mt == 1 ? 4 : mt == 2 ? 2 : 1; }
+// Prefetch distance of this kernel (the tiles are read at memory speed here: further ahead than
+// kP16Ahead).
+constexpr int64_t kP16xAhead = 4096;
+
+// Rows [m0, m0 + MT) of x against half tiles [h0, h0 + NH) (half h: rows 8h..8h+7 of the weight).
+template <int kBits, bool kMins, int MT, int NH>
+void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* sums, int64_t m0, float* y,
+                 int64_t ldy) {
+  const int64_t K = w.cols, per_group = w.group / kBlock;
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  const uint8_t* base[NH];
+  const at::Half* hs[NH];
+  const at::Half* hm[NH];
+#pragma GCC unroll 4
+  for (int i = 0; i < NH; ++i) {
+    const auto [tile, ts, tm] = p16_tile_parts(w, (h0 + i) / 2);
+    const int64_t half = (h0 + i) % 2;
+    base[i] = tile + 32 * half;
+    hs[i] = ts + 8 * half;
+    hm[i] = tm ? tm + 8 * half : nullptr;
+  }
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const __m256i flip = _mm256_set1_epi32(static_cast<int32_t>(0x80808080u));
+  __m256 acc[MT][NH];
+#pragma GCC unroll 4
+  for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+    for (int i = 0; i < NH; ++i) acc[r][i] = _mm256_setzero_ps();
+  const float* xr[MT];
+#pragma GCC unroll 4
+  for (int r = 0; r < MT; ++r) xr[r] = x + (m0 + r) * K;
+  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+    __m256 part[MT][NH];
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+      for (int i = 0; i < NH; ++i) part[r][i] = _mm256_setzero_ps();
+    for (const int64_t end = b + per_group; b < end; ++b) {
+      const int64_t k0 = b * kBlock;
+#pragma GCC unroll 4
+      for (int i = 0; i < NH; ++i) {
+        if ((h0 + i) % 2 == 1 && i > 0) continue;  // the low half prefetched the tile's lines
+        const uint8_t* p = base[i] - 32 * ((h0 + i) % 2) + b * kBlockBytes;
+#pragma GCC unroll 8
+        for (int64_t line = 0; line < kBlockBytes; line += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p) + kP16xAhead + line, _MM_HINT_NTA);
+      }
+#pragma GCC unroll 8
+      for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
+        __m256i v[NH];
+#pragma GCC unroll 4
+        for (int i = 0; i < NH; ++i) {
+          v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[i] + b * kBlockBytes + j * 64));
+          if constexpr (kBits == 8) v[i] = _mm256_xor_si256(v[i], flip);  // back to signed q
+        }
+#pragma GCC unroll 8
+        for (int e = 0; e < 8; ++e) {
+          if (kBits == 8 && e >= 4) break;
+          // 4-bit: nibble e of each lane is element 4j + e/2 (low nibbles) or 16 + 4j + e/2 (high).
+          const int64_t k = kBits == 4 ? k0 + (e & 1 ? 16 : 0) + 4 * j + (e >> 1) : k0 + 4 * j + e;
+#pragma GCC unroll 4
+          for (int i = 0; i < NH; ++i) {
+            __m256 q;
+            if constexpr (kBits == 4) {
+              const __m256i lane = e == 0 ? v[i] : _mm256_srli_epi32(v[i], 4 * e);
+              q = _mm256_cvtepi32_ps(e == 7 ? lane : _mm256_and_si256(lane, low4));
+            } else {
+              const __m256i lane = e == 3 ? v[i] : _mm256_slli_epi32(v[i], 24 - 8 * e);
+              q = _mm256_cvtepi32_ps(_mm256_srai_epi32(lane, 24));
+            }
+#pragma GCC unroll 4
+            for (int r = 0; r < MT; ++r) part[r][i] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(xr[r] + k), part[r][i]);
+          }
+        }
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < NH; ++i) {
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs[i] + g * kP16)));
+#pragma GCC unroll 4
+      for (int r = 0; r < MT; ++r) acc[r][i] = _mm256_fmadd_ps(part[r][i], s, acc[r][i]);
+      if constexpr (kMins) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hm[i] + g * kP16)));
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r)
+          acc[r][i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][i]);
+      }
+    }
+  }
+#pragma GCC unroll 4
+  for (int i = 0; i < NH; ++i) {
+    const int64_t n0 = (h0 + i) * 8, valid = std::min<int64_t>(8, w.valid_rows - n0);
+    if (valid <= 0) continue;  // a half of padding rows
+#pragma GCC unroll 4
+    for (int r = 0; r < MT; ++r) {
+      if (valid == 8) {
+        _mm256_storeu_ps(y + r * ldy + n0, acc[r][i]);
+      } else {
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, acc[r][i]);
+        std::memcpy(y + r * ldy + n0, lanes, valid * sizeof(float));
+      }
+    }
+  }
+}
+
+// Tiles [u0, u1) for every row of x, as halves: NH at a time where the row count allows; x rows go
+// 4 at a time, the rest as 2 and 1 (more would not fit AVX2's 16 registers).
+template <int kBits, bool kMins>
+void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M, float* y, int64_t u0, int64_t u1) {
+  const int64_t step_max = p16x_nh(static_cast<int>(std::min<int64_t>(M, 2)));
+  for (int64_t h = 2 * u0; h < 2 * u1;) {
+    const int64_t step = std::min<int64_t>(2 * u1 - h, step_max);
+    for (int64_t m0 = 0; m0 < M;) {
+      const int64_t left = M - m0, mt = left >= 4 ? 4 : left >= 2 ? 2 : 1;
+      const auto run = [&]<int MT>() {
+        constexpr int NH = p16x_nh(MT);
+        for (int64_t s = 0; s < step;) {
+          if (step - s >= NH) {
+            p16x_halves<kBits, kMins, MT, NH>(w, h + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            s += NH;
+          } else {
+            p16x_halves<kBits, kMins, MT, 1>(w, h + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            s += 1;
+          }
+        }
+      };
+      mt == 4 ? run.template operator()<4>() : mt == 2 ? run.template operator()<2>() : run.template operator()<1>();
+      m0 += mt;
+    }
+    h += step;
+  }
+}
+#endif  // MRQ_AVX512, MRQ_AVX2
+
+#ifdef MRQ_AVX2
+// The sums of x per group ([M][groups]): the p16 exact kernels' mins term.
+std::vector<float> group_sums(const float* x, int64_t M, const QuantWeight& w) {
+  std::vector<float> sums(M * w.groups);
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t g = 0; g < w.groups; ++g) {
+      const float* xg = x + r * w.cols + g * w.group;
+#ifdef MRQ_AVX512
+      __m512 s = _mm512_setzero_ps();
+      for (int64_t k = 0; k < w.group; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(xg + k));
+      sums[r * w.groups + g] = _mm512_reduce_add_ps(s);
+#else
+      __m256 s = _mm256_setzero_ps();
+      for (int64_t k = 0; k < w.group; k += 8) s = _mm256_add_ps(s, _mm256_loadu_ps(xg + k));
+      sums[r * w.groups + g] = Exact::sum(s);
+#endif
+    }
+  return sums;
+}
+
+#ifndef MRQ_AVX512
+// Rows [n0, n1) of a p16 weight (n0 a multiple of 16, whole tiles written) as columns of out
+// ([K][ld]): 8 rows' weights of one element per vector, each scale * q + min as the planar
+// dequantization computes it (the same floats).
+template <int kBits, bool kMins>
+void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* out, int64_t ld) {
+  const int64_t per_group = w.group / kBlock;
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  const __m256i low4 = _mm256_set1_epi32(15);
+  const __m256i flip = _mm256_set1_epi32(static_cast<int32_t>(0x80808080u));
+  for (int64_t t = n0 / kP16; t < (n1 + kP16 - 1) / kP16; ++t) {
+    const auto [tile, ts, tm] = p16_tile_parts(w, t);
+    for (int64_t half = 0; half < 2; ++half) {
+      float* col = out + t * kP16 - n0 + 8 * half;
+      for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ts + g * kP16 + 8 * half)));
+        const __m256 m = kMins ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + g * kP16 + 8 * half)))
+                               : _mm256_setzero_ps();
+        for (const int64_t end = b + per_group; b < end; ++b) {
+          const int64_t k0 = b * kBlock;
+#pragma GCC unroll 8
+          for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
+            __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tile + b * kBlockBytes + j * 64 + 32 * half));
+            if constexpr (kBits == 8) v = _mm256_xor_si256(v, flip);
+#pragma GCC unroll 8
+            for (int e = 0; e < (kBits == 4 ? 8 : 4); ++e) {
+              const int64_t k = kBits == 4 ? k0 + (e & 1 ? 16 : 0) + 4 * j + (e >> 1) : k0 + 4 * j + e;
+              __m256 q;
+              if constexpr (kBits == 4) {
+                const __m256i lane = e == 0 ? v : _mm256_srli_epi32(v, 4 * e);
+                q = _mm256_cvtepi32_ps(e == 7 ? lane : _mm256_and_si256(lane, low4));
+              } else {
+                q = _mm256_cvtepi32_ps(_mm256_srai_epi32(e == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * e), 24));
+              }
+              _mm256_storeu_ps(col + k * ld, kMins ? _mm256_fmadd_ps(q, s, m) : _mm256_mul_ps(q, s));
+            }
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+#endif
+
+#if defined(MRQ_AVX2) && !defined(MRQ_AVX512)
+// From this many rows of x, the AVX2 exact p16 kernel dequantizes tiles for MKL, as qlinear does from
+// GEMM_ROWS (its register kernel takes 4 rows of x at a time, not 8 as on AVX-512).
+constexpr int64_t kP16GemmRows = 48;
+#endif
 
 at::Tensor qlinear_p16_exact(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
                              const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits) {
   const auto operands = p16_operands(x, data, scales, mins, rows, group_size, bits, p16_exact_supported_bits(bits),
-                                     "exact p16", "needs AVX-512");
+                                     "exact p16", "needs AVX2");
   const P16Weight& w = operands.first;
   at::Tensor y = operands.second;
   const int64_t M = x.size(0);
   if (M == 0 || w.valid_rows == 0) return y;
-#ifdef MRQ_AVX512
+#ifdef MRQ_AVX2
+#ifndef MRQ_AVX512
+  if (M >= kP16GemmRows) {
+    struct None {};
+    gemm_tiles<None, true>(w.valid_rows, w.cols, x, y, [&](int64_t n0, int64_t n1, float* out, int64_t ld, None&) {
+      if (bits == 4)
+        w.mins ? dequantize_p16_columns<4, true>(w, n0, n1, out, ld)
+               : dequantize_p16_columns<4, false>(w, n0, n1, out, ld);
+      else
+        w.mins ? dequantize_p16_columns<8, true>(w, n0, n1, out, ld)
+               : dequantize_p16_columns<8, false>(w, n0, n1, out, ld);
+    });
+    return y;
+  }
+#endif
   const float* xp = x.const_data_ptr<float>();
-  // The mins' term takes the sums of x per group (in 16-lane partial sums: a group is whole blocks).
-  std::vector<float> sums(w.mins ? M * w.groups : 0);
-  for (int64_t r = 0; r < (w.mins ? M : 0); ++r)
-    for (int64_t g = 0; g < w.groups; ++g) {
-      const float* xg = xp + r * w.cols + g * w.group;
-      __m512 s = _mm512_setzero_ps();
-      for (int64_t k = 0; k < w.group; k += 16) s = _mm512_add_ps(s, _mm512_loadu_ps(xg + k));
-      sums[r * w.groups + g] = _mm512_reduce_add_ps(s);
-    }
+  // The mins' term takes the sums of x per group.
+  const std::vector<float> sums = w.mins ? group_sums(xp, M, w) : std::vector<float>();
   float* yp = y.data_ptr<float>();
   const auto run = [&]<int kBits, bool kMins>(int64_t n0, int64_t n1) {
     p16x_rows<kBits, kMins>(w, xp, sums.data(), M, yp, n0 / kP16, n1 / kP16);
