@@ -361,12 +361,15 @@ class ModelRunner(ArticleAPI):
         return sum(t.numel() * t.element_size() for t in self.kv_caches)
 
     def stats(self) -> dict[str, Any]:
-        """What the runner knows beyond the KV blocks: ``weights`` (resident bytes as stored, plus any
+        """What the runner knows beyond the KV blocks: ``dtype`` (``asked``: the config's, e.g.
+        ``auto``; ``runs``: the activations' and KV cache's dtype it resolved to), ``weights``
+        (resident bytes as stored, plus any
         prepacked copy a compile backend keeps), ``quantization`` (the method, its layer formats and
         chosen kernels), ``model`` (from the model's ``runner_stats()`` when it has one, e.g. MoE
         expert token counts) and ``compile`` (from the compiled callable's ``stats()``, e.g. recompiles)."""
         loaded = self._require_loaded()
-        out: dict[str, Any] = {}
+        out: dict[str, Any] = {"dtype": {"asked": self.config.model.dtype,
+                                         "runs": str(self.dtype).removeprefix("torch.")}}
         compile_stats = getattr(loaded.runnable, "stats", None)
         compiled = compile_stats() if callable(compile_stats) else None
         stored = weight_bytes(loaded.model)

@@ -123,7 +123,9 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
     Floating-point parameters and buffers take ``dtype``; others keep theirs, and so does quantized
     storage that sets ``keep_dtype = True``. Parameter attributes (``weight_loader``) and tied
     parameters survive. Modules with a ``reset_buffers()`` method are then asked to recompute their
-    non-persistent buffers (e.g. the rotary cos/sin table).
+    non-persistent buffers (e.g. the rotary cos/sin table), and modules with a ``compute_dtype``
+    attribute get ``dtype`` there (a quantized embedding returns its rows in it: it has no float
+    parameter to take it from).
 
     :raises ValueError: quantized storage (a parameter with a ``quant_loader``, or ``loaded_with`` a
         sibling) of a floating-point dtype other than ``dtype`` that does not say whether it keeps it
@@ -156,6 +158,9 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
             setattr(module, key, new_params[id(param)])
         for key, buf in list(module.named_buffers(recurse=False)):
             setattr(module, key, empty(buf))
+    for module in model.modules():
+        if hasattr(module, "compute_dtype") and dtype.is_floating_point:
+            module.compute_dtype = dtype
     for module in model.modules():
         if callable(getattr(module, "reset_buffers", None)):
             module.reset_buffers()

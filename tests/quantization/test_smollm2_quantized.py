@@ -120,3 +120,23 @@ def test_demo_peaks_under_600_mb():
     result = json.loads(run.stdout.strip().splitlines()[-1])
     print(f"make demo peak RSS: {result['peak_mb']:.0f} MB")
     assert result["code"] in (0, None) and result["peak_mb"] <= 600
+
+
+def test_a_bfloat16_engine_runs_the_stored_model_near_float32():
+    # dtype="bfloat16" runs activations and the KV cache in bf16 on the file's weights. The quantized
+    # embedding's rows used to come back float32 and turn the residual stream float32, so every
+    # request failed at the KV-cache write. Agreement with float32 is a rate, not equality.
+    exact = LLM("smollm2", **KW)
+    bf16 = LLM("smollm2", dtype="bfloat16", **KW)
+    assert exact.runner.stats()["dtype"] == {"asked": "auto", "runs": "float32"}  # auto: float32 on this CPU path
+    assert bf16.runner.stats()["dtype"] == {"asked": "bfloat16", "runs": "bfloat16"}
+    ids = exact.get_tokenizer()(TEXT).input_ids[:512]
+    want, got = exact.runner.forward(ids)[0].float(), bf16.runner.forward(ids)[0].float()
+    agree = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
+    p, q = want.log_softmax(-1), got.log_softmax(-1)
+    kl = (p.exp() * (p - q)).sum(-1).mean().item()
+    print(f"bf16 vs float32 on {len(ids)} positions: top-1 agreement {agree:.1%}, mean KL {kl:.1e}, "
+          f"max |logits diff| {(want - got).abs().max().item():.2f} of {want.abs().max().item():.1f}")
+    assert agree >= 0.95 and kl < 1e-2
+    out = bf16.generate(PROMPTS[:1], SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert out.finish_reason == "length" and out.text.startswith(" Paris"), out

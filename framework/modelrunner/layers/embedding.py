@@ -44,6 +44,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.quant_scheme: Any = None
         """How a quantization method stores this table (and multiplies it, as an LM head); None: floats."""
+        self.compute_dtype: torch.dtype | None = None
+        """The dtype a quantized table's rows are returned in: the model's (set by
+        :func:`~modelrunner.weights.materialize`); None: as the scheme dequantizes them (float32)."""
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """Copy this rank's vocabulary rows of the full checkpoint table; padding rows become zero."""
@@ -62,7 +65,9 @@ class VocabParallelEmbedding(nn.Module):
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows ``ids`` of this rank's table (dequantized when the table is quantized)."""
         if self.quant_scheme is not None:
-            return self.quant_scheme.embed(self, ids)
+            rows = self.quant_scheme.embed(self, ids)
+            dtype = self.compute_dtype
+            return rows if dtype is None or rows.dtype is dtype else rows.to(dtype)
         return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
