@@ -1510,6 +1510,26 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
 // 64-byte word row, taken NH halves at a time. A 4-bit weight becomes a float lane with a shift, a
 // mask and a conversion (no 16-entry table in one register here); an 8-bit one as on AVX-512.
 constexpr int p16x_nh(int mt) { return mt == 1 ? 4 : mt == 2 ? 2 : 1; }
+
+// Word row j of a p16 block, weight e of each dword lane: its column in the block that starts at k0
+// (4-bit: nibble e, elements 4j + e/2 in the low nibbles, 16 + 4j + e/2 in the high ones; 8-bit:
+// byte e, element 4j + e).
+template <int kBits>
+constexpr int64_t p16_column(int64_t k0, int j, int e) {
+  return kBits == 4 ? k0 + (e & 1 ? 16 : 0) + 4 * j + (e >> 1) : k0 + 4 * j + e;
+}
+
+// Weight e of each of 8 dword lanes of v as floats: 4-bit, nibble e (a shift, a mask, a conversion);
+// 8-bit, byte e, already flipped back to signed q (a sign extension, a conversion).
+template <int kBits>
+inline __m256 p16_lanes(__m256i v, int e) {
+  if constexpr (kBits == 4) {
+    const __m256i lane = e == 0 ? v : _mm256_srli_epi32(v, 4 * e);
+    return _mm256_cvtepi32_ps(e == 7 ? lane : _mm256_and_si256(lane, _mm256_set1_epi32(15)));
+  } else {
+    return _mm256_cvtepi32_ps(_mm256_srai_epi32(e == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * e), 24));
+  }
+}
 // Prefetch distance of this kernel: further ahead than kP16Ahead. Timed on Zen 3 (SmolLM2's layers
 // from memory, one row): 1 KB ahead 9.0 ms a step, 2 KB 7.4, 4 KB 6.7-7.0, 8 KB 6.2-6.4, 16 KB
 // 6.6-7.5; the T0 and T1 hints no faster than NTA.
@@ -1532,7 +1552,6 @@ void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* su
     hs[i] = ts + 8 * half;
     hm[i] = tm ? tm + 8 * half : nullptr;
   }
-  const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i flip = _mm256_set1_epi32(static_cast<int32_t>(0x80808080u));
   __m256 acc[MT][NH];
 #pragma GCC unroll 4
@@ -1567,20 +1586,11 @@ void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* su
           if constexpr (kBits == 8) v[i] = _mm256_xor_si256(v[i], flip);  // back to signed q
         }
 #pragma GCC unroll 8
-        for (int e = 0; e < 8; ++e) {
-          if (kBits == 8 && e >= 4) break;
-          // 4-bit: nibble e of each lane is element 4j + e/2 (low nibbles) or 16 + 4j + e/2 (high).
-          const int64_t k = kBits == 4 ? k0 + (e & 1 ? 16 : 0) + 4 * j + (e >> 1) : k0 + 4 * j + e;
+        for (int e = 0; e < (kBits == 4 ? 8 : 4); ++e) {
+          const int64_t k = p16_column<kBits>(k0, j, e);
 #pragma GCC unroll 4
           for (int i = 0; i < NH; ++i) {
-            __m256 q;
-            if constexpr (kBits == 4) {
-              const __m256i lane = e == 0 ? v[i] : _mm256_srli_epi32(v[i], 4 * e);
-              q = _mm256_cvtepi32_ps(e == 7 ? lane : _mm256_and_si256(lane, low4));
-            } else {
-              const __m256i lane = e == 3 ? v[i] : _mm256_slli_epi32(v[i], 24 - 8 * e);
-              q = _mm256_cvtepi32_ps(_mm256_srai_epi32(lane, 24));
-            }
+            const __m256 q = p16_lanes<kBits>(v[i], e);
 #pragma GCC unroll 4
             for (int r = 0; r < MT; ++r) part[r][i] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(xr[r] + k), part[r][i]);
           }
@@ -1674,7 +1684,6 @@ template <int kBits, bool kMins>
 void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* out, int64_t ld) {
   const int64_t per_group = w.group / kBlock;
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
-  const __m256i low4 = _mm256_set1_epi32(15);
   const __m256i flip = _mm256_set1_epi32(static_cast<int32_t>(0x80808080u));
   for (int64_t t = n0 / kP16; t < (n1 + kP16 - 1) / kP16; ++t) {
     const auto [tile, ts, tm] = p16_tile_parts(w, t);
@@ -1692,15 +1701,9 @@ void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* o
             if constexpr (kBits == 8) v = _mm256_xor_si256(v, flip);
 #pragma GCC unroll 8
             for (int e = 0; e < (kBits == 4 ? 8 : 4); ++e) {
-              const int64_t k = kBits == 4 ? k0 + (e & 1 ? 16 : 0) + 4 * j + (e >> 1) : k0 + 4 * j + e;
-              __m256 q;
-              if constexpr (kBits == 4) {
-                const __m256i lane = e == 0 ? v : _mm256_srli_epi32(v, 4 * e);
-                q = _mm256_cvtepi32_ps(e == 7 ? lane : _mm256_and_si256(lane, low4));
-              } else {
-                q = _mm256_cvtepi32_ps(_mm256_srai_epi32(e == 3 ? v : _mm256_slli_epi32(v, 24 - 8 * e), 24));
-              }
-              _mm256_storeu_ps(col + k * ld, kMins ? _mm256_fmadd_ps(q, s, m) : _mm256_mul_ps(q, s));
+              const __m256 q = p16_lanes<kBits>(v, e);
+              float* out_k = col + p16_column<kBits>(k0, j, e) * ld;
+              _mm256_storeu_ps(out_k, kMins ? _mm256_fmadd_ps(q, s, m) : _mm256_mul_ps(q, s));
             }
           }
         }
