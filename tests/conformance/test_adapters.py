@@ -123,3 +123,18 @@ def test_a_plugin_that_does_not_provide_the_architecture_is_refused():
     with pytest.raises(ValueError, match=r"plugin 'moe' does not provide architecture 'LlamaForCausalLM'; it is "
                                          r"provided by 'llama'"):
         suite("architectures", "LlamaForCausalLM", plugin="moe")
+
+
+def test_the_fallback_hands_the_cache_over_under_the_name_the_models_forward_takes():
+    """transformers 5.24 renamed ``past_key_values`` to ``cache``; under the wrong name the cache is
+    swallowed by ``**kwargs`` and every decode step runs without its context."""
+    from modelrunner.defaults.transformers_adapter import _cache_argument
+
+    class Before:
+        def forward(self, input_ids=None, past_key_values=None, position_ids=None, **kwargs): ...
+
+    class After:
+        def forward(self, input_ids=None, cache=None, position_ids=None, **kwargs): ...
+
+    assert _cache_argument(Before()) == "past_key_values"
+    assert _cache_argument(After()) == "cache"

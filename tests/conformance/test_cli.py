@@ -83,3 +83,20 @@ def test_tiny_checkpoints_go_to_a_folder_of_this_process():
     other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert other[0] != str(root) and other[1] == "True"  # another process (a concurrent check) has its own
     assert not Path(other[0]).exists()  # removed when that process ended
+
+
+def test_check_device_reaches_the_suites_that_run_models_and_bad_values_are_refused():
+    import torch
+    from modelrunner.conformance import suites_for_plugin
+
+    if "llama" not in get_plugins().infos:
+        pytest.skip("modelrunner-llama is not installed")
+    assert {s.device for s in suites_for_plugin("llama", device="cpu")} == {"cpu"}
+    assert suites_for_plugin("default-sdpa", device="cpu")[0].device == torch.device("cpu")
+    with pytest.raises(ValueError, match=r"device applies to the .*plugin 'default-paged' registers allocators"):
+        suites_for_plugin("default-paged", device="cpu")
+    result = run_cli("check", "default-sdpa", "--device", "tpu")
+    assert result.returncode != 0 and "--device 'tpu': expected cpu, cuda or cuda:N" in result.stderr
+    if not torch.cuda.is_available():
+        result = run_cli("check", "default-sdpa", "--device", "cuda")
+        assert result.returncode != 0 and "no CUDA device" in result.stderr

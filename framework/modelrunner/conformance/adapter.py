@@ -4,7 +4,8 @@
 through ``LLM`` routed to the plugin under test, and compares with transformers' own model on the
 same weights: every position's logits of prompts that span several KV blocks, and greedy tokens
 under continuous batching, chunked prefill, prefix-cache hits, preemption, every attention backend
-that runs on the CPU, and (when the adapter declares it) two tensor-parallel ranks.
+that runs on the suite's device (the CPU unless ``device=`` says otherwise), and (when the adapter
+declares it) two tensor-parallel ranks.
 
 For the generic fallback name (``AutoModelForCausalLM``) the checkpoint is of an architecture no
 loaded plugin registers (the first of :data:`GENERIC_ARCHITECTURES`, or ``checkpoint=`` /
@@ -52,6 +53,9 @@ MAX_MODEL_LEN = 64
 """``max_model_len`` of every run (lowered to the model's ``max_position_embeddings`` when smaller)."""
 PREFIX_TOKENS = 16
 """Shared prefix of the prefix-cache check: four full blocks."""
+KV_CACHE_MEMORY = 256 * 2**20
+"""KV-cache bytes of every run (on CUDA the default would take most of the GPU for each of the suite's
+runs, and the suite holds several at once)."""
 PREEMPTION_MAX_MODEL_LEN = 24
 """``max_model_len`` of the preemption run, whose KV cache holds exactly one such sequence."""
 GENERIC_ARCHITECTURES = ("GPT2LMHeadModel", "OPTForCausalLM", "GPTNeoXForCausalLM", "BloomForCausalLM")
@@ -84,6 +88,9 @@ class AdapterSuite(Suite):
     :param seed: the tiny checkpoint's weight seed.
     :param tensor_parallel: run the ``tensor-parallel=2`` check (it starts a worker process); False
         reports it skipped.
+    :param device: where the runs go (``cpu``, ``cuda``, ``cuda:N``); transformers' reference stays on
+        the CPU in float32. Every check is skipped where the plugin declares other devices, and the
+        tensor-parallel check on CUDA needs two GPUs.
     :raises ValueError: no loaded plugin provides ``name``, or ``plugin`` does not.
     """
 
@@ -91,8 +98,12 @@ class AdapterSuite(Suite):
 
     def __init__(self, name: str, plugins: Any = None, plugin: str | None = None, checkpoint: str | Path | None = None,
                  config: Any = None, root: str | Path | None = None, seed: int = 0,
-                 tensor_parallel: bool = True) -> None:
+                 tensor_parallel: bool = True, device: str = "cpu") -> None:
+        import torch
+
         super().__init__(name, plugins, plugin)
+        self.device = str(torch.device(device))
+        """Where the runs go (the ``device`` of every ``LLM`` the suite builds)."""
         registry = self.plugins.registry
         providers = registry.providers["architectures"].get(name, [])
         if self.plugin is None:
@@ -229,9 +240,10 @@ class AdapterSuite(Suite):
         return self._greedy[key][:max_tokens]
 
     def llm_config(self, **overrides: Any) -> dict[str, Any]:
-        """The flat config of a run: CPU, float32, :data:`BLOCK_SIZE`, routed to the plugin under test."""
-        config: dict[str, Any] = {"dtype": "float32", "device": "cpu", "block_size": BLOCK_SIZE,
-                                  "max_model_len": self.max_model_len, "seed": 0}
+        """The flat config of a run: the suite's device, float32, :data:`BLOCK_SIZE`, routed to the plugin
+        under test."""
+        config: dict[str, Any] = {"dtype": "float32", "device": self.device, "block_size": BLOCK_SIZE,
+                                  "max_model_len": self.max_model_len, "kv_cache_memory": KV_CACHE_MEMORY, "seed": 0}
         if not self.fallback:
             config["adapter"] = self.plugin  # the fallback is reached by having no other adapter, not by choice
         config.update(overrides)
@@ -258,11 +270,15 @@ class AdapterSuite(Suite):
 
     # -- helpers of the checks -----------------------------------------------------------------------
 
-    def _require_cpu(self) -> None:
+    @property
+    def _device_type(self) -> str:
+        return self.device.partition(":")[0]
+
+    def _require_device(self) -> None:
         devices = self.capabilities.get("devices")
-        if devices is not None and "cpu" not in devices:
-            raise NotApplicable(f"{self.plugin!r} declares devices {', '.join(devices)} for {self.name}, not cpu "
-                                "(the suite runs on the CPU)")
+        if devices is not None and self._device_type not in devices:
+            raise NotApplicable(f"{self.plugin!r} declares devices {', '.join(devices)} for {self.name}, not "
+                                f"{self._device_type} (the suite runs on {self.device})")
 
     def _generate(self, llm: Any, prompts: list[list[int]], max_tokens: list[int] | None = None,
                   **params: Any) -> list[Any]:
@@ -298,7 +314,7 @@ class AdapterSuite(Suite):
 
     def checks(self) -> list[Check]:
         """``logits``, ``greedy/*`` (continuous batching, chunked prefill, prefix cache, preemption, one per
-        CPU attention backend), ``lora`` and ``tensor-parallel=2``."""
+        attention backend of the device), ``lora`` and ``tensor-parallel=2``."""
         checks = [
             Check("logits", self.check_logits),
             Check("greedy/continuous-batching", self.check_continuous_batching),
@@ -306,7 +322,7 @@ class AdapterSuite(Suite):
             Check("greedy/prefix-cache", self.check_prefix_cache),
             Check("greedy/preemption", self.check_preemption),
         ]
-        for backend in self.plugins.attention_backends("cpu"):
+        for backend in self.plugins.attention_backends(self._device_type):
             checks.append(Check(f"greedy/attention={backend}", lambda b=backend: self.check_attention_backend(b)))
         checks.append(Check("lora", self.check_lora))
         checks.append(Check("tensor-parallel=2", self.check_tensor_parallel))
@@ -324,7 +340,7 @@ class AdapterSuite(Suite):
         from ..lora import LoRAError, LoRARequest
         from ..lora.checkpoint import TARGETS
 
-        self._require_cpu()
+        self._require_device()
         try:
             import peft
         except ImportError:
@@ -369,11 +385,11 @@ class AdapterSuite(Suite):
         generated token's log-probability within it too. Returns the largest difference, in words."""
         import torch
 
-        self._require_cpu()
+        self._require_device()
         llm = self.chunked
         worst = 0.0
         for i, prompt in enumerate(self.prompts):
-            got = llm.runner.forward(prompt)[0]
+            got = llm.runner.forward(prompt)[0].cpu()
             want = reference_logits(self.reference, prompt)
             expect(tuple(got.shape) == tuple(want.shape),
                    f"prompt {i} ({len(prompt)} tokens): logits of shape {list(got.shape)}, transformers' "
@@ -410,7 +426,7 @@ class AdapterSuite(Suite):
     def check_continuous_batching(self) -> None:
         """Five prompts of mixed lengths and lengths of output, at most :data:`MAX_NUM_SEQS` at once (later
         ones join while others decode): each gives transformers' greedy tokens."""
-        self._require_cpu()
+        self._require_device()
         prompts = self.prompts + self._random_prompts((7,), seed=2)
         max_tokens = [NEW_TOKENS, 3, NEW_TOKENS, 4, NEW_TOKENS]
         outputs = self._generate(self.batched, prompts, max_tokens)
@@ -418,7 +434,7 @@ class AdapterSuite(Suite):
 
     def check_chunked_prefill(self) -> None:
         """The prompts together with prefill chunks of :data:`CHUNK_TOKENS` tokens: transformers' greedy tokens."""
-        self._require_cpu()
+        self._require_device()
         outputs = self._generate(self.chunked, self.prompts)
         self._expect_greedy(f"chunked prefill (max_num_batched_tokens={CHUNK_TOKENS})", self.prompts, outputs)
 
@@ -431,7 +447,7 @@ class AdapterSuite(Suite):
     def check_prefix_cache(self) -> str:
         """A prompt, then prompts sharing its first :data:`PREFIX_TOKENS` tokens: the second round gets
         prefix-cache hits and both give transformers' greedy tokens. Returns the tokens found cached."""
-        self._require_cpu()
+        self._require_device()
         llm = self.batched
         self._require_paged(llm, "no prefix cache to hit")
         prefix, a, b, c = self._random_prompts((PREFIX_TOKENS, 3, 2, 5), seed=3)
@@ -450,7 +466,7 @@ class AdapterSuite(Suite):
         """A KV cache of exactly one sequence of :data:`PREEMPTION_MAX_MODEL_LEN` tokens and four prompts:
         sequences are preempted and recomputed, and each still gives transformers' greedy tokens. Returns
         the number of preemptions."""
-        self._require_cpu()
+        self._require_device()
         spec = self._require_paged(self.batched, "no blocks to run out of")
         max_len = min(PREEMPTION_MAX_MODEL_LEN, self.max_model_len)
         budget = spec.bytes_per_block * math.ceil(max_len / BLOCK_SIZE)
@@ -468,7 +484,7 @@ class AdapterSuite(Suite):
         transformers' greedy tokens, and every attention layer uses that backend."""
         from ..layers.attention import Attention
 
-        self._require_cpu()
+        self._require_device()
         if self.capabilities.get("attention_backends") is False:
             raise NotApplicable(f"{self.plugin!r} declares that {self.name} runs its own attention, not attention "
                                 "backends")
@@ -492,9 +508,14 @@ class AdapterSuite(Suite):
         Returns the largest logit difference."""
         from ..plugins import Plugins, get_plugins
 
-        self._require_cpu()
+        self._require_device()
         if not self.tensor_parallel:
             raise NotApplicable("left out by the suite's options (tensor_parallel=False)")
+        if self._device_type == "cuda":
+            import torch
+
+            if torch.cuda.device_count() < 2:
+                raise NotApplicable(f"two ranks on CUDA need two GPUs; this machine has {torch.cuda.device_count()}")
         declared = self.capabilities.get("tensor_parallel")
         if declared is not True:
             raise NotApplicable(f"{self.plugin!r} does not declare tensor_parallel=True for {self.name} "
@@ -519,7 +540,7 @@ class AdapterSuite(Suite):
             outputs = self._generate(llm, self.prompts)
             self._expect_greedy("tensor_parallel_size=2", self.prompts, outputs)
             prompt = self.prompts[-1]
-            got = llm.runner.forward(prompt)[0]
+            got = llm.runner.forward(prompt)[0].cpu()
             want = reference_logits(self.reference, prompt)
             expect(tuple(got.shape) == tuple(want.shape),
                    f"tensor_parallel_size=2: logits of shape {list(got.shape)}, transformers' {list(want.shape)}")
@@ -535,6 +556,7 @@ class AdapterSuite(Suite):
 __all__ = [
     "BLOCK_SIZE",
     "GENERIC_ARCHITECTURES",
+    "KV_CACHE_MEMORY",
     "LOGITS_ATOL",
     "NEW_TOKENS",
     "PROMPT_LENGTHS",

@@ -1,5 +1,5 @@
-"""``modelrunner check PLUGIN [--json] [--config KEY=VALUE|PATH] [--checkpoint DIR]``: every conformance
-suite that applies to one installed plugin."""
+"""``modelrunner check PLUGIN [--json] [--config KEY=VALUE|PATH] [--checkpoint DIR] [--device DEVICE]``:
+every conformance suite that applies to one installed plugin."""
 
 from __future__ import annotations
 
@@ -24,6 +24,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--checkpoint", default=None, metavar="DIR",
                         help="a real checkpoint on disk (an HF folder, or a .gguf file for a quantization method) "
                              "to run the adapter and quantization suites on instead of tiny ones")
+    parser.add_argument("--device", default=None, metavar="DEVICE",
+                        help="where the adapter, attention-backend and compile-backend suites run (cpu, cuda, "
+                             "cuda:N; default cpu); the other suites run on the CPU")
     parser.add_argument("--kind", action="append", default=None,
                         help="only these kinds (architectures, attention_backends, allocators, compile_backends, "
                              "quantization_methods, logits_processors, matmul_kernels, grammar_backends, tool_parsers, proposers, lora_kernels, executors); repeatable")
@@ -44,6 +47,15 @@ def run(args: argparse.Namespace) -> int:
         if not Path(args.checkpoint).exists():
             raise ValueError(f"--checkpoint {args.checkpoint}: no such file or folder")
         options["checkpoint"] = args.checkpoint
+    if args.device:
+        import torch
+
+        if not (args.device in ("cpu", "cuda") or (args.device.startswith("cuda:") and args.device[5:].isdigit())):
+            raise ValueError(f"--device {args.device!r}: expected cpu, cuda or cuda:N")
+        device = torch.device(args.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"--device {args.device}: this torch has no CUDA device (torch.cuda.is_available() is False)")
+        options["device"] = str(device)
     suites = [s for s in suites_for_plugin(args.plugin, **options) if not args.kind or s.kind in args.kind]
     if not suites:
         print(f"modelrunner: plugin {args.plugin!r} registers no name a conformance suite checks", file=sys.stderr)

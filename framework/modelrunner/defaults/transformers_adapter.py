@@ -42,8 +42,18 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> 
         tokenizer=source.load_tokenizer(),
         hf_config=model.config,
         kv_cache_spec=None,
-        extra={"caches": {}},
+        extra={"caches": {}, "cache_argument": _cache_argument(model)},
     )
+
+
+def _cache_argument(model: Any) -> str:
+    """The name under which ``model.forward`` takes its KV cache: ``cache`` in recent transformers 5
+    releases, ``past_key_values`` before (where an unknown ``cache=`` is swallowed by ``**kwargs`` and
+    every step would run without its context)."""
+    import inspect
+
+    parameters = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @hookimpl
@@ -83,7 +93,7 @@ def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor:
         out = loaded.runnable(
             input_ids=batch.input_ids[start:end].unsqueeze(0),
             position_ids=batch.positions[start:end].unsqueeze(0),
-            cache=cache,
+            **{loaded.extra["cache_argument"]: cache},
             use_cache=True,
             logits_to_keep=keep,
         )
