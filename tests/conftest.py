@@ -9,6 +9,10 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# dtype="auto" on a CPU with native bfloat16 (AMX, AVX512-BF16) may measure its way to bfloat16; the
+# suite's comparisons with transformers, solo-vs-batched and speculative-vs-plain runs are float32
+# comparisons, so auto means float32 here on every CPU (tests/kernel/test_cpu_dtype.py checks the choice).
+os.environ.setdefault("MODELRUNNER_CPU_AUTO_DTYPE", "float32")
 
 
 @pytest.fixture(scope="session")

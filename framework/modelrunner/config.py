@@ -82,7 +82,8 @@ class ModelConfig:
     model: str = attrs.field(default="smollm2", validator=_name)
     """A local Hugging Face directory, a ``.gguf`` file, or ``smollm2`` (the default model)."""
     dtype: str = attrs.field(default="auto", validator=_one_of(DTYPES))
-    """Weight and activation dtype; ``auto`` is the checkpoint's dtype on GPU and float32 on CPU."""
+    """Weight and activation dtype; ``auto`` is the checkpoint's dtype on GPU and, on a CPU, float32 or
+    bfloat16 as measured there (:mod:`modelrunner.cpu_dtype`)."""
     trust_remote_code: bool = attrs.field(default=False, validator=_bool)
     """Allow a checkpoint's own Python code to run (transformers' flag of the same name)."""
     max_model_len: int | None = attrs.field(default=None, validator=_positive)

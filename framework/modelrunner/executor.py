@@ -427,8 +427,8 @@ class MultiprocExecutor(Executor):
         try:
             quantization = runner.choose_quantization(source)
             runner.check_supported(source, quantization)
-            check_model_fits(source, resolve_dtype(config.model.dtype, source.hf_config, runner.device),
-                             runner.device, config.parallel.world_size, quantization is not None)
+            dtype = resolve_dtype(config.model.dtype, source.hf_config, runner.device, config.model.cache_dir)
+            check_model_fits(source, dtype, runner.device, config.parallel.world_size, quantization is not None)
         finally:
             source.release_weights()
 

@@ -49,16 +49,28 @@ def resolve_device(device: str | int) -> torch.device:
     return dev
 
 
-def resolve_dtype(name: str, hf_config: Any, device: torch.device) -> torch.dtype:
-    """``auto`` is the checkpoint's dtype on GPU and float32 on CPU; explicit names are honoured."""
+def resolve_dtype(name: str, hf_config: Any, device: torch.device, cache_dir: Any = None) -> torch.dtype:
+    """The engine's dtype: explicit names are honoured; ``auto`` is the checkpoint's dtype on GPU and,
+    on a CPU, what :func:`~modelrunner.cpu_dtype.cpu_auto_dtype` chose (float32, or bfloat16 where
+    the CPU computes it natively and it measured faster)."""
+    return dtype_choice(name, hf_config, device, cache_dir)[0]
+
+
+def dtype_choice(name: str, hf_config: Any, device: torch.device, cache_dir: Any = None) -> tuple[torch.dtype, str]:
+    """:func:`resolve_dtype` and why, in one line (``stats()["dtype"]["why"]``)."""
     if name != "auto":
-        return getattr(torch, name)
+        return getattr(torch, name), "asked for"
     if device.type == "cpu":
-        return torch.float32
+        from .cpu_dtype import cpu_auto_dtype
+
+        choice = cpu_auto_dtype(hf_config, cache_dir)
+        return choice.dtype, choice.why
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
-    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float16
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype, "the checkpoint's dtype"
+    return torch.float16, "the checkpoint names no float dtype"
 
 
 def load_tokenizer_from(path: str) -> Any:
@@ -118,6 +130,8 @@ class ModelRunner(ArticleAPI):
         """The plugins every hook call is routed through."""
         self.dtype: torch.dtype | None = None
         """Weight and activation dtype (set by :meth:`load_model`)."""
+        self.dtype_why = ""
+        """Why the engine runs :attr:`dtype` (``stats()["dtype"]["why"]``)."""
         self.source: ModelSource | None = None
         """The resolved checkpoint."""
         self.loaded: LoadedModel | None = None
@@ -186,7 +200,8 @@ class ModelRunner(ArticleAPI):
         self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
         self.quantization = self.choose_quantization(self.source)
         self.source = attrs.evolve(self.source, quantization=self.quantization)
-        self.dtype = resolve_dtype(cfg.model.dtype, self.source.hf_config, self.device)
+        self.dtype, self.dtype_why = dtype_choice(cfg.model.dtype, self.source.hf_config, self.device,
+                                                  cfg.model.cache_dir)
         self.max_model_len = resolve_max_model_len(self.source.hf_config, cfg.model.max_model_len)
         backend = self.plugins.attention_backend(self.device, cfg.model.attention_backend)
         type(backend).check_config(cfg.cache.block_size, self.dtype)
@@ -362,14 +377,15 @@ class ModelRunner(ArticleAPI):
 
     def stats(self) -> dict[str, Any]:
         """What the runner knows beyond the KV blocks: ``dtype`` (``asked``: the config's, e.g.
-        ``auto``; ``runs``: the activations' and KV cache's dtype it resolved to), ``weights``
+        ``auto``; ``runs``: the activations' and KV cache's dtype it resolved to; ``why``: the CPU flags,
+        override or measurement behind it), ``weights``
         (resident bytes as stored, plus any
         prepacked copy a compile backend keeps), ``quantization`` (the method, its layer formats and
         chosen kernels), ``model`` (from the model's ``runner_stats()`` when it has one, e.g. MoE
         expert token counts) and ``compile`` (from the compiled callable's ``stats()``, e.g. recompiles)."""
         loaded = self._require_loaded()
         out: dict[str, Any] = {"dtype": {"asked": self.config.model.dtype,
-                                         "runs": str(self.dtype).removeprefix("torch.")}}
+                                         "runs": str(self.dtype).removeprefix("torch."), "why": self.dtype_why}}
         compile_stats = getattr(loaded.runnable, "stats", None)
         compiled = compile_stats() if callable(compile_stats) else None
         stored = weight_bytes(loaded.model)

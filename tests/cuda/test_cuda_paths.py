@@ -116,7 +116,7 @@ def test_bfloat16_on_cuda_runs_near_float32(tiny_llama):
     from modelrunner.conformance.models import reference_logits, reference_model
 
     llm = LLM(str(tiny_llama), device=DEVICE, dtype="bfloat16", kv_cache_memory=1 << 26)
-    assert llm.runner.stats()["dtype"] == {"asked": "bfloat16", "runs": "bfloat16"}
+    assert llm.runner.stats()["dtype"] == {"asked": "bfloat16", "runs": "bfloat16", "why": "asked for"}
     assert {t.dtype for t in llm.runner.runner.kv_caches} == {torch.bfloat16}
     reference = reference_model(tiny_llama)
     for prompt in PROMPTS:

@@ -128,8 +128,9 @@ def test_a_bfloat16_engine_runs_the_stored_model_near_float32():
     # request failed at the KV-cache write. Agreement with float32 is a rate, not equality.
     exact = LLM("smollm2", **KW)
     bf16 = LLM("smollm2", dtype="bfloat16", **KW)
-    assert exact.runner.stats()["dtype"] == {"asked": "auto", "runs": "float32"}  # auto: float32 on this CPU path
-    assert bf16.runner.stats()["dtype"] == {"asked": "bfloat16", "runs": "bfloat16"}
+    assert exact.runner.stats()["dtype"] == {"asked": "auto", "runs": "float32",
+                                             "why": "$MODELRUNNER_CPU_AUTO_DTYPE=float32"}  # tests/conftest.py
+    assert bf16.runner.stats()["dtype"] == {"asked": "bfloat16", "runs": "bfloat16", "why": "asked for"}
     ids = exact.get_tokenizer()(TEXT).input_ids[:512]
     want, got = exact.runner.forward(ids)[0].float(), bf16.runner.forward(ids)[0].float()
     agree = (want.argmax(-1) == got.argmax(-1)).float().mean().item()

@@ -2,7 +2,8 @@
 timing on this machine, optionally on weights prepacked into oneDNN's blocked layout.
 
 Every linear layer of the kernel goes through :func:`dense`, so adapters get the faster path for
-free. On x86 CPUs three float32 paths compete: MKL's sgemm (``F.linear``), oneDNN's matmul on the
+free. On x86 CPUs three paths compete (in float32, and in bfloat16 where oneDNN computes it:
+AVX512-BF16 or AMX): MKL's sgemm (``F.linear``), oneDNN's matmul on the
 plain weight, and oneDNN's matmul on a weight reordered once into its blocked layout. Which wins
 depends on the CPU and the shape (a Zen 1 machine prefers MKL at one row for shapes where Zen 3
 prefers oneDNN), so :func:`prepack_weights` — which the ``cpu_fused`` compile backend applies — times
@@ -73,6 +74,22 @@ def onednn_usable() -> bool:
         return False
 
 
+@functools.cache
+def onednn_bf16_usable() -> bool:
+    """Whether oneDNN computes bfloat16 matmuls on this CPU (it needs AVX512-BF16 or AMX; elsewhere
+    torch converts to float32 and back, slower than float32 itself)."""
+    try:
+        return onednn_usable() and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def planned_dtype(dtype: torch.dtype) -> bool:
+    """Whether weights of ``dtype`` get a :class:`DensePlan` (and :func:`dense` takes oneDNN's paths
+    for inputs of it): float32, and bfloat16 where :func:`onednn_bf16_usable`."""
+    return onednn_usable() and (dtype == torch.float32 or (dtype == torch.bfloat16 and onednn_bf16_usable()))
+
+
 @torch.library.custom_op("modelrunner::onednn_linear", mutates_args=())
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """oneDNN's float32 linear on an unpacked weight, opaque to compilers (inductor's own lowering of
@@ -106,8 +123,7 @@ def onednn_in_compiled_graphs(enabled: bool = True) -> Iterator[None]:
 
 
 def _onednn_applies(x: torch.Tensor) -> bool:
-    return (x.dtype == torch.float32 and x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 0
-            and onednn_usable())
+    return x.device.type == "cpu" and x.dim() == 2 and x.shape[0] > 0 and planned_dtype(x.dtype)
 
 
 def _onednn(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -151,26 +167,36 @@ def packed_weight(weight: torch.Tensor) -> Any:
     return None if plan is None else plan.packed
 
 
+def time_paths(matrix: torch.Tensor, rows: int, packed: Any = None) -> dict[str, float]:
+    """Seconds of each of :data:`PATHS` multiplying ``rows`` random rows (of ``matrix``'s dtype) by
+    ``matrix`` (``packed``: its oneDNN-packed copy, made here when None); a path that cannot run is
+    left out."""
+    if packed is None:
+        packed = torch.ops.mkldnn._reorder_linear_weight(matrix)
+    x = torch.randn(rows, matrix.shape[1], generator=torch.Generator().manual_seed(0)).to(matrix.dtype)
+    return time_candidates({"mkl": functools.partial(F.linear, x, matrix),
+                            "onednn": functools.partial(_onednn, x, matrix, None),
+                            "onednn_packed": functools.partial(_onednn, x, packed, None)})
+
+
 def _timed(matrix: torch.Tensor, cache: TimingCache) -> dict[str, tuple[str, bool]]:
     """bucket → (fastest path, whether the packed path is within :data:`PACKED_ONLY_TOLERANCE` of
-    it) for a weight of ``matrix``'s shape: timed on ``matrix`` once per machine, then cached."""
+    it) for a weight of ``matrix``'s shape and dtype: timed on ``matrix`` once per machine, then cached."""
     rows, cols = matrix.shape
     out: dict[str, tuple[str, bool]] = {}
     packed = None
+    tag = "fp32" if matrix.dtype == torch.float32 else str(matrix.dtype).removeprefix("torch.")
     for name, timing_rows in TIMING_ROWS.items():
-        key = f"dense:fp32:{rows}x{cols}:{name}"
+        key = f"dense:{tag}:{rows}x{cols}:{name}"
         best, _, ok = (cache.get(key) or "").partition(";")
         if best in PATHS and ok in ("0", "1"):
             out[name] = (best, ok == "1")
             continue
         if packed is None:
             packed = torch.ops.mkldnn._reorder_linear_weight(matrix)
-        x = torch.randn(timing_rows, cols, generator=torch.Generator().manual_seed(0))
-        times = time_candidates({"mkl": functools.partial(F.linear, x, matrix),
-                                 "onednn": functools.partial(_onednn, x, matrix, None),
-                                 "onednn_packed": functools.partial(_onednn, x, packed, None)})
+        times = time_paths(matrix, timing_rows, packed)
         if not times:
-            raise RuntimeError(f"no float32 matmul path runs a {rows}x{cols} weight")
+            raise RuntimeError(f"no {matrix.dtype} matmul path runs a {rows}x{cols} weight")
         best = min(times, key=times.get)
         ok = times.get("onednn_packed", float("inf")) <= times[best] * PACKED_ONLY_TOLERANCE
         out[name] = (best, ok)
@@ -209,7 +235,7 @@ def prepack_weights(model: nn.Module, cache_dir: Any = None, path: str = "auto")
     oneDNN where the packed path measures fastest (timed per shape on this machine, cached under
     ``cache_dir``; default the cache directory of :func:`modelrunner.cache_dir.cache_root`).
 
-    Only float32 CPU weights are planned (elsewhere :func:`dense` does not use oneDNN). A weight whose
+    Only CPU weights of a :func:`planned_dtype` are planned (elsewhere :func:`dense` does not use oneDNN). A weight whose
     packed path wins (or is within :data:`PACKED_ONLY_TOLERANCE` in the other bucket) is kept only
     packed: its parameter becomes a ``meta`` stand-in of the same shape, unless another module shares
     it (a tied LM head keeps the embedding's plain rows). Planning again first undoes the last plan.
@@ -234,7 +260,7 @@ def prepack_weights(model: nn.Module, cache_dir: Any = None, path: str = "auto")
         for module in model.modules():
             for name in getattr(module, "DENSE_WEIGHTS", ()):
                 weight = getattr(module, name, None)
-                if (not isinstance(weight, nn.Parameter) or id(weight) in planned or weight.dtype != torch.float32
+                if (not isinstance(weight, nn.Parameter) or id(weight) in planned or not planned_dtype(weight.dtype)
                         or weight.device.type != "cpu" or weight.dim() not in (2, 3) or weight.is_meta):
                     continue
                 matrix = weight.detach() if weight.dim() == 2 else weight.detach()[0]

@@ -1,7 +1,8 @@
 """What the ``cpu_fused`` backend does to a loaded model, and the callable it returns.
 
-In order: the float32 linear weights get the matmul path timed fastest on this machine, prepacked
-for oneDNN where that wins (:func:`modelrunner.layers.dense.prepack_weights`); the kernel's layers
+In order: the float32 linear weights (and bfloat16 ones where oneDNN computes bfloat16) get the
+matmul path timed fastest on this machine, prepacked for oneDNN where that wins
+(:func:`modelrunner.layers.dense.prepack_weights`); the kernel's layers
 get fused forwards (:mod:`.fused_ops`); a kernel decoder replays decode steps from recorded graphs
 (:mod:`.decode_graphs`); every module's calls skip ``nn.Module.__call__`` while unhooked
 (:mod:`.unhooked`). Each step has a ``compile_options`` switch, on by default, so one can be
@@ -21,7 +22,7 @@ from .unhooked import skip_call_machinery
 SWITCHES = ("prepack_weights", "fused_ops", "decode_graphs", "unhooked_calls")
 """The ``compile_options`` that turn one rewrite on (default) or off."""
 PATH_OPTION = "dense_path"
-"""The ``compile_options`` key that picks the float32 matmul path: ``auto`` (timed per shape,
+"""The ``compile_options`` key that picks the dense matmul path: ``auto`` (timed per shape,
 default), ``mkl``, ``onednn`` or ``onednn_packed`` (every weight)."""
 
 
