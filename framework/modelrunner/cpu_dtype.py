@@ -54,17 +54,11 @@ class AutoDtype:
 
 
 def native_bf16_flags() -> tuple[str, ...]:
-    """Which of :data:`NATIVE_BF16_FLAGS` this CPU reports (``/proc/cpuinfo``; none elsewhere)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() == "flags":
-                    flags = set(value.split())
-                    return tuple(flag for flag in NATIVE_BF16_FLAGS if flag in flags)
-    except OSError:
-        pass
-    return ()
+    """Which of :data:`NATIVE_BF16_FLAGS` this CPU reports (none where ``/proc/cpuinfo`` cannot be read)."""
+    from .native import cpu_flags
+
+    flags = cpu_flags()
+    return tuple(flag for flag in NATIVE_BF16_FLAGS if flag in flags)
 
 
 def decide(times: dict[str, dict[str, float]]) -> tuple[torch.dtype, str]:

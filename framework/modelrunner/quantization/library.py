@@ -50,7 +50,9 @@ of the same rows, twice that, comes on top while it is made)."""
 
 def native_bf16() -> bool:
     """Whether this CPU computes bfloat16 dot products in hardware (``amx_bf16`` or ``avx512_bf16``)."""
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    from ..cpu_dtype import native_bf16_flags
+
+    return bool(native_bf16_flags())
 
 
 def dequantize_bf16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
