@@ -135,6 +135,9 @@ class DecodeGraphs:
         parameter tensor or a module in the layers (not after in-place updates)."""
         self._modules = [m for part in (*self.layers, self.norm) for m in part.modules()]
         self.unsafe = unsafe_part(self._modules)
+        # The modules' hook dicts themselves: registering a hook inserts into them, so one C-level
+        # truth test per dict sees it (6 µs a step for SmolLM2's 362 modules; their attributes: 40 µs).
+        self._hook_dicts = [d for m in self._modules for d in (m._forward_hooks, m._forward_pre_hooks)]
         self._graphs.clear()
         self._seen.clear()
         self.refused.clear()
@@ -175,7 +178,7 @@ class DecodeGraphs:
     def _hooked(self) -> bool:
         if _module._global_forward_hooks or _module._global_forward_pre_hooks:
             return True
-        return any(m._forward_hooks or m._forward_pre_hooks for m in self._modules)
+        return any(self._hook_dicts)
 
     def _eager(self, rebuild: Callable[..., Any], count: int) -> Callable[..., torch.Tensor]:
         layers, norm = self.layers, self.norm
