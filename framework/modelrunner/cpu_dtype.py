@@ -75,9 +75,8 @@ def decide(times: dict[str, dict[str, float]]) -> tuple[torch.dtype, str]:
 
 def _measure(rows: int, cols: int) -> dict[str, dict[str, float]]:
     """``times[dtype][bucket]``: seconds of the best path :func:`~modelrunner.layers.dense.dense` can
-    take for the dtype (``F.linear`` alone where oneDNN does not run it) on a ``rows`` x ``cols`` weight."""
+    take for the dtype on a ``rows`` x ``cols`` weight."""
     from .layers.dense import planned_dtype, time_paths
-    from .timing_cache import time_candidates
 
     out: dict[str, dict[str, float]] = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -85,11 +84,7 @@ def _measure(rows: int, cols: int) -> dict[str, dict[str, float]]:
         packed = torch.ops.mkldnn._reorder_linear_weight(matrix) if planned_dtype(dtype) else None
         per_bucket = {}
         for bucket, n in (("decode", 1), ("batch", BATCH_ROWS)):
-            if packed is not None:
-                times = time_paths(matrix, n, packed)
-            else:
-                x = torch.randn(n, cols).to(dtype)
-                times = time_candidates({"mkl": functools.partial(torch.nn.functional.linear, x, matrix)})
+            times = time_paths(matrix, n, packed)
             if not times:
                 raise RuntimeError(f"no {dtype} matmul path runs a {rows}x{cols} weight")
             per_bucket[bucket] = min(times.values())

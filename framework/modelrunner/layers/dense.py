@@ -168,15 +168,17 @@ def packed_weight(weight: torch.Tensor) -> Any:
 
 
 def time_paths(matrix: torch.Tensor, rows: int, packed: Any = None) -> dict[str, float]:
-    """Seconds of each of :data:`PATHS` multiplying ``rows`` random rows (of ``matrix``'s dtype) by
-    ``matrix`` (``packed``: its oneDNN-packed copy, made here when None); a path that cannot run is
-    left out."""
-    if packed is None:
-        packed = torch.ops.mkldnn._reorder_linear_weight(matrix)
+    """Seconds of each path :func:`dense` can take for ``matrix`` (all of :data:`PATHS` for a
+    :func:`planned_dtype`, else ``mkl``: ``F.linear``) multiplying ``rows`` random rows of its dtype
+    (``packed``: its oneDNN-packed copy, made here when None); a path that cannot run is left out."""
     x = torch.randn(rows, matrix.shape[1], generator=torch.Generator().manual_seed(0)).to(matrix.dtype)
-    return time_candidates({"mkl": functools.partial(F.linear, x, matrix),
-                            "onednn": functools.partial(_onednn, x, matrix, None),
-                            "onednn_packed": functools.partial(_onednn, x, packed, None)})
+    paths = {"mkl": functools.partial(F.linear, x, matrix)}
+    if planned_dtype(matrix.dtype):
+        if packed is None:
+            packed = torch.ops.mkldnn._reorder_linear_weight(matrix)
+        paths["onednn"] = functools.partial(_onednn, x, matrix, None)
+        paths["onednn_packed"] = functools.partial(_onednn, x, packed, None)
+    return time_candidates(paths)
 
 
 def _timed(matrix: torch.Tensor, cache: TimingCache) -> dict[str, tuple[str, bool]]:
