@@ -1,7 +1,8 @@
-"""The kernel's library matmul kernels (``torch_int4pack``, ``torch_int8pack``, ``onednn_bf16``): their
-deviation from the dequantized reference on GGUF-like data, the int4pack layout's exact way back to
-planar, the ``bf16`` family of activations in the selector, and the conformance suite through
-``modelrunner check``."""
+"""The kernel's library matmul kernels (``torch_int4pack``, ``torch_int8pack``, ``onednn_bf16``,
+``onednn_bf16_int4pack``): their deviation from the dequantized reference on GGUF-like data, the
+int4pack layout's exact way back to planar, the ``bf16`` family of activations in the selector (and
+in a bfloat16 engine, where it is exact and weight-rounding kernels run batches only), and the
+conformance suite through ``modelrunner check``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from modelrunner.plugins import Plugins
 from modelrunner.quantization import QuantizedWeight, WeightFormat
 from modelrunner.quantization import library
 from modelrunner.quantization.kernels import KernelSelector, layout_of
-from modelrunner.quantization.library import OneDNNBF16, TorchInt4Pack, TorchInt8Pack
+from modelrunner.quantization.library import OneDNNBF16, OneDNNBF16Int4Pack, TorchInt4Pack, TorchInt8Pack
 from modelrunner.quantization.planar_layout import dequantize_planar, pack_int4
 
 from plugin_dists import run_cli
@@ -102,6 +103,20 @@ def test_onednn_bf16_works_in_bounded_chunks_and_is_timed_only_where_bf16_is_nat
     assert OneDNNBF16.timed == bool({"amx_bf16", "avx512_bf16"} & flags)
 
 
+@needs_int4pack
+@pytest.mark.parametrize("kind", ["Q4_0", "Q4_1"])
+def test_onednn_bf16_on_int4pack_computes_what_it_computes_on_planar(kind, monkeypatch):
+    weight = gguf_like(kind, rows=200)  # four 64-row tiles, the last one padded
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(4))
+    monkeypatch.setattr(library, "BF16_CHUNK_BYTES", 64 * 256 * 2)  # 64 rows a chunk for both
+    got, want = OneDNNBF16Int4Pack().run(packed(weight), x), OneDNNBF16().run(weight, x)
+    assert got.shape == (9, 200) and torch.equal(got, want)  # the same bf16 values, the same GEMMs
+    assert torch.equal(OneDNNBF16Int4Pack().bind(packed(weight))(x), got)
+    assert relative(got, reference_matmul(weight, x)) < BF16_RTOL
+    assert OneDNNBF16Int4Pack.rounds_weights and OneDNNBF16.rounds_weights and not TorchInt4Pack.rounds_weights
+    assert OneDNNBF16Int4Pack.layout == TorchInt4Pack.layout == "int4pack"
+
+
 @pytest.fixture(scope="module")
 def plugins():
     return Plugins(block=["quant-cpu"])  # the kernel's own kernels: their timings stay short
@@ -131,6 +146,52 @@ def test_bf16_falls_back_to_exact_kernels_where_no_bf16_kernel_claims_the_format
     assert allowed == (["onednn_bf16"] if OneDNNBF16.timed else ["reference"])
     scheme, layer = _layer("int8:per-row:sym", KernelSelector("bf16", plugins=plugins))
     assert "torch_int8pack" in scheme.kernels._unfiltered(scheme, layer)
+
+
+@needs_int4pack
+def test_in_a_bf16_engine_bf16_kernels_are_exact_and_weight_rounding_ones_run_batches_only(plugins, monkeypatch):
+    # Timed here even where bf16 is emulated: the rule, not the speed, is under test.
+    monkeypatch.setattr(OneDNNBF16, "timed", True)
+    monkeypatch.setattr(OneDNNBF16Int4Pack, "timed", True)
+    fp32 = KernelSelector("float", plugins=plugins)
+    scheme, layer = _layer("int4:g32:mins", fp32)
+    assert set(fp32._unfiltered(scheme, layer)) == {"reference"}  # float32 activations: exact kernels only
+    selector = KernelSelector("float", plugins=plugins)
+    selector.dtype = torch.bfloat16
+    scheme, layer = _layer("int4:g32:mins", selector)
+    allowed = selector._unfiltered(scheme, layer)
+    assert {"torch_int4pack", "onednn_bf16", "onednn_bf16_int4pack"} <= set(allowed)
+    assert selector.kind_of("torch_int4pack") == "float" and selector.family_of("torch_int4pack") == "float-int4pack"
+    # The reference steps aside where others cover both buckets; then planar (onednn_bf16 alone) has no
+    # kernel for one row, and int4pack (torch_int4pack on one row, oneDNN on many) is the family.
+    assert "reference" not in allowed and selector._complete(allowed) == {"float-int4pack"}
+    for name in ("onednn_bf16", "onednn_bf16_int4pack"):
+        assert selector.in_bucket(name, "batch") and not selector.in_bucket(name, "decode")
+        assert not fp32.in_bucket(name, "batch")
+    selector.prepare(scheme, layer)
+    decode, batch = (selector.key(scheme, layer, b) for b in ("decode", "batch"))
+    assert selector.choices[decode] == "torch_int4pack" and layout_of(layer) == "int4pack"
+    assert set(selector.timings[batch]) == {"torch_int4pack", "onednn_bf16_int4pack"}
+    x = torch.randn(40, 256, generator=torch.Generator().manual_seed(5)).bfloat16().float()
+    assert relative(scheme.apply(layer, x, None), x @ scheme.dequantized(layer).T) < BF16_RTOL
+
+
+def test_in_a_bf16_engine_families_are_timed_without_weight_rounding_on_one_row(monkeypatch):
+    every = Plugins()  # the quant-cpu plugin's families too, where its kernels load
+    monkeypatch.setattr(OneDNNBF16, "timed", True)
+    monkeypatch.setattr(OneDNNBF16Int4Pack, "timed", True)
+    selector = KernelSelector("float", plugins=every)
+    selector.dtype = torch.bfloat16
+    scheme, layer = _layer("int4:g32:mins", selector)
+    families = selector._complete(selector._unfiltered(scheme, layer))
+    if len(families) < 2:
+        pytest.skip(f"one family here ({', '.join(families)}): no family timing to check")
+    selector.prepare(scheme, layer)
+    decode, batch = (selector.key(scheme, layer, b) for b in ("decode", "batch"))
+    assert not selector.candidates[selector.choices[decode]].rounds_weights  # one row stays exact
+    assert not {"onednn_bf16", "onednn_bf16_int4pack"} & set(selector.timings[decode])
+    assert {"onednn_bf16", "onednn_bf16_int4pack", "torch_int4pack"} <= set(selector.timings[batch])
+    assert selector.family_of(selector.choices[decode]) == selector.family_of(selector.choices[batch])
 
 
 def test_an_unknown_activations_value_names_bf16():

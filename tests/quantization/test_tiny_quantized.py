@@ -97,6 +97,16 @@ def test_quantized_models_generate_and_cover_every_layer(checkpoints, arch, meth
     assert len(out[0].outputs[0].token_ids) == 8
 
 
+@pytest.mark.parametrize("arch", ["gguf", "mixtral"])
+def test_the_kernels_are_chosen_for_the_engines_dtype(checkpoints, arch):
+    method = "gguf" if arch == "gguf" else "int4"
+    for dtype in (torch.bfloat16, torch.float32):
+        model = load_adapter(checkpoints[arch], {"quantization": method, "block_size": 4}, dtype=dtype)
+        selectors = {id(m.quant_scheme.kernels): m.quant_scheme.kernels for m in model.loaded.model.modules()
+                     if hasattr(getattr(m, "quant_scheme", None), "kernels")}
+        assert selectors and all(s.dtype == dtype for s in selectors.values())
+
+
 def test_int8_activations_are_quantized_per_token(checkpoints):
     # A token's logits do not depend on what else is in its batch (one scale per row, not per batch).
     model = load_adapter(checkpoints["llama"], {"quantization": "int8", "block_size": 4,

@@ -1,6 +1,6 @@
 """The kernel's quantization methods (``none``, ``gguf``, ``int8``, ``int4``) and its own matmul kernels
 (``reference``, ``int8_rowwise``, and the library kernels ``torch_int4pack``, ``torch_int8pack``,
-``onednn_bf16``), declared like any plugin's."""
+``onednn_bf16``, ``onednn_bf16_int4pack``), declared like any plugin's."""
 
 from __future__ import annotations
 

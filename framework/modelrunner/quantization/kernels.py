@@ -24,7 +24,12 @@ candidates are allowed:
   float, ``int8`` / ``bf16`` that kind (float where no kernel of it claims the format), ``auto`` any;
   ``timed = False`` kernels only when pinned (``kernel=``);
 - the fallback (``reference``) only when nothing else can run; a kernel whose ``superseded_by``
-  names an allowed one steps aside (the same arithmetic, slower at every row count).
+  names an allowed one steps aside (the same arithmetic, slower at every row count);
+- in a bfloat16 engine (:attr:`KernelSelector.dtype`) the activations are bfloat16 already, so a
+  ``bf16`` kernel is as exact as a ``float`` one and counts as one; a kernel that rounds the weights
+  (:attr:`~.matmul.MatmulKernel.rounds_weights`: ``onednn_bf16``'s bfloat16 working copy) then runs
+  the ``batch`` bucket under ``float`` too, never ``decode``: a single row stays exact, prompts and
+  batches run at the bfloat16 GEMM's speed (AMX where the CPU has it).
 
 A shape's kernels for both buckets come from one *family* — the kind of activations (float, int8 or
 bf16) and the layout — the one whose slower bucket is closest to that bucket's fastest family (the
@@ -58,7 +63,7 @@ from .planar import dequantize_planar
 
 logger = logging.getLogger(__name__)
 
-KERNEL_VERSION = 9
+KERNEL_VERSION = 10
 """Bumped when the selection rules change, so cached choices are remade."""
 ACTIVATIONS = ("float", "int8", "bf16", "auto")
 """The values of the quantization methods' ``activations`` option (see :class:`KernelSelector`)."""
@@ -105,6 +110,11 @@ class KernelSelector:
         """Shape key → kernel → measured seconds (for the shapes timed in this process)."""
         self.families: dict[str, str] = {}
         """Shape (any row count) → its kernels' family, e.g. ``float-p16`` (where more than one could run)."""
+        self.dtype = torch.float32
+        """The dtype of the activations the model's layers hand over: the engine's (the method sets it
+        once the weights are in). In a bfloat16 engine, rounding activations to bfloat16 loses
+        nothing: ``bf16`` kernels count as ``float`` (exact) there, and kernels that round the weights
+        (:attr:`~.matmul.MatmulKernel.rounds_weights`) may run the ``batch`` bucket under ``float``."""
         self._kernels: dict[str, MatmulKernel] | None = None
         self._cache: TimingCache | None = None
         self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable]] = weakref.WeakKeyDictionary()
@@ -169,17 +179,38 @@ class KernelSelector:
         # Regrouped in place: only storage a layer owns (not an expert's view of its stack).
         return kernel.layout == PLANAR or getattr(layer, "quant_scheme", None) is scheme
 
-    def family_of(self, name: str) -> str:
-        """A kernel's family: its kind of activations and the layout it reads, e.g. ``float-p16``,
-        ``bf16-int4pack``."""
-        kernel = self.candidates[name]
-        return f"{kernel.activation_kind()}-{kernel.layout}"
+    def kind_of(self, name: str) -> str:
+        """Kernel ``name``'s kind of activations in this engine: its own
+        (:meth:`~.matmul.MatmulKernel.activation_kind`), except that ``bf16`` is ``float`` where the
+        activations are bfloat16 already (:attr:`dtype`)."""
+        kind = self.candidates[name].activation_kind()
+        return "float" if kind == "bf16" and self.dtype == torch.bfloat16 else kind
 
-    def _allowed(self, scheme: Any, layer: Any) -> list[str]:
+    def family_of(self, name: str) -> str:
+        """A kernel's family: its kind of activations (:meth:`kind_of`) and the layout it reads, e.g.
+        ``float-p16``, ``bf16-int4pack``."""
+        return f"{self.kind_of(name)}-{self.candidates[name].layout}"
+
+    def in_bucket(self, name: str, bucket: str) -> bool:
+        """Whether timing may give kernel ``name`` ``bucket``'s rows: a kernel that rounds the weights
+        runs under ``activations="float"`` only in a bfloat16 engine and only in the ``batch`` bucket
+        (a single row's result stays exact); every other kernel, every bucket."""
+        if not self.candidates[name].rounds_weights or self.activations != "float":
+            return True
+        return bucket != "decode" and self.dtype == torch.bfloat16
+
+    def _complete(self, names: list[str]) -> set[str]:
+        """The families of ``names`` with a kernel for every bucket (:meth:`in_bucket`)."""
+        return {f for f in {self.family_of(n) for n in names}
+                if all(any(self.family_of(n) == f and self.in_bucket(n, b) for n in names) for b in TIMING_ROWS)}
+
+    def _allowed(self, scheme: Any, layer: Any, bucket: str | None = None) -> list[str]:
+        """The kernels that may run ``layer`` (in ``bucket``: its row count; None: any): the unpinned
+        ones of its shape's one family."""
         names = self._unfiltered(scheme, layer)
         if self.kernel is None:
             family = self._family(scheme, layer, names)
-            names = [n for n in names if self.family_of(n) == family]
+            names = [n for n in names if self.family_of(n) == family and (bucket is None or self.in_bucket(n, bucket))]
         return names
 
     def _unfiltered(self, scheme: Any, layer: Any) -> list[str]:
@@ -187,22 +218,25 @@ class KernelSelector:
         kernels = self.candidates
         names = [n for n, k in kernels.items() if k.timed and self.usable(n, scheme, layer)]
         if self.activations != "auto":
-            kind = [n for n in names if kernels[n].activation_kind() == self.activations]
+            kind = [n for n in names if self.kind_of(n) == self.activations]
             names = kind if kind or self.activations == "float" else \
-                [n for n in names if kernels[n].activation_kind() == "float"]  # exact where none of the kind can run
+                [n for n in names if self.kind_of(n) == "float"]  # exact where none of the kind can run
         if len(names) > 1:
-            names = [n for n in names if not kernels[n].fallback] or names  # every other candidate beats it
+            others = [n for n in names if not kernels[n].fallback]  # every other candidate beats it...
+            if self._complete(others):
+                names = others  # ...where they cover every bucket
         return [n for n in names if not any(s in names for s in kernels[n].superseded_by)]
 
     def _family(self, scheme: Any, layer: Any, names: list[str]) -> str:
         """The family of ``layer``'s shape among those of ``names``, for every row count alike (see
         :meth:`_fastest_family`)."""
-        families = {self.family_of(n) for n in names}
+        families = self._complete(names) or {self.family_of(n) for n in names}
         if len(families) == 1:
             return families.pop()
         shape = self.key(scheme, layer, "any")
         if shape not in self.families:
-            family = self._fastest_family(f"family|{','.join(names)}|{shape}", families, [(scheme, layer, names)])
+            family = self._fastest_family(f"family|{self._mode()}|{','.join(names)}|{shape}", families,
+                                          [(scheme, layer, names)])
             self.families[shape] = family
             logger.info("kernels for %s: %s", shape, family)
         return self.families[shape]
@@ -221,9 +255,9 @@ class KernelSelector:
         totals = {bucket_name: dict.fromkeys(kinds, 0.0) for bucket_name in TIMING_ROWS}
         for scheme, layer, names in layers:
             for bucket_name, total in totals.items():
-                times = self._measure(scheme, layer, bucket_name, names)
+                times = self._measure(scheme, layer, bucket_name, [n for n in names if self.in_bucket(n, bucket_name)])
                 for kind in kinds:
-                    total[kind] += min(t for n, t in times.items() if self.family_of(n) == kind)
+                    total[kind] += min((t for n, t in times.items() if self.family_of(n) == kind), default=float("inf"))
 
         def regret(kind: str) -> tuple[float, float]:
             ratios = [total[kind] / max(min(total.values()), 1e-12) for total in totals.values()]
@@ -244,13 +278,13 @@ class KernelSelector:
         if self.kernel is not None or any(shape in self.families for shape in shapes):
             return
         allowed = [self._unfiltered(s, layer) for s, layer in layers]
-        common = set.intersection(*({self.family_of(n) for n in names} for names in allowed))
+        common = set.intersection(*(self._complete(names) for names in allowed))
         if not common:
             return
         if len(common) == 1:
             family = common.pop()
         else:
-            qualified = f"family|{'+'.join(shapes)}|{';'.join(','.join(names) for names in allowed)}"
+            qualified = f"family|{self._mode()}|{'+'.join(shapes)}|{';'.join(','.join(names) for names in allowed)}"
             family = self._fastest_family(qualified, common, [(s, layer, names) for (s, layer), names
                                                               in zip(layers, allowed, strict=True)])
         for shape in shapes:
@@ -378,14 +412,14 @@ class KernelSelector:
         name = self.choices.get(key)
         if name is not None:
             return name
-        allowed = self._allowed(scheme, layer)
+        allowed = self._allowed(scheme, layer, bucket_name)
         if self.kernel is not None:
             if not self.usable(self.kernel, scheme, layer):
                 raise ValueError(f"kernel {self.kernel!r} cannot run {key} here (usable: "
                                  f"{', '.join(n for n in self.candidates if self.usable(n, scheme, layer))})")
             self.choices[key] = self.kernel
             return self.kernel
-        qualified = f"{self.activations}|{','.join(allowed)}|{key}"
+        qualified = f"{self._mode()}|{','.join(allowed)}|{key}"
         cached = self.cache.get(qualified)
         if cached in allowed:
             self.choices[key] = cached
@@ -395,6 +429,10 @@ class KernelSelector:
         self.cache.put(qualified, name)
         logger.info("kernel for %s: %s", key, name)
         return name
+
+    def _mode(self) -> str:
+        """What the allowed kernels depend on besides the shape: ``activations`` and :attr:`dtype`."""
+        return f"{self.activations}:{str(self.dtype).removeprefix('torch.')}"
 
     def _measure(self, scheme: Any, layer: Any, bucket_name: str, names: list[str]) -> dict[str, float]:
         """Seconds of each kernel in ``names`` at ``bucket_name``'s rows (measured once per process)."""

@@ -15,6 +15,9 @@ first; hand-written code stays where it wins by a measured margin).
   bounded working copy made on every call, none kept), then ``F.linear`` (oneDNN: AMX or
   AVX512-BF16 where the CPU has them). Timed only where the CPU reports ``amx_bf16`` or
   ``avx512_bf16`` (:func:`native_bf16`); elsewhere bf16 is emulated and only ``kernel=`` runs it.
+  ``onednn_bf16_int4pack`` does the same from ``int4pack``'s layout, so a layer stored for
+  ``torch_int4pack`` (one row) runs oneDNN on many. Both round the weights to bfloat16
+  (``rounds_weights``): under the exact setting they run only the batch bucket of a bfloat16 engine.
 
 All three round the activations to bfloat16 and return bfloat16 sums as float32 (about 4e-3 of the
 largest output against the float reference): not exact. They form the ``bf16`` family of
@@ -59,7 +62,13 @@ def dequantize_bf16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor
                     bits: int) -> torch.Tensor:
     """:func:`~.planar_layout.dequantize_planar` rounded to bfloat16 (the same float32 arithmetic, its
     scales and mins broadcast rather than repeated: one float32 temporary)."""
-    q = unpack_int4(data) if bits == 4 else data
+    return dequantize_values_bf16(unpack_int4(data) if bits == 4 else data, scales, mins, group_size)
+
+
+def dequantize_values_bf16(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                           group_size: int) -> torch.Tensor:
+    """``d·q + m`` per group of ``group_size`` of the unpacked values ``q`` ``[rows, cols]``, in float32,
+    rounded to bfloat16."""
     rows, cols = q.shape
     w = q.reshape(rows, cols // group_size, group_size).to(torch.float32)
     w.mul_(scales.to(torch.float32).unsqueeze(-1))
@@ -223,6 +232,7 @@ class OneDNNBF16(MatmulKernel):
     devices = ("cpu",)
     exact = False
     activations = "bf16"
+    rounds_weights = True
     timed = native_bf16()
 
     @classmethod
@@ -242,8 +252,40 @@ class OneDNNBF16(MatmulKernel):
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).float()
 
 
-LIBRARY_KERNELS = (TorchInt4Pack, TorchInt8Pack, OneDNNBF16)
+class OneDNNBF16Int4Pack(TorchInt4Pack):
+    """``onednn_bf16_int4pack``: :class:`OneDNNBF16` on ``torch_int4pack``'s layout (the exact float16
+    ``(d, m)`` pairs it keeps), so that one stored weight runs ``torch_int4pack`` on a row and oneDNN's
+    bfloat16 GEMM on many: the family ``bf16-int4pack`` (in a bfloat16 engine ``float-int4pack``)
+    has both. Timed only on CPUs that compute bf16 natively, like :class:`OneDNNBF16`."""
+
+    name = "onednn_bf16_int4pack"
+    rounds_weights = True
+    timed = native_bf16()
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in bfloat16 times each chunk of :data:`INT4PACK_ROWS`-row tiles dequantized to bfloat16."""
+        order = int4pack_order()
+        if order is None:
+            raise RuntimeError("onednn_bf16_int4pack: this torch packs int4 weights in an order the kernel cannot read")
+        data, _, exact = weight.storage
+        rows, cols, group = weight.rows, weight.cols, weight.format.group_size
+        xb = x.to(torch.bfloat16)
+        step = max(1, BF16_CHUNK_BYTES // (2 * cols) // INT4PACK_ROWS) * INT4PACK_ROWS
+        parts = []
+        for a in range(0, rows, step):
+            b = min(a + step, rows)
+            tiles = data[a:-(-b // INT4PACK_ROWS) * INT4PACK_ROWS]
+            q = int4pack_nibbles(tiles, cols, *order)[:b - a]
+            parts.append(F.linear(xb, dequantize_values_bf16(q, exact[a:b, :, 0], exact[a:b, :, 1], group)))
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).float()
+
+    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`run` (its chunks are made on every call: nothing to look up once)."""
+        return lambda x: self.run(weight, x)
+
+
+LIBRARY_KERNELS = (TorchInt4Pack, TorchInt8Pack, OneDNNBF16, OneDNNBF16Int4Pack)
 """The library kernels the kernel registers (with :data:`~.matmul.DEFAULT_KERNELS`)."""
 
-__all__ = ["BF16_CHUNK_BYTES", "INT4PACK_ROWS", "LIBRARY_KERNELS", "OneDNNBF16", "TorchInt4Pack", "TorchInt8Pack",
-           "cpu_flags", "dequantize_bf16", "int4pack_order", "native_bf16"]
+__all__ = ["BF16_CHUNK_BYTES", "INT4PACK_ROWS", "LIBRARY_KERNELS", "OneDNNBF16", "OneDNNBF16Int4Pack", "TorchInt4Pack",
+           "TorchInt8Pack", "cpu_flags", "dequantize_bf16", "dequantize_values_bf16", "int4pack_order", "native_bf16"]

@@ -101,6 +101,11 @@ class MatmulKernel:
     """The kind of activations it computes with: ``float`` (float32: exact), ``int8`` (quantized) or
     ``bf16`` (rounded to bfloat16) — with the layout, its *family* (see :mod:`.kernels`). Empty:
     ``float`` where :attr:`exact`, else ``int8`` (:meth:`activation_kind`)."""
+    rounds_weights: ClassVar[bool] = False
+    """It computes with the weights rounded (e.g. a bfloat16 working copy of the dequantized weight).
+    Where the method asks for exact results (``activations="float"``) it then runs only on more rows
+    than the ``decode`` bucket's, and only in a bfloat16 engine (whose activations are bfloat16
+    already): a single row's result stays exact, prompts and batches run at bfloat16 speed."""
     timed: ClassVar[bool] = True
     """Whether timing may pick it (False: only ``kernel=`` runs it)."""
     fallback: ClassVar[bool] = False

@@ -7,6 +7,7 @@ import logging
 from collections import Counter
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
@@ -87,7 +88,10 @@ class _PlanarMethod(QuantizationMethod):
     def process_after_loading(self, model: nn.Module) -> None:
         """Choose (time, or read back) the kernel of every covered layer for decode and batch sizes;
         the layers a module names in ``fused_projections`` (e.g. a gated MLP's two projections) get
-        one family, so that a fused kernel can run them in one call."""
+        one family, so that a fused kernel can run them in one call. The kernels are chosen for the
+        activations' dtype, that of the model's float layers (a bfloat16 engine may run bf16 kernels
+        exactly: :attr:`~.kernels.KernelSelector.dtype`)."""
+        self.kernels.dtype = _activation_dtype(model)
         for module in model.modules():
             group = [getattr(module, name, None) for name in getattr(module, "fused_projections", ())]
             if len(group) > 1 and all(isinstance(getattr(layer, "quant_scheme", None), PlanarScheme)
@@ -104,6 +108,17 @@ class _PlanarMethod(QuantizationMethod):
     def stats(self, model: nn.Module) -> dict[str, Any]:
         """Also the kernel chosen for each shape."""
         return {**super().stats(model), "kernels": dict(sorted(self.kernels.choices.items()))}
+
+
+def _activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first float parameter outside its quantized layers (a norm's weight):
+    the engine's dtype, which the activations have."""
+    for module in model.modules():
+        if getattr(module, "quant_scheme", None) is None:
+            for param in module.parameters(recurse=False):
+                if param.is_floating_point():
+                    return param.dtype
+    return torch.float32
 
 
 class GGUFMethod(_PlanarMethod):
