@@ -13,6 +13,7 @@ the issue's for this kind of CPU. Peers alternate round by round (drift hits bot
 
     python bench/fast_paths.py            # the full benchmark (~15 minutes on 2 cores)
     python bench/fast_paths.py --quick    # small sizes, to check that it runs
+    python bench/fast_paths.py --model F  # another GGUF file (a Llama) in place of the default model's
 """
 
 from __future__ import annotations
@@ -72,6 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="small sizes and few rounds, to check that it runs")
     parser.add_argument("--threads", type=int, default=2, help="threads for every peer (default 2)")
     parser.add_argument("--rounds", type=int, default=None, help="repetitions per measurement (default 3)")
+    parser.add_argument("--model", default="smollm2",
+                        help="the GGUF file to measure (default: smollm2, the default model's file)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     rounds = args.rounds or (1 if args.quick else 3)
@@ -94,10 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bfloat16 in hardware: {'yes' if bf16 else 'no'}: peers are transformers-{dense_name} and our dense "
           f"{dense_name} path")
 
-    source = resolve_source("smollm2")
+    source = resolve_source(args.model)
     path, dense_dir = str(source.path), str(source.directory)
     source.release_weights()
-    ours = Ours("smollm2", None)
+    ours = Ours(args.model, None)
     dense = Ours(dense_dir, None)
     if bf16:
         from modelrunner import LLM
