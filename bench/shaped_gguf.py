@@ -19,18 +19,15 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
 
 
 def save_meta(path: str) -> None:
     """Write the default model's transformers config and GGUF tokenizer fields to ``path`` (JSON)."""
-    import gguf
-
+    from modelrunner.conformance.gguf import tokenizer_fields
     from modelrunner.source import resolve_source
 
     source = resolve_source("smollm2")
-    reader = gguf.GGUFReader(str(source.path))
-    tokenizer = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+    tokenizer = tokenizer_fields(source.path)
     config = {k: v for k, v in source.hf_config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     with open(path, "w") as f:
         json.dump({"config": config, "tokenizer": tokenizer}, f)
@@ -42,30 +39,16 @@ def write_stand_in(meta_path: str, out: str) -> None:
     from gguf import GGMLQuantizationType as T
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from modelrunner.conformance.gguf import write_gguf
+    from modelrunner.conformance.gguf import add_tokenizer, write_gguf
 
     with open(meta_path) as f:
         meta = json.load(f)
     config = LlamaConfig(**meta["config"])
     torch.manual_seed(0)
     model = LlamaForCausalLM(config).eval()
-    tok: dict[str, Any] = meta["tokenizer"]
-
-    def tokenizer(writer: Any) -> None:
-        writer.add_tokenizer_model(tok["tokenizer.ggml.model"])
-        writer.add_tokenizer_pre(tok["tokenizer.ggml.pre"])
-        writer.add_token_list(tok["tokenizer.ggml.tokens"])
-        writer.add_token_types(tok["tokenizer.ggml.token_type"])
-        writer.add_token_merges(tok["tokenizer.ggml.merges"])
-        writer.add_bos_token_id(tok["tokenizer.ggml.bos_token_id"])
-        writer.add_eos_token_id(tok["tokenizer.ggml.eos_token_id"])
-        writer.add_unk_token_id(tok["tokenizer.ggml.unknown_token_id"])
-        writer.add_pad_token_id(tok["tokenizer.ggml.padding_token_id"])
-        writer.add_add_bos_token(False)
-        writer.add_chat_template(tok["tokenizer.chat_template"])
-
     tensors = ((name, t.detach().float().numpy()) for name, t in model.state_dict().items())
-    write_gguf(config, tensors, out, {"token_embd": T.Q8_0}, T.Q4_1, metadata=tokenizer)
+    write_gguf(config, tensors, out, {"token_embd": T.Q8_0}, T.Q4_1,
+               metadata=lambda writer: add_tokenizer(writer, meta["tokenizer"]))
 
 
 def main(argv: list[str] | None = None) -> int:

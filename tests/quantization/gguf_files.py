@@ -10,7 +10,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from modelrunner.conformance.gguf import write_gguf
+from modelrunner.conformance.gguf import add_tokenizer, tokenizer_fields, write_gguf
 from modelrunner.source import resolve_source
 
 
@@ -39,19 +39,7 @@ def random_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
-    reader = gguf.GGUFReader(str(resolve_source("smollm2").path))
-    fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
-    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
-    writer.add_token_list(fields["tokenizer.ggml.tokens"])
-    writer.add_token_types(fields["tokenizer.ggml.token_type"])
-    writer.add_token_merges(fields["tokenizer.ggml.merges"])
-    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
-    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
-    writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
-    writer.add_pad_token_id(fields["tokenizer.ggml.padding_token_id"])
-    writer.add_add_bos_token(False)
-    writer.add_chat_template(fields["tokenizer.chat_template"])
+    add_tokenizer(writer, tokenizer_fields(resolve_source("smollm2").path))
 
 
 def tiny_llama(hidden: int = 64, intermediate: int = 128, vocab: int = 49152, tie: bool = True, seed: int = 0):

@@ -2,7 +2,8 @@
 llama.cpp's converter lays them out (query/key rows permuted, llama.cpp's tensor names).
 
 Only what the kernel's GGUF reader needs: the ``llama.*`` metadata and the tensors. No vocabulary is
-written, so the file has no tokenizer (the suites prompt with token ids).
+written, so the file has no tokenizer (the suites prompt with token ids); :func:`tokenizer_fields` and
+:func:`add_tokenizer` copy one from another file where a test or a bench wants text.
 """
 
 from __future__ import annotations
@@ -105,6 +106,30 @@ def write_gguf(config: Any, tensors: Iterable[tuple[str, np.ndarray]], path: str
     return path
 
 
+def tokenizer_fields(path: str | Path) -> dict[str, Any]:
+    """The ``tokenizer.*`` metadata of the GGUF file ``path``, as plain values (JSON-serialisable)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    return {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+
+
+def add_tokenizer(writer: Any, fields: Mapping[str, Any]) -> None:
+    """Write the tokenizer of :func:`tokenizer_fields` to a ``gguf.GGUFWriter`` (a BPE tokenizer such as
+    SmolLM2's: model, pre-tokenizer, tokens, types, merges, special ids, chat template; no BOS added)."""
+    writer.add_tokenizer_model(fields["tokenizer.ggml.model"])
+    writer.add_tokenizer_pre(fields["tokenizer.ggml.pre"])
+    writer.add_token_list(fields["tokenizer.ggml.tokens"])
+    writer.add_token_types(fields["tokenizer.ggml.token_type"])
+    writer.add_token_merges(fields["tokenizer.ggml.merges"])
+    writer.add_bos_token_id(fields["tokenizer.ggml.bos_token_id"])
+    writer.add_eos_token_id(fields["tokenizer.ggml.eos_token_id"])
+    writer.add_unk_token_id(fields["tokenizer.ggml.unknown_token_id"])
+    writer.add_pad_token_id(fields["tokenizer.ggml.padding_token_id"])
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(fields["tokenizer.chat_template"])
+
+
 def write_llama_gguf(checkpoint: str | Path, path: str | Path, types: Mapping[str, int] | None = None,
                      default: int | None = None) -> Path:
     """Write the Llama checkpoint directory ``checkpoint`` to the GGUF file ``path`` (see :func:`write_gguf`)."""
@@ -119,4 +144,4 @@ def write_llama_gguf(checkpoint: str | Path, path: str | Path, types: Mapping[st
     return write_gguf(config, tensors, path, types, default)
 
 
-__all__ = ["gguf_name", "permute_for_gguf", "write_gguf", "write_llama_gguf"]
+__all__ = ["add_tokenizer", "gguf_name", "permute_for_gguf", "tokenizer_fields", "write_gguf", "write_llama_gguf"]

@@ -279,9 +279,7 @@ class OneDNNBF16Int4Pack(TorchInt4Pack):
             parts.append(F.linear(xb, dequantize_values_bf16(q, exact[a:b, :, 0], exact[a:b, :, 1], group)))
         return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).float()
 
-    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
-        """:meth:`run` (its chunks are made on every call: nothing to look up once)."""
-        return lambda x: self.run(weight, x)
+    bind = MatmulKernel.bind  # the default (:meth:`run`): its chunks are made on every call, not torch_int4pack's op
 
 
 LIBRARY_KERNELS = (TorchInt4Pack, TorchInt8Pack, OneDNNBF16, OneDNNBF16Int4Pack)
