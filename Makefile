@@ -21,7 +21,7 @@ demo: $(STAMP)
 
 # pytest-xdist workers: one per core, at most 4 (each loads its own models). Whole files go to one
 # worker (--dist loadfile), so a module's fixtures (a loaded model, a compiled one) are built once.
-# On CI's 2 cores this took the suite from 35.7 to 26 minutes. TEST_WORKERS=0 runs serially.
+# TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 
 test: $(STAMP)
