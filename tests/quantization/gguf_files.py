@@ -4,6 +4,7 @@ SmolLM2 file's tokenizer metadata, so modelrunner reads them exactly as it reads
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import gguf
@@ -39,7 +40,13 @@ def random_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:
-    add_tokenizer(writer, tokenizer_fields(resolve_source("smollm2").path))
+    add_tokenizer(writer, _smollm2_tokenizer())
+
+
+@functools.cache
+def _smollm2_tokenizer() -> dict:
+    """SmolLM2's GGUF tokenizer fields, read once per process (parsing the file takes seconds)."""
+    return tokenizer_fields(resolve_source("smollm2").path)
 
 
 def tiny_llama(hidden: int = 64, intermediate: int = 128, vocab: int = 49152, tie: bool = True, seed: int = 0):
