@@ -1562,10 +1562,15 @@ std::vector<float> p16_scaled_x(const float* x, int64_t M, int64_t K) {
   return out;
 }
 
-// Prefetch distance of this kernel: further ahead than kP16Ahead. Timed on Zen 3 (SmolLM2's layers
-// from memory, one row): 1 KB ahead 9.0 ms a step, 2 KB 7.4, 4 KB 6.7-7.0, 8 KB 6.2-6.4, 16 KB
-// 6.6-7.5; the T0 and T1 hints no faster than NTA.
-constexpr int64_t kP16xAhead = 8192;
+// Prefetch distance of this kernel: further ahead than kP16Ahead. Timed on Zen 3 (SmolLM2's 4-bit
+// layers from memory, one row): 1 KB ahead 9.0 ms a step, 2 KB 7.4, 4 KB 6.7-7.0, 8 KB 6.2-6.4, 16 KB
+// 6.6-7.5 (later, in the engine: no clear difference); the T0 and T1 hints no faster than NTA. 8-bit
+// weights (twice the bytes per element; SmolLM2's Q8_0 LM head): 16 KB took 1.12-1.39 ms a step in
+// the engine against 1.47-1.60 at 8 KB.
+template <int kBits>
+constexpr int64_t p16x_ahead() {
+  return kBits == 8 ? 16384 : 8192;
+}
 
 // Rows [m0, m0 + MT) of x against half tiles [h0, h0 + NH) (half h: rows 8h..8h+7 of the weight).
 template <int kBits, bool kMins, int MT, int NH>
@@ -1607,7 +1612,7 @@ void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* su
         const uint8_t* p = base[i] - 32 * ((h0 + i) % 2) + b * kBlockBytes;
 #pragma GCC unroll 8
         for (int64_t line = 0; line < kBlockBytes; line += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(p) + kP16xAhead + line, _MM_HINT_NTA);
+          _mm_prefetch(reinterpret_cast<const char*>(p) + p16x_ahead<kBits>() + line, _MM_HINT_NTA);
       }
 #pragma GCC unroll 8
       for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
