@@ -19,6 +19,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cctype>
 #include <cmath>
 #include <cstdlib>
@@ -27,6 +28,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -1545,21 +1547,28 @@ inline __m256 p16_scaled_lanes(__m256i v, int e) {
   }
 }
 
-// x ([M][K]) for p16_scaled_lanes: 4-bit, each element times 16^-e, e the nibble that holds its weight
-// (p16_column) and 16^-7 taken as 1 (nibble 7 is shifted down). Powers of two: exact, short of
-// subnormals (|x| < 2^-102, whose products are below 2^-98).
-std::vector<float> p16_scaled_x(const float* x, int64_t M, int64_t K) {
-  alignas(32) float scale[kBlock];
-  for (int t = 0; t < kBlock; ++t) {
-    const int e = 2 * (t % 4) + (t >= 16 ? 1 : 0);
-    scale[t] = e == 7 ? 1.0f : std::ldexp(1.0f, -4 * e);
-  }
-  std::vector<float> out(M * K);
+// The factor p16_scaled_x gives element t of a block: 16^-e, e the nibble that holds its weight
+// (p16_column), and 1 for nibble 7 (shifted down, not masked in place).
+constexpr float p16_x_scale(int t) {
+  const int e = 2 * (t % 4) + (t >= 16 ? 1 : 0);
+  float s = 1.0f;
+  for (int i = 0; e != 7 && i < e; ++i) s *= 0.0625f;
+  return s;
+}
+template <int... T>
+constexpr std::array<float, sizeof...(T)> p16_x_scales(std::integer_sequence<int, T...>) {
+  return {p16_x_scale(T)...};
+}
+alignas(32) constexpr std::array<float, kBlock> kP16XScale = p16_x_scales(std::make_integer_sequence<int, kBlock>());
+
+// x ([M][K]) for p16_scaled_lanes, written to out ([M][K]): 4-bit, each element times
+// kP16XScale. Powers of two: exact, short of subnormals (|x| < 2^-102, whose products are below
+// 2^-98).
+void p16_scaled_x(const float* x, int64_t M, int64_t K, float* out) {
   for (int64_t i = 0; i < M * K; i += kBlock)  // K is a multiple of kBlock
 #pragma GCC unroll 4
     for (int64_t v = 0; v < kBlock; v += 8)
-      _mm256_storeu_ps(out.data() + i + v, _mm256_mul_ps(_mm256_loadu_ps(x + i + v), _mm256_load_ps(scale + v)));
-  return out;
+      _mm256_storeu_ps(out + i + v, _mm256_mul_ps(_mm256_loadu_ps(x + i + v), _mm256_load_ps(kP16XScale.data() + v)));
 }
 
 // Prefetch distance of this kernel: further ahead than kP16Ahead. Timed on Zen 3 (SmolLM2's 4-bit
@@ -1694,9 +1703,8 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
 #endif  // MRQ_AVX512, MRQ_AVX2
 
 #ifdef MRQ_AVX2
-// The sums of x per group ([M][groups]): the p16 exact kernels' mins term.
-std::vector<float> group_sums(const float* x, int64_t M, const QuantWeight& w) {
-  std::vector<float> sums(M * w.groups);
+// The sums of x per group, written to sums ([M][groups]): the p16 exact kernels' mins term.
+void group_sums(const float* x, int64_t M, const QuantWeight& w, float* sums) {
   for (int64_t r = 0; r < M; ++r)
     for (int64_t g = 0; g < w.groups; ++g) {
       const float* xg = x + r * w.cols + g * w.group;
@@ -1710,7 +1718,6 @@ std::vector<float> group_sums(const float* x, int64_t M, const QuantWeight& w) {
       sums[r * w.groups + g] = Exact::sum(s);
 #endif
     }
-  return sums;
 }
 
 #ifndef MRQ_AVX512
@@ -1781,18 +1788,27 @@ at::Tensor qlinear_p16_exact(const at::Tensor& x, const at::Tensor& data, const 
   }
 #endif
   const float* xp = x.const_data_ptr<float>();
-  // The mins' term takes the sums of x per group.
-  const std::vector<float> sums = w.mins ? group_sums(xp, M, w) : std::vector<float>();
+  // One scratch buffer: the sums of x per group (the mins' term) and, 4-bit on AVX2, x scaled per
+  // nibble (which saves the kernel a shift per weight vector).
 #ifndef MRQ_AVX512
-  // 4-bit on AVX2: x scaled per nibble, which saves the kernel a shift per weight vector.
-  const std::vector<float> scaled = bits == 4 ? p16_scaled_x(xp, M, w.cols) : std::vector<float>();
-  const float* xk = bits == 4 ? scaled.data() : xp;
+  const bool scale_x = bits == 4;
 #else
+  constexpr bool scale_x = false;
+#endif
+  const int64_t n_sums = w.mins ? M * w.groups : 0;
+  std::vector<float> scratch(n_sums + (scale_x ? M * w.cols : 0));
+  float* sums = scratch.data();
+  if (w.mins) group_sums(xp, M, w, sums);
   const float* xk = xp;
+#ifndef MRQ_AVX512
+  if (scale_x) {
+    p16_scaled_x(xp, M, w.cols, scratch.data() + n_sums);
+    xk = scratch.data() + n_sums;
+  }
 #endif
   float* yp = y.data_ptr<float>();
   const auto run = [&]<int kBits, bool kMins>(int64_t n0, int64_t n1) {
-    p16x_rows<kBits, kMins>(w, xk, sums.data(), M, yp, n0 / kP16, n1 / kP16);
+    p16x_rows<kBits, kMins>(w, xk, sums, M, yp, n0 / kP16, n1 / kP16);
   };
   parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
     if (bits == 4)
