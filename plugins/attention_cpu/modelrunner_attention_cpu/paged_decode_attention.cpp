@@ -13,6 +13,7 @@
 #include <cmath>
 #include <limits>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -144,6 +145,26 @@ struct BlockRows {
   }
 };
 
+// One cache line asked of memory ahead of its use. On x86 by an asm statement: GCC 12's dead-code
+// elimination removed __builtin_prefetch from prefetch_rows' loops once inlined here.
+inline void prefetch_line(const char* p) {
+#if defined(__x86_64__) || defined(__i386__)
+  asm volatile("prefetcht0 %0" : : "m"(*p));
+#else
+  __builtin_prefetch(p, 0, 3);
+#endif
+}
+
+// Rows [t0, t1) of a cache block, asked of memory ahead of their use. Blocks lie anywhere in the
+// cache, which the hardware prefetcher cannot follow.
+template <typename T>
+inline void prefetch_rows(const T* block, int64_t token_stride, int64_t t0, int64_t t1, int64_t width) {
+  const char* base = reinterpret_cast<const char*>(block);
+  const int64_t row_bytes = width * static_cast<int64_t>(sizeof(T)), stride = token_stride * sizeof(T);
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t o = 0; o < row_bytes; o += 64) prefetch_line(base + t * stride + o);
+}
+
 // Softmax state of one sequence's heads over a range of its positions: the weighted sum of values
 // (not yet divided), the largest score and the sum of exp(score - largest), per head.
 struct Partial {
@@ -159,8 +180,8 @@ struct Partial {
 template <typename T, typename Index, int64_t kHeadDim>
 void attend(const float* q, const T* key_cache, const T* value_cache, const Index* blocks, int64_t first,
             int64_t end, int64_t kv_heads, int64_t group, int64_t dynamic_head_dim, int64_t block_size,
-            int64_t block_stride, int64_t token_stride, std::vector<float>& scratch, BlockRows<T>& rows,
-            Partial partial) {
+            int64_t block_stride, int64_t token_stride, bool prefetch, std::vector<float>& scratch,
+            BlockRows<T>& rows, Partial partial) {
   const int64_t head_dim = kHeadDim > 0 ? kHeadDim : dynamic_head_dim;
   const int64_t span = end - first, heads = kv_heads * group, row_width = kv_heads * head_dim;
   std::fill(partial.acc, partial.acc + heads * head_dim, 0.f);
@@ -171,26 +192,45 @@ void attend(const float* q, const T* key_cache, const T* value_cache, const Inde
   float* scores = scratch.data();  // [heads][span]
   float* maxima = partial.maxima;
 
-  // One block-table lookup per block; rows in memory order, each read whole before the next (a
-  // software prefetch of the next block measured no faster: the hardware prefetcher keeps up).
+  // One block-table lookup per block; rows in memory order, each read whole before the next.
+  const auto block_range = [&](int64_t b) {
+    const int64_t start = b * block_size;
+    return std::pair<int64_t, int64_t>(std::max(start, first) - start, std::min(start + block_size, end) - start);
+  };
+  const int64_t first_block = first / block_size, end_block = (end + block_size - 1) / block_size;
   const auto for_each_block = [&](const T* cache, auto&& visit) {
-    for (int64_t b = first / block_size; b < (end + block_size - 1) / block_size; ++b) {
-      const int64_t start = b * block_size;
-      const int64_t from = std::max(start, first) - start, to = std::min(start + block_size, end) - start;
+    for (int64_t b = first_block; b < end_block; ++b) {
+      const auto [from, to] = block_range(b);
       const T* base = cache + static_cast<int64_t>(blocks[b]) * block_stride;
-      visit(start + from - first, rows.fetch(base, token_stride, from, to, row_width));
+      visit(b, b * block_size + from - first, rows.fetch(base, token_stride, from, to, row_width));
     }
   };
-  // Keys four rows at a time (dot4), the rest one by one.
-  for_each_block(key_cache, [&](int64_t i0, int64_t count) {
+  // Rows [t0, t1) of block b of a cache, asked of memory ahead of their use (see prefetch_rows),
+  // where `prefetch` says so.
+  const auto prefetch_block = [&](const T* cache, int64_t b, int64_t t0, int64_t t1) {
+    if (!prefetch || b >= end_block) return;
+    const auto [from, to] = block_range(b);
+    prefetch_rows(cache + static_cast<int64_t>(blocks[b]) * block_stride, token_stride, std::max(from, t0),
+                  std::min(to, t1), row_width);
+  };
+  // Keys four rows at a time (dot4), the rest one by one. Alongside, the same rows of the next key
+  // block and of this block's values (read after the softmax) are fetched.
+  prefetch_block(key_cache, first_block, 0, block_size);
+  for_each_block(key_cache, [&](int64_t b, int64_t i0, int64_t count) {
+    const int64_t from = block_range(b).first;
     int64_t r = 0;
-    for (; r + 4 <= count; r += 4)
+    for (; r + 4 <= count; r += 4) {
+      prefetch_block(key_cache, b + 1, from + r, from + r + 4);
+      prefetch_block(value_cache, b, from + r, from + r + 4);
       for (int64_t kh = 0; kh < kv_heads; ++kh)
         for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
           float* score = scores + h * span + i0 + r;
           dot4(q + h * head_dim, rows.rows + r, kh * head_dim, head_dim, score);
           maxima[h] = std::max({maxima[h], score[0], score[1], score[2], score[3]});
         }
+    }
+    prefetch_block(key_cache, b + 1, from + r, block_size);
+    prefetch_block(value_cache, b, from + r, block_size);
     for (; r < count; ++r)
       for (int64_t kh = 0; kh < kv_heads; ++kh)
         for (int64_t h = kh * group; h < (kh + 1) * group; ++h) {
@@ -201,7 +241,7 @@ void attend(const float* q, const T* key_cache, const T* value_cache, const Inde
   });
   for (int64_t h = 0; h < heads; ++h) partial.sums[h] = exp_and_sum(scores + h * span, span, maxima[h]);
   // Values four rows at a time: the accumulators are loaded and stored once per four rows.
-  for_each_block(value_cache, [&](int64_t i0, int64_t count) {
+  for_each_block(value_cache, [&](int64_t, int64_t i0, int64_t count) {
     for (int64_t r = 0; r < count; r += 4)
       for (int64_t kh = 0; kh < kv_heads; ++kh)
         for (int64_t h = kh * group; h < (kh + 1) * group; ++h)
@@ -250,6 +290,12 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   };
   // Waking the other threads costs more than a few thousand rows of work (a short decode of batch 1).
   const int64_t grain = rows * kv_heads < 1024 ? num_seqs * splits : 1;
+  // Calls that read 1 MiB of cache or more prefetch the blocks ahead: the layers of a step then read
+  // more than the CPU's caches keep between steps. Timed on Zen 3, 30 layers' caches, 2 threads,
+  // medians of 4 alternating rounds: 64 sequences of 64 positions (6.3 MB a layer) 591 -> 563 us;
+  // one of 2,048 positions (3.1 MB) 266 -> 246 us. Below it they cost more than they save: one
+  // sequence of 72 positions took 10.5 -> 12.2 us with them.
+  const bool prefetch = rows * 2 * kv_heads * head_dim * static_cast<int64_t>(sizeof(T)) >= (int64_t{1} << 20);
   at::parallel_for(0, num_seqs * splits, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q(static_cast<size_t>(heads * head_dim)), scratch;
     BlockRows<T> block_rows;
@@ -264,13 +310,13 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
       const Partial partial = partial_at(s, c);
       if (head_dim == 64)
         attend<T, Index, 64>(q.data(), key_cache, value_cache, blocks, from, to, kv_heads, group, head_dim, block_size,
-                             block_stride, token_stride, scratch, block_rows, partial);
+                             block_stride, token_stride, prefetch, scratch, block_rows, partial);
       else if (head_dim == 128)
         attend<T, Index, 128>(q.data(), key_cache, value_cache, blocks, from, to, kv_heads, group, head_dim,
-                              block_size, block_stride, token_stride, scratch, block_rows, partial);
+                              block_size, block_stride, token_stride, prefetch, scratch, block_rows, partial);
       else
         attend<T, Index, 0>(q.data(), key_cache, value_cache, blocks, from, to, kv_heads, group, head_dim, block_size,
-                            block_stride, token_stride, scratch, block_rows, partial);
+                            block_stride, token_stride, prefetch, scratch, block_rows, partial);
     }
   });
   // Merge each sequence's chunks: rescale every chunk to the overall largest score, then divide.
