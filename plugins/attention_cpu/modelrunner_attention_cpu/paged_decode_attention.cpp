@@ -295,7 +295,8 @@ void run(const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& 
   // medians of 4 alternating rounds: 64 sequences of 64 positions (6.3 MB a layer) 591 -> 563 us;
   // one of 2,048 positions (3.1 MB) 266 -> 246 us. Below it they cost more than they save: one
   // sequence of 72 positions took 10.5 -> 12.2 us with them.
-  const bool prefetch = rows * 2 * kv_heads * head_dim * static_cast<int64_t>(sizeof(T)) >= (int64_t{1} << 20);
+  const int64_t cache_bytes = rows * 2 * kv_heads * head_dim * static_cast<int64_t>(sizeof(T));
+  const bool prefetch = cache_bytes >= (int64_t{1} << 20);
   at::parallel_for(0, num_seqs * splits, grain, [&](int64_t begin, int64_t end) {
     std::vector<float> q(static_cast<size_t>(heads * head_dim)), scratch;
     BlockRows<T> block_rows;

@@ -1072,10 +1072,11 @@ void q8_packed_rows(const QuantWeight& w, const QuantizedInput& in, int64_t M, f
 }
 
 // Large M: tiles of rows dequantized into a per-thread float buffer (about 256 KB, so it stays in
-// L2, but at least kMinTileRows rows), each multiplied by MKL/oneDNN through at::mm into its columns
-// of y. Tiles are whole multiples of 16 rows (but the last). dequantize(n0, n1, out, tile, scratch) writes rows [n0, n1) of the weight
-// as floats, [n1 - n0][K]; kTransposed: as columns, [K][tile] (the tile's row count rounded up to 16
-// may be written, the rest left out of the product). Scratch is its per-thread state.
+// L2, but at least kMinTileRows rows), each multiplied by MKL/oneDNN through at::mm into its
+// columns of y. Tiles are whole multiples of 16 rows (but the last). dequantize(n0, n1, out, tile,
+// scratch) writes rows [n0, n1) of the weight as floats, [n1 - n0][K]; kTransposed: as columns,
+// [K][tile] (the tile's row count rounded up to 16 may be written, the rest left out of the
+// product). Scratch is its per-thread state.
 template <typename Scratch, bool kTransposed, typename Dequantize>
 void gemm_tiles(int64_t N, int64_t K, const at::Tensor& x, at::Tensor& y, Dequantize&& dequantize) {
   constexpr int64_t kTileBytes = 256 << 10;
