@@ -1556,17 +1556,16 @@ inline __m256 p16_scaled_lanes(__m256i v, int e) {
 
 // The factor p16_scaled_x gives element t of a block: 16^-e, e the nibble that holds its weight
 // (p16_column), and 1 for nibble 7 (shifted down, not masked in place).
-constexpr float p16_x_scale(int t) {
-  const int e = 2 * (t % 4) + (t >= 16 ? 1 : 0);
-  float s = 1.0f;
-  for (int i = 0; e != 7 && i < e; ++i) s *= 0.0625f;
-  return s;
+constexpr std::array<float, kBlock> p16_x_scales() {
+  std::array<float, kBlock> scales{};
+  for (int t = 0; t < kBlock; ++t) {
+    const int e = 2 * (t % 4) + (t >= 16 ? 1 : 0);
+    scales[t] = 1.0f;
+    for (int i = 0; e != 7 && i < e; ++i) scales[t] *= 0.0625f;
+  }
+  return scales;
 }
-template <int... T>
-constexpr std::array<float, sizeof...(T)> p16_x_scales(std::integer_sequence<int, T...>) {
-  return {p16_x_scale(T)...};
-}
-alignas(32) constexpr std::array<float, kBlock> kP16XScale = p16_x_scales(std::make_integer_sequence<int, kBlock>());
+alignas(32) constexpr std::array<float, kBlock> kP16XScale = p16_x_scales();
 
 // x ([M][K]) for p16_scaled_lanes, written to out ([M][K]): 4-bit, each element times
 // kP16XScale. Powers of two: exact, short of subnormals (|x| < 2^-102, whose products are below
