@@ -23,13 +23,15 @@ only where the ranks can reach it: on loopback when ``master_addr`` is a loopbac
 workers rank 0 spawns itself use ``127.0.0.1``; so does ``torchrun --standalone``), on every
 interface otherwise. A run across machines needs the latter (the other machines connect to
 ``MASTER_ADDR``): keep such a cluster on a private network, as torchrun's own store requires.
+
+What the ranks send each other outside the model's own tensors (step messages, load reports, the
+shapes of stage tensors) travels as :mod:`modelrunner.wire` data: no rank unpickles what another sends.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import pickle
 import socket
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +42,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from . import wire
 from .parallel_state import ParallelState
 
 TIMEOUT_ENV = "MODELRUNNER_DIST_TIMEOUT"
@@ -312,8 +315,12 @@ def destroy_distributed() -> None:
 # -- the collectives of a step -------------------------------------------------------------------
 
 
+def _as_bytes_tensor(obj: Any) -> torch.Tensor:
+    return torch.frombuffer(bytearray(wire.encode(obj)), dtype=torch.uint8)
+
+
 def broadcast_object(obj: Any, group: Any, src: int = 0, timeout_s: float | None = None) -> Any:
-    """``obj`` from rank ``src`` on every rank of ``group`` (pickled; pass None on the others).
+    """``obj`` from rank ``src`` on every rank of ``group`` (as :mod:`.wire` data; pass None on the others).
 
     :param timeout_s: how long this rank waits for the broadcast to complete (None: the group's
         timeout). Rank 0 bounds its step messages so a peer that stopped answering fails the step
@@ -321,13 +328,13 @@ def broadcast_object(obj: Any, group: Any, src: int = 0, timeout_s: float | None
     :raises TimeoutError: the broadcast did not complete within ``timeout_s``.
     """
     is_src = dist.get_rank() == src
-    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8) if is_src else None
+    payload = _as_bytes_tensor(obj) if is_src else None
     size = torch.tensor([payload.numel() if is_src else 0], dtype=torch.int64)
     _wait(dist.broadcast(size, src=src, group=group, async_op=True), timeout_s, "the step message's size")
     if not is_src:
         payload = torch.empty(int(size.item()), dtype=torch.uint8)
     _wait(dist.broadcast(payload, src=src, group=group, async_op=True), timeout_s, "the step message")
-    return obj if is_src else pickle.loads(payload.numpy().tobytes())
+    return obj if is_src else wire.decode(payload.numpy().tobytes())
 
 
 def _wait(work: Any, timeout_s: float | None, what: str) -> None:
@@ -343,27 +350,40 @@ def _wait(work: Any, timeout_s: float | None, what: str) -> None:
 
 
 def gather_objects(obj: Any, group: Any, dst: int = 0) -> list[Any] | None:
-    """Every rank's ``obj``, in rank order, on rank ``dst`` (None elsewhere)."""
-    out = [None] * dist.get_world_size(group) if dist.get_rank() == dst else None
-    dist.gather_object(obj, out, dst=dst, group=group)
-    return out
+    """Every rank's ``obj`` (:mod:`.wire` data), in rank order, on rank ``dst`` (None elsewhere)."""
+    payload = _as_bytes_tensor(obj)
+    world = dist.get_world_size(group)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64), group=group)
+    longest = max(int(size.item()) for size in sizes)
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[:payload.numel()] = payload
+    is_dst = dist.get_rank() == dst
+    out = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)] if is_dst else None
+    dist.gather(padded, out, dst=dst, group=group)
+    if not is_dst:
+        return None
+    return [wire.decode(t[:int(size.item())].numpy().tobytes()) for t, size in zip(out, sizes)]
 
 
 def send_tensor_dict(tensors: Mapping[str, torch.Tensor], dst: int, meta_group: Any, group: Any = None) -> None:
     """Send named tensors to rank ``dst``: their shapes and dtypes over ``meta_group`` (gloo), the data
     over ``group`` (default: the world group, so on GPU the bytes move by NCCL)."""
-    meta = [(name, tuple(t.shape), t.dtype) for name, t in tensors.items()]
-    dist.send_object_list([meta], dst=dst, group=meta_group)
+    meta = _as_bytes_tensor([(name, tuple(t.shape), t.dtype) for name, t in tensors.items()])
+    dist.send(torch.tensor([meta.numel()], dtype=torch.int64), dst=dst, group=meta_group)
+    dist.send(meta, dst=dst, group=meta_group)
     for _, tensor in tensors.items():
         dist.send(tensor.contiguous(), dst=dst, group=group)
 
 
 def recv_tensor_dict(src: int, device: torch.device, meta_group: Any, group: Any = None) -> dict[str, torch.Tensor]:
     """Receive what :func:`send_tensor_dict` on rank ``src`` sent, into new tensors on ``device``."""
-    box: list[Any] = [None]
-    dist.recv_object_list(box, src=src, group=meta_group)
+    size = torch.zeros(1, dtype=torch.int64)
+    dist.recv(size, src=src, group=meta_group)
+    meta = torch.empty(int(size.item()), dtype=torch.uint8)
+    dist.recv(meta, src=src, group=meta_group)
     out = {}
-    for name, shape, dtype in box[0]:
+    for name, shape, dtype in wire.decode(meta.numpy().tobytes()):
         tensor = torch.empty(shape, dtype=dtype, device=device)
         dist.recv(tensor, src=src, group=group)
         out[name] = tensor

@@ -8,7 +8,10 @@ from typing import Any
 import attrs
 import torch
 
+from .wire import register as _wire_type
 
+
+@_wire_type
 @attrs.frozen
 class ForwardBatch:
     """The flattened tokens of every sequence scheduled in one step.

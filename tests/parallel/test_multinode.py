@@ -116,7 +116,9 @@ def test_data_parallel_front_and_headless_machine_match_one_process(machines, ti
     expected = run_workload(LLM(str(tiny_llama), **LLM_KW))["tokens"]
     (front_ns, first, _), (other_ns, _, _) = machines
     out = tmp_path / "dp.pt"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE"}
+    # Replicas join from another machine: every machine needs the deployment's secret.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "OMP_WAIT_POLICY": "PASSIVE",
+           "MODELRUNNER_DP_SECRET": uuid.uuid4().hex}
     headless = subprocess.Popen(
         ["ip", "netns", "exec", other_ns, sys.executable, "-m", "modelrunner.cli", "serve", "--model",
          str(tiny_llama), *(f"--set={k}={v}" for k, v in LLM_KW.items()), "--headless", "--data-parallel-size", "2",

@@ -78,6 +78,39 @@ def test_32_concurrent_requests_equal_offline_greedy_and_both_replicas_serve(dp_
         pytest.fail(f"the disconnected request still runs: {m}")
 
 
+def test_a_stopped_replica_holds_up_neither_health_nor_the_other_replicas_requests(dp_server):
+    # Issue 52 item 9: requests were handed to replicas on the event loop, so a SIGSTOPped replica (its
+    # socket full) froze /health for up to 43 s and made other requests fail.
+    from modelrunner.data_parallel.client import STALE_S
+
+    pids = replica_pids(dp_server)
+    stopped = psutil.Process(pids[1])
+    stopped.suspend()
+    try:
+        started = time.monotonic()
+        while time.monotonic() - started < STALE_S + 0.5:  # its heartbeat goes late meanwhile
+            t = time.monotonic()
+            assert httpx.get(dp_server.url + "/health", timeout=5).status_code == 200
+            assert time.monotonic() - t < 1.0
+            time.sleep(0.1)
+
+        async def many() -> list[httpx.Response]:
+            async with httpx.AsyncClient(base_url=dp_server.url, timeout=30) as client:
+                return await asyncio.gather(*(client.post("/v1/completions", json={
+                    "prompt": f"Short {i}" + "x" * 2000, "max_tokens": 4, "temperature": 0}) for i in range(20)))
+
+        t = time.monotonic()
+        responses = asyncio.run(many())
+        assert [r.status_code for r in responses] == [200] * 20, [r.text for r in responses if r.status_code != 200]
+        assert time.monotonic() - t < 20
+        assert httpx.get(dp_server.url + "/health", timeout=5).status_code == 200
+    finally:
+        stopped.resume()
+    time.sleep(STALE_S)  # its heartbeat again: it takes requests again
+    r = httpx.post(dp_server.url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
 def test_a_killed_replica_fails_only_its_requests_and_health_says_so_then_sigterm_stops_cleanly(dp_server):
     pids = replica_pids(dp_server)
     assert sorted(pids) == [0, 1], dp_server.stderr

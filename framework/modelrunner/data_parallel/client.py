@@ -6,6 +6,11 @@ connection closes: killed, crashed) or whose engine loop stops is failed at once
 nothing — not even its :data:`~.protocol.HEARTBEAT_S` heartbeat — for ``MODELRUNNER_DIST_TIMEOUT``
 seconds is failed as hung and killed. Failing a replica ends only its own requests (each consumer
 gets a final output with ``finish_reason="error"`` naming the replica); nothing restarts it.
+
+Sending never blocks the caller (the server's event loop): messages are encoded at once (so a
+request that is not data fails at once) and written by a sender thread per replica, so a replica that
+stopped reading (SIGSTOP, a full socket) holds up only its own queue. One whose heartbeat is late
+(:data:`STALE_S`) gets no new requests while another answers.
 """
 
 from __future__ import annotations
@@ -13,14 +18,17 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import queue
 import signal
+import struct
 import subprocess
 import threading
 import time
 from concurrent.futures import Future
-from multiprocessing.connection import Connection
 from typing import Any
 
+from .. import wire
+from ..channel import Channel
 from ..distributed import collective_timeout
 from ..engine.loop import EngineDeadError, LoopSnapshot
 from ..engine.outputs import CompletionOutput, RequestOutput
@@ -32,6 +40,8 @@ POLL_S = 0.2
 """How often the reader wakes to check for silence and process exits."""
 EXIT_SETTLE_S = 1.0
 """After a replica's connection closes, how long to wait for its exit code (to say how it ended)."""
+STALE_S = 1.0
+"""A replica not heard from for this long (four heartbeats) gets no new requests while another answers."""
 
 
 class ReplicaFailedError(WorkerFailedError):
@@ -53,7 +63,7 @@ class ReplicaClient:
     :param process: its process, when this machine started it (None: a ``--headless`` machine's).
     """
 
-    def __init__(self, rank: int, conn: Connection, info: dict[str, Any],
+    def __init__(self, rank: int, conn: Channel, info: dict[str, Any],
                  process: subprocess.Popen | None = None) -> None:
         self.rank = rank
         self.conn = conn
@@ -78,8 +88,11 @@ class ReplicaClient:
         self._send_lock = threading.Lock()
         self._stopping = False
         self._last_heard = time.monotonic()
+        self._outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
         self._reader = threading.Thread(target=self._read, name=f"modelrunner-dp-replica-{rank}", daemon=True)
         self._reader.start()
+        self._sender = threading.Thread(target=self._write, name=f"modelrunner-dp-send-{rank}", daemon=True)
+        self._sender.start()
 
     def __repr__(self) -> str:
         return f"data-parallel replica {self.rank} (pid {self.pid} on {self.info.get('host', '?')})"
@@ -88,6 +101,11 @@ class ReplicaClient:
     def alive(self) -> bool:
         """True until it failed or was stopped."""
         return self.error is None and not self._stopping
+
+    @property
+    def responsive(self) -> bool:
+        """Alive and heard from within :data:`STALE_S` (its heartbeat is on time)."""
+        return self.alive and time.monotonic() - self._last_heard < STALE_S
 
     # -- commands (any thread) --------------------------------------------------------------------
 
@@ -108,12 +126,10 @@ class ReplicaClient:
             self.in_flight += 1
         try:
             self._send(("add", request_id, prompt, params, extra, lora_request))
-        except (OSError, EOFError):
-            self.fail("closed its connection")
-        except Exception as e:  # noqa: BLE001 - pickling failed before anything was sent
+        except wire.WireError as e:  # nothing was sent
             self._settle(request_id)
             self._adds.pop(request_id, None)
-            future.set_exception(ValueError(f"the request cannot be sent to a replica: {type(e).__name__}: {e}"))
+            future.set_exception(ValueError(f"the request cannot be sent to a replica: {e}"))
         return future
 
     def abort_request(self, request_id: str) -> None:
@@ -140,6 +156,7 @@ class ReplicaClient:
         """Ask it to leave (its unfinished requests are dropped); :meth:`join` waits for it."""
         self._stopping = True
         self._send_quietly(("stop",))
+        self._outbox.put(None)  # the sender leaves once "stop" is written
 
     def join(self, timeout: float) -> None:
         """Wait up to ``timeout`` seconds for a replica started here to exit, then kill it."""
@@ -164,16 +181,31 @@ class ReplicaClient:
                 pass
 
     def _send(self, message: tuple) -> None:
-        with self._send_lock:
-            self.conn.send(message)
+        """Queue ``message`` for the sender thread (never blocks).
+
+        :raises wire.WireError: it is not data (nothing was queued).
+        """
+        data = wire.encode(message)
+        self._outbox.put(struct.pack("!Q", len(data)) + data)
 
     def _send_quietly(self, message: tuple) -> None:
         if self.error is not None:
             return
         try:
             self._send(message)
-        except (OSError, EOFError, ValueError):
-            pass  # the reader notices the closed connection and fails the replica
+        except wire.WireError as e:
+            logger.error("%s: a message could not be encoded: %s", self, e)
+
+    def _write(self) -> None:
+        while True:
+            frame = self._outbox.get()
+            if frame is None or self.error is not None:
+                return
+            try:
+                with self._send_lock:
+                    self.conn.sock.sendall(frame)
+            except OSError:
+                return  # the reader notices the closed connection and fails the replica
 
     # -- the reader thread ------------------------------------------------------------------------
 
@@ -183,6 +215,8 @@ class ReplicaClient:
             try:
                 ready = self.conn.poll(POLL_S)
                 message = self.conn.recv() if ready else None
+                if message is not None and (not isinstance(message, (list, tuple)) or not message):
+                    raise OSError(f"it sent a malformed message {message!r:.80}")
             except (EOFError, OSError):
                 if not self._stopping:
                     self.fail(self._how_it_ended())
@@ -269,10 +303,8 @@ class ReplicaClient:
         for future in [*adds.values(), *calls.values()]:
             if not future.done():
                 future.set_exception(EngineDeadError(message))
-        try:
-            self.conn.close()
-        except OSError:
-            pass
+        self._outbox.put(None)
+        self.conn.close()
 
 
 def _call(consumer: Any, output: RequestOutput) -> None:

@@ -1,10 +1,12 @@
 """Starting replicas and waiting until each said ``ready``: on the front's machine, and on
 ``--headless`` machines that join it.
 
-The front listens (:class:`multiprocessing.connection.Listener`, authenticated by a key) on
+The front listens (:class:`~modelrunner.channel.ChannelListener`: peers prove they hold the
+deployment's secret, then exchange :mod:`modelrunner.wire` data, never pickles) on
 ``data_parallel_address:data_parallel_rpc_port`` — 127.0.0.1 and a free port with a fresh random
-key when every replica runs here. Every replica, local or remote, connects to it, says which rank it
-is, loads its model and says ``ready`` (or why it failed). Each replica is a fresh ``python -m
+secret when every replica runs here; :data:`~.protocol.SECRET_ENV` on every machine when some join
+from elsewhere. Every replica, local or remote, connects to it, says which rank it is, loads its
+model and says ``ready`` (or why it failed). Each replica is a fresh ``python -m
 modelrunner.data_parallel.replica`` in its own session that dies with the process that started it.
 """
 
@@ -18,31 +20,19 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection, Listener, wait
+from multiprocessing.connection import wait
 from typing import Any
 
 import attrs
 
+from ..channel import Channel, ChannelListener
 from ..config import RunnerConfig
 from ..distributed import collective_timeout
 from ..errors import ModelRunnerError
 from .client import ReplicaClient
-from .protocol import ReplicaOrders
+from .protocol import ReplicaOrders, deployment_secret
 
 logger = logging.getLogger("modelrunner.data_parallel")
-
-SECRET_ENV = "MODELRUNNER_DP_SECRET"
-"""The key replicas on other machines authenticate with (the same on every machine); set it where
-others can reach the RPC port."""
-DEFAULT_SECRET = b"modelrunner-data-parallel"
-"""The key without :data:`SECRET_ENV` for a front that listens beyond this machine."""
-
-
-def authkey_for(address: str | None) -> bytes:
-    """A fresh random key for a front on this machine only; :data:`SECRET_ENV` (else the default) otherwise."""
-    if address is None:
-        return os.urandom(32)
-    return os.environ.get(SECRET_ENV, "").encode() or DEFAULT_SECRET
 
 
 def replica_threads(config: RunnerConfig) -> int:
@@ -89,9 +79,9 @@ def start_replicas(config: RunnerConfig) -> list[ReplicaClient]:
         raise ValueError(f"data_parallel_size_local={len(ranks)} from data_parallel_start_rank="
                          f"{p.data_parallel_start_rank} exceeds data_parallel_size={size}")
     host = p.data_parallel_address or "127.0.0.1"
-    authkey = authkey_for(p.data_parallel_address)
+    authkey = deployment_secret(p.data_parallel_address, remote_replicas=len(ranks) < size)
     try:
-        listener = Listener((host, p.data_parallel_rpc_port), authkey=authkey)
+        listener = ChannelListener((host, p.data_parallel_rpc_port), authkey)
     except OSError as e:
         raise ModelRunnerError(f"cannot listen for data-parallel replicas on {host}:{p.data_parallel_rpc_port}: "
                                f"{e.strerror or e} (data_parallel_address / data_parallel_rpc_port)") from None
@@ -109,50 +99,45 @@ def start_replicas(config: RunnerConfig) -> list[ReplicaClient]:
         listener.close()
 
 
-def _accept(listener: Listener, arrivals: queue.SimpleQueue) -> None:
-    while True:
-        try:
-            conn = listener.accept()
-        except Exception:  # noqa: BLE001 - closed (done), or a peer with the wrong key: go on or leave
-            if listener._listener is None:  # noqa: SLF001 - closed by start_replicas
-                return
-            continue
-        arrivals.put(conn)
-
-
-def _gather(listener: Listener, size: int, processes: dict[int, subprocess.Popen]) -> list[ReplicaClient]:
+def _gather(listener: ChannelListener, size: int, processes: dict[int, subprocess.Popen]) -> list[ReplicaClient]:
     arrivals: queue.SimpleQueue = queue.SimpleQueue()
-    threading.Thread(target=_accept, args=(listener, arrivals), name="modelrunner-dp-accept", daemon=True).start()
+    listener.accept_in_background(arrivals.put)
     deadline = time.monotonic() + collective_timeout()
-    pending: dict[Connection, int | None] = {}  # connection → its rank once it said hello
-    ready: dict[int, tuple[Connection, dict[str, Any]]] = {}
+    pending: dict[Channel, int | None] = {}  # connection → its rank once it said hello
+    ready: dict[int, tuple[Channel, dict[str, Any]]] = {}
     while len(ready) < size:
         while not arrivals.empty():
             pending[arrivals.get()] = None
         for conn in wait(list(pending), timeout=0.1) if pending else ():
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
+                if not isinstance(message, (list, tuple)) or not message:
+                    raise ValueError(f"a malformed message {message!r:.80}")
+            except (EOFError, OSError, ValueError):
                 rank = pending.pop(conn)
+                conn.close()
                 if rank is not None and rank not in processes:
                     raise ModelRunnerError(f"data-parallel replica {rank} (on another machine) closed its "
                                            "connection while loading; its log says why")
                 continue  # a local one: its exit code is reported below
             rank = pending[conn]
             if message[0] == "hello":
-                rank = message[1]
-                if not 0 <= rank < size or rank in ready or rank in pending.values():
+                rank = message[1] if len(message) > 1 else None
+                if not isinstance(rank, int) or not 0 <= rank < size or rank in ready or rank in pending.values():
                     conn.close()
                     pending.pop(conn)
                     logger.warning("refused a data-parallel replica claiming rank %r (data_parallel_size=%d)",
                                    rank, size)
                     continue
                 pending[conn] = rank
+            elif rank is None:
+                conn.close()  # a peer must say which rank it is first
+                pending.pop(conn)
             elif message[0] == "failed":
                 raise ModelRunnerError(f"data-parallel replica {rank} failed to load the model: {message[1]}")
             elif message[0] == "ready":
                 pending.pop(conn)
-                ready[rank] = (conn, message[1])
+                ready[rank] = (conn, _ready_info(message))
                 logger.info("data-parallel replica %d ready (pid %s on %s)", rank, message[1]["pid"],
                             message[1]["host"])
         if not pending:
@@ -171,6 +156,24 @@ def _gather(listener: Listener, size: int, processes: dict[int, subprocess.Popen
     return [ReplicaClient(rank, conn, info, processes.get(rank)) for rank, (conn, info) in sorted(ready.items())]
 
 
+def _ready_info(message: Any) -> dict[str, Any]:
+    """What a ``ready`` message told, its tokenizer rebuilt from its files.
+
+    :raises ModelRunnerError: a malformed message.
+    """
+    from .protocol import tokenizer_from_files
+
+    info = message[1] if len(message) > 1 else None
+    needed = ("pid", "host", "tokenizer", "max_model_len", "root", "defaults", "image_token", "vocab_size",
+              "max_num_seqs")
+    if not isinstance(info, dict) or any(k not in info for k in needed):
+        raise ModelRunnerError("a data-parallel replica said ready without describing its model")
+    try:
+        return {**info, "tokenizer": tokenizer_from_files(info["tokenizer"])}
+    except ValueError as e:
+        raise ModelRunnerError(str(e)) from None
+
+
 def run_headless(config: RunnerConfig) -> int:
     """``serve --headless``: run this machine's replicas for a front elsewhere until they end; 0 when
     every one ended cleanly. SIGTERM/SIGINT stop them."""
@@ -181,7 +184,7 @@ def run_headless(config: RunnerConfig) -> int:
         raise ValueError("--headless needs --data-parallel-address and --data-parallel-rpc-port: where the front "
                          "(the machine serving HTTP) listens for its replicas")
     address = (p.data_parallel_address, p.data_parallel_rpc_port)
-    authkey = authkey_for(p.data_parallel_address)
+    authkey = deployment_secret(p.data_parallel_address, remote_replicas=True)
     processes = {rank: spawn_replica(config, rank, address, authkey) for rank in local_ranks(config)}
     print(f"modelrunner: headless: data-parallel replica(s) {list(processes)} joining {address[0]}:{address[1]}",
           file=sys.stderr, flush=True)

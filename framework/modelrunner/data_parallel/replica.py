@@ -9,12 +9,13 @@ every :data:`HEARTBEAT_S`, its loop's snapshot — the heartbeat by which the fr
 It leaves when the front says ``stop``, when the connection ends (the front is gone) or when its engine
 loop dies (it says why first).
 
-Messages (tuples, pickled by :mod:`multiprocessing.connection`):
+Messages (tuples of :mod:`modelrunner.wire` data over a :class:`~modelrunner.channel.Channel`;
+nothing is pickled, and a replica only talks to a front that holds the deployment's secret):
 
 - front → replica: ``("add", rid, prompt, params, extra, lora_request)``, ``("abort", rid)``,
   ``("abort_all",)``, ``("call", token, name, args)`` for ``stats`` / ``memory_stats`` /
   ``reset_prefix_cache`` (the LLM's) and ``add_lora`` / ``remove_lora`` (the engine's), ``("stop",)``.
-- replica → front: ``("ready", info)``, ``("failed", message)``, ``("added", rid, error)``,
+- replica → front: ``("hello", rank, pid)``, ``("ready", info)`` (its tokenizer as files), ``("failed", message)``, ``("added", rid, error)``,
   ``("out", rid, output)``, ``("snap", snapshot)``, ``("result", token, value, error)``, ``("dead", message)``.
 """
 
@@ -27,17 +28,18 @@ import socket
 import sys
 import threading
 import traceback
-from multiprocessing.connection import Client, Connection
 from typing import Any
 
-from .protocol import CALLS, ENGINE_CALLS, HEARTBEAT_S, ReplicaOrders
+from ..channel import Channel, connect
+from ..wire import WireError
+from .protocol import CALLS, ENGINE_CALLS, HEARTBEAT_S, ReplicaOrders, tokenizer_files
 
 logger = logging.getLogger("modelrunner.data_parallel")
 
 class _Link:
     """The connection to the front, safe to send on from several threads."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Channel) -> None:
         self.conn = conn
         self._lock = threading.Lock()
         self.closed = False
@@ -48,6 +50,11 @@ class _Link:
         try:
             with self._lock:
                 self.conn.send(message)
+        except WireError as e:
+            if message[0] == "result":  # the caller waits for an answer: the error is one
+                self.send(("result", message[1], None, ("other", str(e))))
+            else:
+                logger.error("a replica message could not be sent: %s", e)
         except (OSError, EOFError, ValueError):
             self.closed = True  # the front is gone: the receiving thread notices too
 
@@ -57,7 +64,7 @@ def _describe(llm: Any) -> dict[str, Any]:
     from ..serve.state import ServedModel
 
     served = ServedModel.from_llm(llm)
-    return {"pid": os.getpid(), "host": socket.gethostname(), "tokenizer": served.tokenizer,
+    return {"pid": os.getpid(), "host": socket.gethostname(), "tokenizer": tokenizer_files(served.tokenizer),
             "max_model_len": served.max_model_len, "root": served.root, "defaults": served.defaults,
             "image_token": served.image_token, "vocab_size": llm.engine.vocab_size,
             "max_num_seqs": llm.engine.config.scheduler.max_num_seqs}
@@ -69,7 +76,7 @@ def serve_front(orders: ReplicaOrders) -> int:
     from ..errors import error_line
     from ..llm import LLM
 
-    conn = Client(orders.address, authkey=orders.authkey)
+    conn = connect(tuple(orders.address), orders.authkey)
     link = _Link(conn)
     link.send(("hello", orders.rank, os.getpid()))
     try:
@@ -98,14 +105,17 @@ def serve_front(orders: ReplicaOrders) -> int:
         llm.shutdown()
 
 
-def _serve_commands(conn: Connection, link: _Link, loop: Any, llm: Any, stop: threading.Event) -> None:
+def _serve_commands(conn: Channel, link: _Link, loop: Any, llm: Any, stop: threading.Event) -> None:
     while not stop.is_set():
         try:
             if not conn.poll(0.2):
                 continue
             message = conn.recv()
         except (EOFError, OSError):
-            return  # the front is gone
+            return  # the front is gone (or sent what is not a message: then it is not ours)
+        if not isinstance(message, (list, tuple)) or not message:
+            logger.error("the front sent a malformed message; leaving")
+            return
         kind = message[0]
         if kind == "stop":
             return

@@ -5,7 +5,9 @@ Each request goes to the live replica with the fewest requests in flight (its wa
 counted here exactly as requests are sent and finish); a request whose prompt starts like a recent one
 goes back to that one's replica (where its prefix is cached) unless that replica has more than
 :data:`AFFINITY_SLACK` requests over the least loaded. Aborts go to the replica that runs the request.
-A failed replica takes no new requests; the front serves while one replica lives.
+A failed replica takes no new requests, nor does one whose heartbeat is late while another's is on
+time (a stopped or stalled process: it is failed once silent for ``MODELRUNNER_DIST_TIMEOUT``); the
+front serves while one replica lives. Nothing here blocks on a replica.
 """
 
 from __future__ import annotations
@@ -141,11 +143,12 @@ class DataParallelRouter:
         alive = [r for r in self.replicas if r.alive]
         if not alive:
             raise EngineDeadError(f"every data-parallel replica has failed: {self.failures[0]}")
+        alive = [r for r in alive if r.responsive] or alive
         key = prefix_key(prompt, self.block_size)
         with self._lock:
             least = min(r.in_flight for r in alive)
             held = self._affinity.get(key) if key is not None else None
-            if held is not None and held.alive and held.in_flight <= least + AFFINITY_SLACK:
+            if held is not None and held in alive and held.in_flight <= least + AFFINITY_SLACK:
                 chosen = held
             else:
                 n = len(self.replicas)

@@ -25,6 +25,7 @@ from typing import Any
 import attrs
 
 from ..errors import ModelRunnerError
+from ..wire import register as _wire_type
 from .llm_engine import LLMEngine, OutputConsumer
 from .outputs import CompletionOutput, RequestOutput
 
@@ -35,6 +36,7 @@ class EngineDeadError(ModelRunnerError):
     """The engine loop stopped after a fatal error (or was shut down); no request can run."""
 
 
+@_wire_type
 @attrs.frozen
 class LoopSnapshot:
     """The engine's state as of the loop's latest iteration (read from any thread without locking)."""

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import attrs
 
+from ..wire import register as _wire_type
 
+
+@_wire_type
 @attrs.frozen
 class Logprob:
     """The log-probability of one token at one position (vLLM's ``Logprob``)."""
@@ -21,6 +24,7 @@ PositionLogprobs = dict[int, Logprob]
 """token id → its :class:`Logprob` at one position: the top tokens plus the chosen one."""
 
 
+@_wire_type
 @attrs.define
 class RequestMetrics:
     """When things happened to a request (``time.monotonic()`` seconds)."""
@@ -72,6 +76,7 @@ class RequestMetrics:
         return None if self.finished_time is None else self.finished_time - self.arrival_time
 
 
+@_wire_type
 @attrs.define
 class CompletionOutput:
     """One of a request's ``n`` completions, as of the latest step."""
@@ -110,6 +115,7 @@ class CompletionOutput:
         return len(self.token_ids)
 
 
+@_wire_type
 @attrs.define
 class RequestOutput:
     """The state of one request after a step (the last one has ``finished=True``)."""

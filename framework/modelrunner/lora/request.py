@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import attrs
+from ..wire import register as _wire_type
 
 
 def _name(instance: object, attribute: attrs.Attribute, value: object) -> None:
@@ -25,6 +26,7 @@ def _path(value: object) -> str:
     return value
 
 
+@_wire_type
 @attrs.frozen
 class LoRARequest:
     """One LoRA adapter, named and numbered by the caller (``LoRARequest("sql", 1, "/adapters/sql")``).

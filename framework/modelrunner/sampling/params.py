@@ -16,6 +16,7 @@ from typing import Any
 import attrs
 
 from .structured import StructuredOutputsParams, as_structured_outputs
+from ..wire import register as _wire_type
 
 SAMPLING_EPS = 1e-5
 """Temperatures below this are greedy (as in vLLM): dividing logits by them overflows float32."""
@@ -204,6 +205,7 @@ checkpoint (for ``LLM.get_default_sampling_params()`` and the server's requests)
 _NOT_IN_REQUESTS = {REQUEST: False}
 
 
+@_wire_type
 @attrs.define(kw_only=True, eq=True)
 class SamplingParams:
     """Per-request sampling and stopping rules (vLLM's fields, names and defaults)."""

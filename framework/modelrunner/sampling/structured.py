@@ -19,6 +19,7 @@ from typing import Any
 import attrs
 
 from ..errors import StructuredOutputError
+from ..wire import register as _wire_type
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object")
 """The constraint kinds a request may give (exactly one)."""
@@ -53,6 +54,7 @@ def check_regex(field: str, pattern: Any) -> None:
         raise _fail(field, f"{pattern!r} is not a valid regular expression: {e}") from None
 
 
+@_wire_type
 @attrs.frozen(kw_only=True)
 class StructuredOutputsParams:
     """One request's output constraint: exactly one of ``json``, ``regex``, ``choice``, ``grammar``,
@@ -138,6 +140,7 @@ class StructuredOutputsParams:
         return value
 
 
+@_wire_type
 @attrs.frozen(kw_only=True)
 class GuidedDecodingParams(StructuredOutputsParams):
     """Deprecated: vLLM's older name of :class:`StructuredOutputsParams` (building one warns)."""

@@ -30,6 +30,7 @@ import attrs
 import numpy as np
 
 from ..config import SpeculativeConfig
+from ..wire import register as _wire_type
 from .proposer import ProposalRequest, Proposer
 
 logger = logging.getLogger(__name__)
@@ -95,6 +96,7 @@ class StepCost:
         del kept[:-_WINDOW]
 
 
+@_wire_type
 @attrs.define
 class SpecCounters:
     """Aggregate counts over every verification (vLLM's ``spec_decode`` metrics)."""
