@@ -4,9 +4,12 @@ Three spellings constrain a completion: OpenAI's ``response_format`` (``json_obj
 ``json_schema`` with a ``schema``), vLLM's ``structured_outputs`` extra (a dict of
 StructuredOutputsParams' fields) and vLLM's older ``guided_json`` / ``guided_regex`` /
 ``guided_choice`` / ``guided_grammar`` (with ``guided_whitespace_pattern`` and a per-request
-``guided_decoding_backend``). A request gives at most one of them. The constraint is checked — and
-compiled by the grammar backend — before the request is queued, so a schema the backend cannot serve
-is a 400 naming the request field and the feature, never a 500 or an unconstrained answer.
+``guided_decoding_backend``, which are ignored when no constraint is given, as vLLM ignores them). A
+request gives at most one of them. The constraint is checked — and compiled by the grammar backend —
+before the request is queued, so a schema the backend cannot serve, one that points outside itself
+(a remote ``$ref``, never fetched) and a constraint that no text satisfies (a regex or grammar that
+matches nothing, a ``$ref`` cycle with no way out, ``const`` against ``type``, ``anyOf: []``) are a 400
+naming the request field and the reason, never a 500, an unconstrained answer or one that breaks it.
 """
 
 from __future__ import annotations
@@ -16,15 +19,14 @@ from typing import Any
 
 from ..errors import StructuredOutputError
 from ..sampling.structured import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs
-from .errors import bad_request
+from ..structured_output.backend_schema import MATCHES_NOTHING, schema_problem
+from .errors import APIError, bad_request
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
                  "guided_grammar": "grammar"}
 """vLLM's older request fields → the StructuredOutputsParams field each sets."""
 RESPONSE_FORMATS = ("text", "json_object", "json_schema")
 """Accepted ``response_format.type`` values."""
-COMPILE_TIMEOUT_S = 120.0
-"""Longest a request waits for its grammar to compile before it is queued."""
 
 
 def structured_outputs_of(body: Any) -> tuple[StructuredOutputsParams | None, str]:
@@ -39,12 +41,7 @@ def structured_outputs_of(body: Any) -> tuple[StructuredOutputsParams | None, st
         raise bad_request(f"{given[0]} and {given[1]} both constrain the output; give one", param=given[1])
     extras = {"whitespace_pattern": getattr(body, "guided_whitespace_pattern", None)}
     backend = getattr(body, "guided_decoding_backend", None)
-    if not given:
-        for name, value in (("guided_whitespace_pattern", extras["whitespace_pattern"]),
-                            ("guided_decoding_backend", backend)):
-            if value is not None:
-                raise bad_request(f"{name} applies to a constraint (guided_json, response_format, ...); none is given",
-                                  param=name)
+    if not given:  # they tune a constraint; without one they have nothing to do (vLLM ignores them too)
         return None, ""
     field = given[0]
     try:
@@ -108,21 +105,32 @@ def check_compiles(llm: Any, params: StructuredOutputsParams, field: str) -> Non
     """Have the engine's grammar backend accept and compile ``params`` now (call it off the event
     loop): the request's own add then finds it compiled in the cache.
 
-    :raises APIError: 400 naming ``field`` and the feature the backend refuses or cannot compile.
+    :raises APIError: 400 naming ``field`` and the feature the backend refuses or cannot compile (in
+        ``structured_outputs_compile_timeout_s`` from when its compilation started); 503 with
+        Retry-After when the grammar compile pool is too busy to take it (the message says how busy).
     """
+    if params.kind == "json":  # before any backend: the same refusal whichever would have compiled it
+        found = schema_problem(params.schema())
+        if found is not None:
+            raise bad_request(f"{field}: {found[1]}", param=field, code=_code(found[0]))
     manager = getattr(getattr(llm, "engine", None), "structured_outputs", None)
     if manager is None:  # an engine without a manager refuses the request when it is added
         return
-    try:
-        compiled = manager.prepare(params)
-        error = compiled.future.exception(timeout=COMPILE_TIMEOUT_S)
+    from ..structured_output.manager import GrammarPoolBusy
+
+    try:  # waits at most structured_outputs_compile_timeout_s from when its compilation starts
+        manager.wait_compiled(manager.prepare(params))
+    except GrammarPoolBusy as e:  # the server is busy, not the request wrong: retry
+        raise APIError(503, f"{field}: {e}", param=field, code="grammar_pool_busy",
+                       headers={"Retry-After": "1"}) from None
     except StructuredOutputError as e:
-        raise bad_request(f"{field}: {e}", param=field, code="unsupported") from None
-    except TimeoutError:
-        raise bad_request(f"{field}: the grammar took more than {COMPILE_TIMEOUT_S:g} s to compile; simplify it",
-                          param=field) from None
-    if error is not None:
-        raise bad_request(f"{field}: {compiled.error}", param=field, code="unsupported")
+        raise bad_request(f"{field}: {e}", param=field, code=_code(e.feature)) from None
+
+
+def _code(feature: str | None) -> str:
+    """The error code of a refused constraint: ``invalid_value`` for one no text satisfies (or whose
+    ``$ref`` does not resolve), ``unsupported`` for a feature the backends do not serve."""
+    return "invalid_value" if feature == MATCHES_NOTHING else "unsupported"
 
 
 __all__ = ["GUIDED_FIELDS", "RESPONSE_FORMATS", "check_compiles", "constrain", "structured_outputs_of"]

@@ -32,6 +32,7 @@ import attrs
 import torch
 
 from ..errors import StructuredOutputError
+from .backend_schema import check_schema
 
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 """Every constraint kind a request may give."""
@@ -159,9 +160,13 @@ class GrammarBackend(abc.ABC):
         """Refuse, when the request is added, what :meth:`compile` cannot do faithfully: raise
         :meth:`unsupported` naming the feature. Never accept a constraint and ignore part of it (an
         unconstrained or wrongly constrained answer is worse than a refusal). Called on the engine's
-        thread: parse, do not compile. The default refuses kinds not in :attr:`constraints`."""
+        thread: parse, do not compile. The default refuses kinds not in :attr:`constraints`, and JSON
+        schemas no backend can honour (:func:`~.backend_schema.check_schema`: a ``$ref`` outside the
+        schema, or no finite document satisfying it)."""
         if spec.kind not in self.constraints:
             raise self.unsupported(spec, spec.kind, f"it supports {', '.join(self.constraints)}")
+        if spec.kind == "json":
+            check_schema(spec.schema, self.name)
 
     @abc.abstractmethod
     def compile(self, spec: GrammarSpec) -> Any:

@@ -11,7 +11,9 @@ from typing import Any
 
 import torch
 
+from ..errors import StructuredOutputError
 from .backend import GrammarBackend, GrammarMatcher, GrammarSpec
+from .backend_schema import MATCHES_NOTHING
 
 
 class GuidanceMatcher(GrammarMatcher):
@@ -119,7 +121,9 @@ class GuidanceBackend(GrammarBackend):
             return self._tokenizer
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """An ``LLMatcher`` at the grammar's start (each sequence gets a deep copy)."""
+        """An ``LLMatcher`` at the grammar's start (each sequence gets a deep copy); refuses
+        (:data:`~.backend_schema.MATCHES_NOTHING`) a constraint whose first token llguidance finds
+        impossible (a regex class that holds no character, say)."""
         from llguidance import LLMatcher
 
         tokenizer = self._ll_tokenizer()
@@ -132,6 +136,10 @@ class GuidanceBackend(GrammarBackend):
         from llguidance.torch import allocate_token_bitmask, fill_next_token_bitmask
 
         fill_next_token_bitmask(matcher, allocate_token_bitmask(1, self.context.vocab_size), 0)
+        if matcher.is_error():  # nothing can even start: the constraint matches no text
+            raise StructuredOutputError(f"{spec.describe()} matches no text at all: no output can begin to satisfy it "
+                                        f"(grammar backend {self.name!r})", feature=MATCHES_NOTHING,
+                                        backend=self.name)
         return matcher
 
     def matcher(self, compiled: Any) -> GuidanceMatcher:

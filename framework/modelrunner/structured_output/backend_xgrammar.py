@@ -14,6 +14,7 @@ import torch
 
 from ..errors import StructuredOutputError
 from .backend import GrammarBackend, GrammarMatcher, GrammarSpec
+from .backend_schema import MATCHES_NOTHING
 
 IGNORED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems")
@@ -60,6 +61,90 @@ def unsupported_keyword(schema: Any) -> tuple[str, str] | None:
 def _reason(error: Exception) -> str:
     """xgrammar's message without its ``[time] file.cc:line:`` prefix."""
     return re.sub(r"^\[[^\]]*\]\s*\S+:\d+:\s*", "", str(error).strip().splitlines()[0] if str(error).strip() else "")
+
+
+# xgrammar's serialized expression kinds (Grammar.serialize_json, format "v18" of xgrammar 0.2): each
+# expression is [kind, length, data...].
+_BYTES, _CLASS, _CLASS_STAR, _EMPTY, _RULE, _SEQUENCE, _CHOICES, _TAG_DISPATCH, _REPEAT = range(9)
+_CODE_POINTS = ((0, 0xD7FF), (0xE000, 0x10FFFF))  # what UTF-8 can encode (surrogates cannot)
+
+
+class _UnknownFormat(Exception):
+    """The serialized grammar is not in the format this module reads."""
+
+
+def _class_is_empty(negated: bool, bounds: Sequence[int]) -> bool:
+    """True when a character class (``bounds``: lo, hi, lo, hi, ...) holds no encodable character."""
+    ranges = sorted(zip(bounds[0::2], bounds[1::2]))
+    if not negated:
+        return not any(lo <= hi and lo <= end and hi >= start for lo, hi in ranges for start, end in _CODE_POINTS)
+    for start, end in _CODE_POINTS:  # a negated class is empty when its ranges cover every code point
+        reach = start
+        for lo, hi in ranges:
+            if lo > reach:
+                break
+            reach = max(reach, hi + 1)
+        if reach <= end:
+            return False
+    return True
+
+
+def matches_nothing(grammar: Any) -> bool | None:
+    """True when an ``xgrammar.Grammar`` accepts no finite text at all (its root rule can never end:
+    a regex class that holds no character, a rule that only recurses, a required property that
+    contains itself); None where its serialized form is not one this function reads."""
+    try:
+        data = json.loads(grammar.serialize_json())
+        values, starts, rules, root = (data["grammar_expr_data"], data["grammar_expr_indptr"], data["rules"],
+                                       data["root_rule_id"])
+        bodies = [int(rule[1]) for rule in rules]
+
+        def expression(i: int) -> tuple[int, list[int]]:
+            item = values[starts[i]:starts[i + 1] if i + 1 < len(starts) else len(values)]
+            if len(item) < 2 or item[1] != len(item) - 2:
+                raise _UnknownFormat
+            return item[0], item[2:]
+
+        def rules_used(i: int) -> set[int]:
+            kind, args = expression(i)
+            if kind == _RULE:
+                return {args[0]}
+            if kind == _REPEAT:
+                return {args[0]}
+            if kind in (_SEQUENCE, _CHOICES):
+                return set().union(*(rules_used(a) for a in args)) if args else set()
+            return set()
+
+        def ends(i: int) -> bool:
+            kind, args = expression(i)
+            if kind in (_BYTES, _CLASS_STAR, _EMPTY, _TAG_DISPATCH):
+                return True
+            if kind == _CLASS:
+                return not _class_is_empty(bool(args[0]), args[1:])
+            if kind == _RULE:
+                return productive[args[0]]
+            if kind == _SEQUENCE:
+                return all(ends(a) for a in args)
+            if kind == _CHOICES:
+                return any(ends(a) for a in args)
+            if kind == _REPEAT:
+                return args[1] == 0 or productive[args[0]]
+            raise _UnknownFormat
+
+        productive = [False] * len(rules)
+        users: list[set[int]] = [set() for _ in rules]
+        for r, body in enumerate(bodies):
+            for used in rules_used(body):
+                users[used].add(r)
+        pending = list(range(len(rules)))
+        while pending:  # a rule turns productive at most once: a worklist, not rounds
+            r = pending.pop()
+            if not productive[r] and ends(bodies[r]):
+                productive[r] = True
+                pending.extend(users[r])
+        return not productive[root]
+    except (_UnknownFormat, ValueError, KeyError, IndexError, TypeError, AttributeError, RecursionError):
+        return None
 
 
 def choice_grammar(choices: Sequence[str]) -> str:
@@ -155,19 +240,26 @@ class XGrammarBackend(GrammarBackend):
             return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """An ``xgrammar.CompiledGrammar``."""
+        """An ``xgrammar.CompiledGrammar``; refuses (:data:`~.backend_schema.MATCHES_NOTHING`) a
+        constraint that no finite text satisfies, which could only fail half-way."""
         compiler = self._compiler_instance()
         try:
             if spec.kind in ("json", "json_object"):
                 schema = spec.value if spec.kind == "json" else '{"type": "object"}'
-                return compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
-            if spec.kind == "regex":
-                return compiler.compile_regex(spec.value)
-            if spec.kind == "choice":
-                return compiler.compile_grammar(choice_grammar(spec.choices))
-            return compiler.compile_grammar(spec.value)
+                compiled = compiler.compile_json_schema(schema, any_whitespace=spec.any_whitespace)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.value)
+            elif spec.kind == "choice":
+                compiled = compiler.compile_grammar(choice_grammar(spec.choices))
+            else:
+                compiled = compiler.compile_grammar(spec.value)
         except Exception as e:  # noqa: BLE001 - what check() could not see, named
             raise self.unsupported(spec, f"this {spec.kind}", _reason(e)) from None
+        if matches_nothing(compiled.grammar):
+            raise StructuredOutputError(f"{spec.describe()} matches no text at all: no finite output satisfies it "
+                                        f"(grammar backend {self.name!r})", feature=MATCHES_NOTHING,
+                                        backend=self.name)
+        return compiled
 
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         """A fresh ``xgrammar.GrammarMatcher``."""
@@ -186,4 +278,5 @@ class XGrammarBackend(GrammarBackend):
         self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask, list(rows))
 
 
-__all__ = ["IGNORED_KEYWORDS", "XGrammarBackend", "XGrammarMatcher", "choice_grammar", "unsupported_keyword"]
+__all__ = ["IGNORED_KEYWORDS", "XGrammarBackend", "XGrammarMatcher", "choice_grammar", "matches_nothing",
+           "unsupported_keyword"]
