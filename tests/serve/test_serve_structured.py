@@ -1,6 +1,9 @@
 """Structured outputs and tool calls through real clients against one server on the default model
 (SmolLM2-135M-Instruct, whose chat template has no tool support) started with
-``--enable-auto-tool-choice --tool-call-parser hermes`` (issue 33, item 3)."""
+``--enable-auto-tool-choice --tool-call-parser hermes`` (issue 33, item 3), and the client libraries
+that expect exactly one call for a named function: instructor's way (with the openai client:
+instructor pins a jiter older than openai's), openai-agents, litellm and LangChain (issue 53, issue 52
+item 6)."""
 
 from __future__ import annotations
 
@@ -281,6 +284,17 @@ def test_langchain_with_structured_output(chat_model, method):
     assert isinstance(result, City)
 
 
+def test_langchain_tools_with_nested_models(server, chat_model):
+    """Issue 52 item 6: a JSON schema's ``$defs`` and ``$ref``s go to the server as the tool's parameters
+    (LangChain inlines a pydantic class's, but passes a schema dict as it is)."""
+    roomy = type(chat_model)(base_url=server.url + "/v1", api_key="unused", model="smollm2", temperature=0,
+                             max_tokens=120, max_retries=0)
+    schema = Trip.model_json_schema()
+    assert "$defs" in schema
+    result = roomy.with_structured_output(schema, method="function_calling").invoke("Plan a trip from Paris to Rome.")
+    assert isinstance(Trip.model_validate(result), Trip)
+
+
 @pytest.mark.parametrize("responses_api", [False, True])
 def test_langchain_bind_tools(server, chat_model, responses_api):
     if responses_api:
@@ -290,3 +304,78 @@ def test_langchain_bind_tools(server, chat_model, responses_api):
     assert message.tool_calls
     for call in message.tool_calls:
         jsonschema.validate(call["args"], PARAMETERS[call["name"]])
+
+
+# -- client libraries that expect exactly one call (issue 53 items 1-2, issue 52 item 6) ------------
+
+
+SAMPLED_SEED = 1
+"""A seed with which SmolLM2, sampling at temperature 0.7, wrote two calls where one was asked for
+(before named functions and parallel_tool_calls=false were constrained to one call)."""
+
+
+class Trip(BaseModel):
+    """A nested model: its JSON schema carries ``$defs`` and ``$ref``s."""
+
+    origin: City
+    destination: City
+
+
+def test_a_named_function_gives_one_complete_call_as_instructor_expects(client):
+    # instructor's default mode (TOOLS): a named tool_choice, then IncompleteOutputException on
+    # finish_reason "length", and exactly one call validated into the model.
+    for model in (City, Trip):
+        completion = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Describe Paris and Rome as JSON."}],
+            tools=[openai.pydantic_function_tool(model)],
+            tool_choice={"type": "function", "function": {"name": model.__name__}}, max_completion_tokens=120,
+            temperature=0)
+        choice = completion.choices[0]
+        assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1, choice.message
+        model.model_validate_json(choice.message.tool_calls[0].function.arguments)
+
+
+def test_openai_pydantic_function_tool_with_nested_models_parses(client):
+    completion = client.chat.completions.parse(
+        model="smollm2", messages=[{"role": "user", "content": "Plan a trip from Paris to Rome."}],
+        tools=[openai.pydantic_function_tool(Trip)], tool_choice="required", parallel_tool_calls=False,
+        max_completion_tokens=120, temperature=0)
+    (call,) = completion.choices[0].message.tool_calls
+    assert isinstance(call.function.parsed_arguments, Trip)
+
+
+def test_openai_agents_runs_a_named_tool_once(server):
+    agents = pytest.importorskip("agents")
+    agents.set_tracing_disabled(True)
+    calls = []
+
+    @agents.function_tool
+    def get_weather(city: str, unit: Literal["celsius", "fahrenheit"]) -> str:
+        """Get the current weather in a city."""
+        calls.append((city, unit))
+        return "Sunny, 21 degrees."
+
+    model = agents.OpenAIChatCompletionsModel(model="smollm2", openai_client=server.async_client())
+    # Sampled, as clients do by default (seeded: with the array grammar, this seed wrote two calls).
+    settings = agents.ModelSettings(tool_choice="get_weather", temperature=0.7, max_tokens=60,
+                                    extra_body={"seed": SAMPLED_SEED})
+    agent = agents.Agent(name="weather", instructions="Answer questions about the weather.", model=model,
+                         tools=[get_weather], tool_use_behavior="stop_on_first_tool", model_settings=settings)
+    result = agents.Runner.run_sync(agent, ASK[0]["content"], max_turns=2)
+    assert len(calls) == 1 and result.final_output == "Sunny, 21 degrees."
+
+
+def test_litellm_tool_round_trip_with_its_own_message_in_the_history(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of litellm's price list
+    litellm = pytest.importorskip("litellm")
+    kwargs = dict(model="openai/smollm2", api_base=server.url + "/v1", api_key="unused", temperature=0.7,
+                  seed=SAMPLED_SEED, num_retries=0, tools=TOOLS)
+    first = litellm.completion(messages=ASK, max_tokens=60,
+                               tool_choice={"type": "function", "function": {"name": "get_weather"}}, **kwargs)
+    message = first.choices[0].message
+    assert len(message.tool_calls) == 1 and message.tool_calls[0].function.name == "get_weather"
+    jsonschema.validate(json.loads(message.tool_calls[0].function.arguments), PARAMETERS["get_weather"])
+    # litellm's ordinary round trip: its own message object (provider_specific_fields and all) goes back.
+    history = [*ASK, message, {"role": "tool", "tool_call_id": message.tool_calls[0].id, "content": "Sunny."}]
+    second = litellm.completion(messages=history, max_tokens=12, tool_choice="none", **kwargs)
+    assert second.choices[0].message.content

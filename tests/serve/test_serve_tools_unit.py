@@ -45,19 +45,74 @@ def _refused(call, param: str) -> APIError:
 
 
 def test_forced_schema_accepts_calls_of_the_allowed_functions_only():
-    plan = tool_plan(_body(tools=[WEATHER, TIME], tool_choice="required", parallel_tool_calls=False), NO_PARSER)
+    plan = tool_plan(_body(tools=[WEATHER, TIME], tool_choice="required"), NO_PARSER)
     schema = plan.schema()
     jsonschema.validate([{"name": "get_weather", "parameters": {"city": "Paris", "unit": "c"}}], schema)
-    for bad in ([], [{"name": "get_weather", "parameters": {"city": "Paris"}}], [{"name": "nope", "parameters": {}}],
-                [{"name": "get_time", "parameters": {}}] * 2):
+    jsonschema.validate([{"name": "get_time", "parameters": {}}] * 2, schema)  # parallel calls by default
+    for bad in ([], [{"name": "get_weather", "parameters": {"city": "Paris"}}], [{"name": "nope", "parameters": {}}]):
         with pytest.raises(jsonschema.ValidationError):
             jsonschema.validate(bad, schema)
     named = tool_plan(_body(tools=[WEATHER, TIME], tool_choice={"type": "function", "function": {"name": "get_time"}}),
                       NO_PARSER)
     assert named.choice == "named" and named.names == ("get_time",)
     with pytest.raises(jsonschema.ValidationError):
-        jsonschema.validate([{"name": "get_weather", "parameters": {"city": "x", "unit": "c"}}], named.schema())
+        jsonschema.validate({"name": "get_weather", "parameters": {"city": "x", "unit": "c"}}, named.schema())
     assert named.structured_outputs().json == named.schema()
+
+
+@pytest.mark.parametrize("choice, parallel", [({"type": "function", "function": {"name": "get_time"}}, None),
+                                              ({"type": "function", "function": {"name": "get_time"}}, True),
+                                              ("required", False)])
+def test_a_named_function_or_required_without_parallel_calls_is_one_call_never_an_array(choice, parallel):
+    """Issue 53 item 1: instructor, openai-agents and litellm expect exactly one call here."""
+    plan = tool_plan(_body(tools=[WEATHER, TIME], tool_choice=choice, parallel_tool_calls=parallel), NO_PARSER)
+    assert plan.single
+    schema = plan.schema()
+    jsonschema.validate({"name": "get_time", "parameters": {}}, schema)
+    for several in ([{"name": "get_time", "parameters": {}}], [{"name": "get_time", "parameters": {}}] * 2):
+        with pytest.raises(jsonschema.ValidationError):
+            jsonschema.validate(several, schema)
+    assert "once: a JSON object" in plan.prompt()
+    parsed = plan.parse('{"name": "get_time", "parameters": {}}')
+    assert parsed.content is None and [c.name for c in parsed.tool_calls] == ["get_time"]
+
+
+def test_tools_with_nested_pydantic_models_get_their_defs_at_the_schemas_root():
+    """Issue 52 item 6: ``$defs`` + ``$ref`` (LangChain's and openai's pydantic_function_tool) work as tools."""
+    from typing import Optional
+
+    from pydantic import BaseModel
+
+    from modelrunner.structured_output.backend_schema import schema_problem
+
+    class Address(BaseModel):
+        street: str
+        city: str
+
+    class Person(BaseModel):
+        name: str
+        home: Address
+        friend: Optional["Person"] = None
+
+    other = {"type": "object", "properties": {"at": {"$ref": "#/$defs/Address"}}, "required": ["at"],
+             "$defs": {"Address": {"type": "integer"}}}  # the same def name, another schema
+    tools = [{"type": "function", "function": {"name": "save", "parameters": Person.model_json_schema()}},
+             {"type": "function", "function": {"name": "other", "parameters": other}}]
+    person = {"name": "Ann", "home": {"street": "Main", "city": "Oslo"},
+              "friend": {"name": "Bo", "home": {"street": "High", "city": "Rome"}}}
+    for choice in ("required", {"type": "function", "function": {"name": "save"}}):
+        plan = tool_plan(_body(tools=tools, tool_choice=choice), NO_PARSER)
+        schema = plan.schema()
+        assert schema_problem(schema) is None and "$defs" in schema
+        call = {"name": "save", "parameters": person}
+        jsonschema.validate(call if plan.single else [call], schema)
+        with pytest.raises(jsonschema.ValidationError):
+            broken = {"name": "save", "parameters": {**person, "home": {"street": 1, "city": "Oslo"}}}
+            jsonschema.validate(broken if plan.single else [broken], schema)
+    both = tool_plan(_body(tools=tools, tool_choice="required"), NO_PARSER).schema()
+    jsonschema.validate([{"name": "other", "parameters": {"at": 3}}], both)
+    with pytest.raises(jsonschema.ValidationError):  # other's Address is its own, not save's
+        jsonschema.validate([{"name": "other", "parameters": {"at": {"street": "x", "city": "y"}}}], both)
 
 
 def test_tool_choice_errors_name_the_field():
@@ -123,24 +178,50 @@ def test_auto_answers_are_parsed_by_the_servers_parser():
     assert plain["finish_reason"] == "stop" and plain["message"] == {"role": "assistant", "content": "It is sunny."}
 
 
-def test_forced_answers_are_read_as_json_and_a_cut_one_stays_content():
+def test_forced_answers_are_read_as_json_and_a_cut_one_leaks_nothing():
+    """Issue 53 item 4: a forced call cut by max_tokens is finish_reason "length", no content, no call."""
     plan = tool_plan(_body(tools=[WEATHER], tool_choice="required"), NO_PARSER)
     text = '[{"name": "get_weather", "parameters": {"city": "Rome", "unit": "f"}}]'
     choice = chat_body(_output(text), _job(plan))["choices"][0]
     assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
     assert json.loads(choice["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Rome", "unit": "f"}
-    cut = chat_body(_output(text[:20], "length"), _job(plan))["choices"][0]
-    assert cut["finish_reason"] == "length" and cut["message"]["content"] == text[:20]
-    assert "tool_calls" not in cut["message"]
+    for finish in ("length", "stop"):
+        cut = chat_body(_output(text[:20], finish), _job(plan))["choices"][0]
+        assert cut["finish_reason"] == finish and cut["message"]["content"] is None
+        assert "tool_calls" not in cut["message"]
+        streamed = _stream(plan, text[:20], finish_reason=finish)
+        assert _reassemble(streamed) == ("", [], finish)
 
 
-def _stream(plan, text: str, step: int = 3) -> list[dict]:
+def test_an_auto_call_cut_by_max_tokens_leaves_only_the_text_before_it():
+    """Issue 53 item 4: no raw ``<tool_call>`` markup in content, streamed or not."""
+    plan = tool_plan(_body(tools=[WEATHER]), HERMES)
+    cut = HERMES_TEXT[:HERMES_TEXT.index('"city"')]
+    choice = chat_body(_output(cut, "length"), _job(plan))["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "Let me check."
+    assert "tool_calls" not in choice["message"]
+    for step in (1, 4, 1000):
+        content, calls, finish = _reassemble(_stream(plan, cut, step, finish_reason="length"))
+        assert (content.strip(), calls, finish) == ("Let me check.", [], "length")
+    # A finished call before the cut one is kept; the answer still says it was cut.
+    two = HERMES_TEXT + "\n" + cut[cut.index("<tool_call>"):]
+    choice = chat_body(_output(two, "length"), _job(plan))["choices"][0]
+    assert choice["finish_reason"] == "length" and choice["message"]["content"] == "Let me check."
+    assert [c["function"]["name"] for c in choice["message"]["tool_calls"]] == ["get_weather"]
+    content, calls, finish = _reassemble(_stream(plan, two, 3, finish_reason="length"))
+    assert ("<tool" not in content, [c["name"] for c in calls], finish) == (True, ["get_weather"], "length")
+    # Text that merely ends the answer is kept as it was.
+    assert chat_body(_output("Hello <tool", "stop"), _job(plan))["choices"][0]["message"]["content"] == "Hello <tool"
+
+
+def _stream(plan, text: str, step: int = 3, finish_reason: str = "stop") -> list[dict]:
     stream, chunks = ToolStream(), []
     pieces = [text[i:i + step] for i in range(0, len(text), step)]
     for i, piece in enumerate(pieces):
         last = i == len(pieces) - 1
         delta = CompletionDelta(index=0, delta_text=piece, delta_token_ids=[1], delta_logprobs=None,
-                                finish_reason="stop" if last else None, stop_reason=None, num_generated_tokens=i + 1)
+                                finish_reason=finish_reason if last else None, stop_reason=None,
+                                num_generated_tokens=i + 1)
         chunks.extend(stream.choices(delta, _job(plan)))
     return chunks
 

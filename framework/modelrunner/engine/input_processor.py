@@ -65,7 +65,8 @@ class InputProcessor:
         """Validate one request.
 
         :param prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
-            whose other keys (e.g. ``"images"``) join ``extra``.
+            whose other keys (e.g. ``"images"``) join ``extra``; a ``"cache_salt"`` string (vLLM's)
+            keeps its blocks apart in the prefix cache: only prompts with the same salt share them.
         :raises ValueError: empty or too long prompt, token ids outside the vocabulary, a text prompt
             for a model without a tokenizer, invalid sampling parameters (checked again here, as they
             may have been changed since construction), ``n`` above ``max_num_seqs``, a logits
@@ -80,6 +81,9 @@ class InputProcessor:
         params = params.clone().validate()
         check_token_ranges(params, self.vocab_size)
         text, token_ids, prompt_extra = self._parse(prompt)
+        salt = prompt_extra.pop("cache_salt", None)
+        if salt is not None and (not isinstance(salt, str) or not salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {salt!r:.80}")
         extra = {**prompt_extra, **(extra or {})}
         if params.truncate_prompt_tokens is not None and len(token_ids) > params.truncate_prompt_tokens:
             token_ids = token_ids[-params.truncate_prompt_tokens:]
@@ -92,6 +96,8 @@ class InputProcessor:
         self._check_lengths(request_id, token_ids, params)
         states = self.processor_states(params) if self.processor_states is not None else {}
         keys = extra_keys(extra)
+        if salt is not None:
+            keys += (("cache_salt", salt),)
         if params.prompt_logprobs is not None:
             # Prompt log-probabilities need every prompt position computed: no prefix-cache hits.
             keys += (("prompt_logprobs", request_id),)

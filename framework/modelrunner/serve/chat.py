@@ -20,11 +20,15 @@ from .tools import ToolPlan, template_supports_tools, tool_calls_of, written_cal
 ROLES = ("system", "developer", "user", "assistant", "tool")
 """Accepted message roles (``developer`` is given to the template as ``system``)."""
 MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_call_id", "tool_calls", "function_call", "refusal",
-                          "annotations", "audio"})
-"""Accepted keys of a message: OpenAI's, so that a reply's ``message.model_dump()`` can go back into
-the history (``annotations`` is accepted and not used; a ``refusal`` stands in for a missing
-``content``; an assistant's ``tool_calls`` and a tool message's ``tool_call_id`` and ``name`` go to
-the template; ``function_call`` and ``audio`` must be null)."""
+                          "annotations", "audio", "reasoning_content", "reasoning"})
+"""The keys of a message this server reads, and checks the type of: OpenAI's, so that a reply's
+``message.model_dump()`` can go back into the history (``annotations`` is accepted and not used; a
+``refusal`` stands in for a missing ``content``; an assistant's ``tool_calls`` and a tool message's
+``tool_call_id`` and ``name`` go to the template; ``function_call`` and ``audio`` must be null), and
+vLLM's ``reasoning_content`` / ``reasoning`` of an assistant message (given to the template, which
+may show or drop it). Any other key (litellm's ``provider_specific_fields``, ...) is ignored, as
+vLLM ignores it."""
+_STRING_KEYS = ("name", "tool_call_id", "refusal", "reasoning_content", "reasoning")
 PART_TYPES = ("text", "image_url", "refusal")
 """Accepted content part types (an assistant's ``refusal`` part is its text)."""
 _UNSUPPORTED = {"function_call": "function calls", "audio": "audio replies"}
@@ -56,10 +60,14 @@ class ChatOptions:
             raise bad_request("chat_template in requests is refused by this server (start it with "
                               "--trust-request-chat-template to allow it)", param="chat_template",
                               code="unsupported")
+        kwargs = body.chat_template_kwargs
+        documents = getattr(body, "documents", None)
+        if documents is not None:  # vLLM gives them to the template as `documents`
+            kwargs = {"documents": documents, **(kwargs or {})}
         return cls(chat_template=body.chat_template or settings.chat_template,
                    add_generation_prompt=True if body.add_generation_prompt is None else body.add_generation_prompt,
                    continue_final_message=bool(body.continue_final_message),
-                   chat_template_kwargs=body.chat_template_kwargs, add_special_tokens=bool(body.add_special_tokens))
+                   chat_template_kwargs=kwargs, add_special_tokens=bool(body.add_special_tokens))
 
 
 @attrs.frozen
@@ -88,13 +96,17 @@ def parse_messages(messages: Any, image_token: str | None, param: str = "message
         if not isinstance(message, dict):
             raise bad_request(f"{where} must be an object with 'role' and 'content', got {type(message).__name__}",
                               param=where)
-        unknown = sorted(set(message) - MESSAGE_KEYS)
-        if unknown:
-            raise bad_request(f"{where} has unknown field {unknown[0]!r}; accepted: {', '.join(sorted(MESSAGE_KEYS))}",
-                              param=f"{where}.{unknown[0]}", code="unknown_field")
         role = message.get("role")
         if role not in ROLES:
             raise bad_request(f"{where}.role must be one of {', '.join(ROLES)}; got {role!r}", param=f"{where}.role")
+        for key in _STRING_KEYS:
+            if message.get(key) is not None and not isinstance(message[key], str):
+                raise bad_request(f"{where}.{key} must be a string or null, got {type(message[key]).__name__}",
+                                  param=f"{where}.{key}")
+        for key in ("tool_calls", "annotations"):
+            if message.get(key) is not None and not isinstance(message[key], list):
+                raise bad_request(f"{where}.{key} must be a list or null, got {type(message[key]).__name__}",
+                                  param=f"{where}.{key}")
         calls = tool_calls_of(message, where) if message.get("tool_calls") else []
         if calls and role != "assistant":
             raise bad_request(f"{where}.tool_calls: only assistant messages carry tool calls",
@@ -112,8 +124,20 @@ def parse_messages(messages: Any, image_token: str | None, param: str = "message
             entry["tool_calls"] = calls
         if role == "tool":
             entry.update({k: message[k] for k in ("tool_call_id", "name") if isinstance(message.get(k), str)})
+        if role == "assistant":
+            entry.update({k: message[k] for k in ("reasoning_content", "reasoning") if isinstance(message.get(k), str)})
         conversation.append(entry)
     return ParsedMessages(conversation, image_urls)
+
+
+def echo_text(parsed: ParsedMessages, options: ChatOptions) -> str:
+    """What vLLM's ``echo`` puts before a reply: the last message's text when it has the reply's role
+    (``assistant`` after a generation prompt, else the last message's own role), else nothing."""
+    if not parsed.conversation:
+        return ""
+    last = parsed.conversation[-1]
+    role = "assistant" if options.add_generation_prompt else last["role"]
+    return last["content"] if last["role"] == role else ""
 
 
 def _flatten(content: Any, where: str, image_token: str | None, image_urls: list[tuple[str, str]]) -> str:

@@ -13,7 +13,7 @@ from starlette.responses import JSONResponse, Response
 
 from ..engine.outputs import RequestOutput
 from .async_engine import Generation
-from .chat import ChatOptions, parse_messages, render
+from .chat import ChatOptions, echo_text, parse_messages, render
 from .deltas import CompletionDelta, OutputDelta
 from .errors import APIError, bad_request
 from .protocol import ChatCompletionRequest, parse_body
@@ -41,6 +41,12 @@ class ChatJob:
     tokenizer: Any
     tools: ToolPlan | None = None
     """How answers may call tools (None: plain text)."""
+    prompt_tokens: int = 0
+    """The prompt's length, for the usage of the first chunk of a stream (``continuous_usage_stats``)."""
+    echo: str = ""
+    """Text put before each choice's content (vLLM's ``echo``: the last message, when it has the reply's role)."""
+    token_ids_as_text: bool = False
+    """Log-probabilities name tokens ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
 
 
 async def create_chat_completion(request: Request, state: ServerState) -> Response:
@@ -74,14 +80,20 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
     parsed = parse_messages(body.messages, served.image_token)
     options = ChatOptions.from_request(body, state.settings)
     prompt = await run_in_threadpool(render, served.llm, served.tokenizer, parsed, options, "messages", tools)
+    if body.cache_salt is not None:
+        prompt["cache_salt"] = body.cache_salt
     requested = body.max_completion_tokens is not None or body.max_tokens is not None
     check_room([prompt], params, served.max_model_len, max_tokens[1] if requested else None, "messages")
     await constrain(served, params, constraint, field)
-    job = ChatJob(id=new_id("chatcmpl"), created=now(), model=state.reported_name(adapter), n=params.n,
+    job = ChatJob(id=body.response_id("chatcmpl"), created=now(), model=state.reported_name(adapter), n=params.n,
                   top_logprobs=top_logprobs, include_usage=include_usage, continuous_usage=continuous_usage,
                   return_token_ids=bool(body.return_token_ids), prompt_logprobs=body.prompt_logprobs is not None,
-                  tokenizer=served.tokenizer, tools=tools if tools is not None and tools.calls_tools else None)
-    generation = await state.generate(job.id, [prompt], params, "messages", stream=body.streaming,
+                  tokenizer=served.tokenizer, tools=tools if tools is not None and tools.calls_tools else None,
+                  prompt_tokens=len(prompt.get("prompt_token_ids") or ()),
+                  echo=echo_text(parsed, options) if body.echo else "",
+                  token_ids_as_text=bool(body.return_tokens_as_token_ids))
+    # The engine's id is always fresh: a client's request_id need not be unique among live requests.
+    generation = await state.generate(new_id("chatcmpl"), [prompt], params, "messages", stream=body.streaming,
                                       lora_request=adapter)
     if body.streaming:
         return EventStream(chat_events(generation, job), generation)
@@ -94,7 +106,7 @@ async def create_chat_completion(request: Request, state: ServerState) -> Respon
 def _logprobs(job: ChatJob, token_ids: list[int], positions: list | None) -> dict[str, Any] | None:
     if job.top_logprobs is None:
         return None
-    return chat_logprobs(token_ids, positions or [], job.top_logprobs, job.tokenizer)
+    return chat_logprobs(token_ids, positions or [], job.top_logprobs, job.tokenizer, job.token_ids_as_text)
 
 
 def chat_body(output: RequestOutput, job: ChatJob) -> dict[str, Any]:
@@ -109,11 +121,14 @@ def chat_body(output: RequestOutput, job: ChatJob) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": completion.text}
         finish_reason = completion.finish_reason
         if job.tools is not None:
-            parsed = job.tools.parse(completion.text)
+            parsed = job.tools.parse(completion.text, finish_reason)
             message["content"] = parsed.content
             if parsed.tool_calls:
                 message["tool_calls"] = [call.as_openai() for call in parsed.tool_calls]
-                finish_reason = "tool_calls"
+                if finish_reason != "length":  # a cut answer says so, whatever calls it finished
+                    finish_reason = "tool_calls"
+        if job.echo:
+            message["content"] = job.echo + (message["content"] or "")
         choice: dict[str, Any] = {"index": completion.index, "message": message,
                                   "logprobs": _logprobs(job, completion.token_ids, completion.logprobs),
                                   "finish_reason": finish_reason, "stop_reason": completion.stop_reason}
@@ -144,9 +159,19 @@ async def chat_events(generation: Generation, job: ChatJob) -> AsyncIterator[byt
             payload["usage"] = _usage_of(output) if job.continuous_usage and output is not None else None
         return payload
 
+    first_usage = usage(job.prompt_tokens, 0) if job.include_usage and job.continuous_usage else None
     for index in range(job.n):
-        yield event(chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                            "finish_reason": None}], None))
+        role = chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                       "finish_reason": None}], None)
+        if first_usage is not None:  # vLLM: continuous usage from the very first chunk
+            role["usage"] = first_usage
+        yield event(role)
+        if job.echo:
+            echoed = chunk([{"index": index, "delta": {"content": job.echo}, "logprobs": None,
+                             "finish_reason": None}], None)
+            if first_usage is not None:
+                echoed["usage"] = first_usage
+            yield event(echoed)
     finished: set[int] = set()
     latest: OutputDelta | None = None
     prompt_ids_sent = False
@@ -218,9 +243,14 @@ class ToolStream:
                 return []
             return [_choice(completion.index, {"content": piece} if piece else {}, logprobs, tokens=tokens,
                             job=job)]
-        parsed = job.tools.parse(self.text)
+        parsed = job.tools.parse(self.text, completion.finish_reason)
         if not parsed.tool_calls:
-            rest = self.text[self.sent:]
+            if job.tools.forced:  # a forced answer that is not a call is the server's own JSON: never content
+                rest = ""
+            elif completion.finish_reason == "length":  # a cut call's markup is not content
+                rest = self.text[self.sent:max(self.sent, job.tools.streamable(self.text))].rstrip()
+            else:
+                rest = self.text[self.sent:]
             return [_choice(completion.index, {"content": rest} if rest else {}, logprobs, completion.finish_reason,
                             completion.stop_reason, tokens, job)]
         sent = self.text[:self.sent].strip()
@@ -233,7 +263,8 @@ class ToolStream:
                 job=job))
             arguments = {"tool_calls": [{"index": i, "function": {"arguments": call.arguments}}]}
             out.append(_choice(completion.index, arguments, job=job))
-        out.append(_choice(completion.index, {}, None, "tool_calls", completion.stop_reason, [] if tokens is not None
+        finish = "length" if completion.finish_reason == "length" else "tool_calls"
+        out.append(_choice(completion.index, {}, None, finish, completion.stop_reason, [] if tokens is not None
                            else None, job))
         return out
 

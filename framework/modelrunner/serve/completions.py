@@ -48,6 +48,8 @@ class CompletionJob:
     prompt_logprobs: bool
     tokenizer: Any
     prompt_texts: list[str | None]
+    token_ids_as_text: bool = False
+    """Log-probabilities name tokens ``token_id:<id>`` (``return_tokens_as_token_ids``)."""
 
     def prompt_text(self, index: int, output: RequestOutput) -> str:
         """The prompt as text, for ``echo``."""
@@ -81,15 +83,20 @@ async def create_completion(request: Request, state: ServerState) -> Response:
     prompts = body.prompts()
     add_special = True if body.add_special_tokens is None else body.add_special_tokens
     inputs = await run_in_threadpool(_encode_all, served, prompts, add_special)
+    if body.cache_salt is not None:
+        for item in inputs:
+            item["cache_salt"] = body.cache_salt
     check_room(inputs, params, served.max_model_len, "max_tokens", "prompt")
     await constrain(served, params, *structured_outputs_of(body))
     job = CompletionJob(
-        id=new_id("cmpl"), created=now(), model=state.reported_name(adapter), n=params.n, echo=echo,
+        id=body.response_id("cmpl"), created=now(), model=state.reported_name(adapter), n=params.n, echo=echo,
         logprobs=body.logprobs, score_only=score_only, include_usage=include_usage,
         continuous_usage=continuous_usage, return_token_ids=bool(body.return_token_ids),
         prompt_logprobs=body.prompt_logprobs is not None, tokenizer=served.tokenizer,
-        prompt_texts=[p if isinstance(p, str) else None for p in prompts])
-    generation = await state.generate(job.id, inputs, params, "prompt", stream=body.streaming,
+        prompt_texts=[p if isinstance(p, str) else None for p in prompts],
+        token_ids_as_text=bool(body.return_tokens_as_token_ids))
+    # The engine's id is always fresh: a client's request_id need not be unique among live requests.
+    generation = await state.generate(new_id("cmpl"), inputs, params, "prompt", stream=body.streaming,
                                       lora_request=adapter)
     if body.streaming:
         return EventStream(completion_events(generation, job), generation)
@@ -161,7 +168,7 @@ def completion_body(finals: dict[int, RequestOutput], job: CompletionJob) -> dic
                 if job.echo:
                     ids = output.prompt_token_ids + token_ids
                     pos = (output.prompt_logprobs or [None] * len(output.prompt_token_ids)) + positions
-                choice["logprobs"] = completion_logprobs(ids, pos, job.tokenizer)[0]
+                choice["logprobs"] = completion_logprobs(ids, pos, job.tokenizer, as_ids=job.token_ids_as_text)[0]
             _extras(choice, output, token_ids, job, first=True)
             choices.append(choice)
     return {"id": job.id, "object": "text_completion", "created": job.created, "model": job.model,
@@ -209,7 +216,8 @@ async def completion_events(generation: Generation, job: CompletionJob) -> Async
                                       "finish_reason": _finish_reason(completion, job),
                                       "stop_reason": completion.stop_reason}
             if job.logprobs is not None:
-                choice["logprobs"], offsets[key] = completion_logprobs(ids, pos, job.tokenizer, offsets[key])
+                choice["logprobs"], offsets[key] = completion_logprobs(ids, pos, job.tokenizer, offsets[key],
+                                                                       job.token_ids_as_text)
             _extras(choice, output, token_ids, job, first)
             chunk: dict[str, Any] = {"id": job.id, "object": "text_completion", "created": job.created,
                                      "model": job.model, "choices": [choice]}

@@ -4,11 +4,13 @@ Bodies are read and parsed here rather than by FastAPI, so that every failure â€
 JSON, an unknown field, a value of the wrong type â€” is one 400 naming the field. Values are checked
 for type here and for range by :class:`~modelrunner.SamplingParams` (see :mod:`.sampling`).
 
-Every field of openai-python's request types is accepted (a test walks them), so a client that
-sends OpenAI's own fields is never refused for them: those that have no meaning here are ignored
-with one debug log line per request (``ignored_fields``), those asking for what this server does
-not do are refused saying so (``check_unsupported``), and any other field is still an unknown one
-(a 400 that catches typos, as OpenAI's own API does).
+Every field of openai-python's request types and of vLLM's ``ChatCompletionRequest`` and
+``CompletionRequest`` is accepted (tests walk them), so a client that sends OpenAI's or vLLM's own
+fields is never refused for them: those that have no meaning here are ignored with one debug log
+line per request (``ignored_fields``), those asking for what this server does not do are refused
+saying so (``check_unsupported``: only values that cannot be honoured, never the defaults), and any
+other field is still an unknown one (a 400 that catches typos, as OpenAI's own API does). Inside
+``messages``, unknown keys are ignored as vLLM ignores them (see :mod:`.chat`).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.requests import Request
 
 from .errors import bad_request, from_validation_errors
 from .json_body import load_json
+from .responses import new_id
 from .sampling import REQUEST_FIELDS
 
 logger = logging.getLogger("modelrunner.serve")
@@ -81,11 +84,19 @@ SamplingFields = create_model(
 (derived from SamplingParams: a new parameter is a request field without a line here)."""
 
 
+REQUEST_ID_MAX_CHARS = 256
+"""Longest ``request_id`` a request may give (it becomes the response's ``id``)."""
+
+
 class SamplingRequest(SamplingFields):
     """The fields completions and chat completions share: the sampling parameters (:data:`SamplingFields`)
     and these."""
 
-    ignored_fields = ("user",)
+    ignored_fields = ("user", "length_penalty", "spaces_between_special_tokens")
+    accepted_values = {"use_beam_search": "false or leave it out (this server samples; it has no beam search)",
+                       "priority": "0 or leave it out (requests are scheduled first come, first served)",
+                       "kv_transfer_params": "leave it out (no disaggregated prefill here)",
+                       "structural_tag": "leave it out (give response_format, structured_outputs or guided_*)"}
     model: str | None = None
     stream: bool | None = None
     stream_options: StreamOptions | None = None
@@ -102,6 +113,31 @@ class SamplingRequest(SamplingFields):
     guided_grammar: str | None = None
     guided_whitespace_pattern: str | None = None
     guided_decoding_backend: str | None = None
+    structural_tag: str | None = None
+    # vLLM's other extras (see docs/guide/serving.md, "vLLM's request fields")
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    """Beam search's; without beam search (vLLM's default, and all this server does) it has no effect."""
+    spaces_between_special_tokens: bool | None = None
+    """Only slow tokenizers read it; fast ones (all this server loads) decode the same either way, as in vLLM."""
+    priority: int | None = None
+    request_id: str | None = None
+    """The response's ``id`` becomes ``<prefix>-<request_id>`` (vLLM's way)."""
+    cache_salt: str | None = None
+    """Prefix-cache blocks are shared only between requests with the same salt (and with none between
+    salted and unsalted ones)."""
+    return_tokens_as_token_ids: bool | None = None
+    """Log-probabilities name tokens ``token_id:<id>`` instead of their text."""
+    kv_transfer_params: dict[str, Any] | None = None
+    vllm_xargs: dict[str, str | int | float | list[str | int | float]] | None = None
+    """vLLM's name for ``extra_args`` (free-form arguments for plugins)."""
+
+    @field_validator("request_id", "cache_salt")
+    @classmethod
+    def _non_empty(cls, value: str | None) -> str | None:
+        if value is not None and not 0 < len(value) <= REQUEST_ID_MAX_CHARS:
+            raise ValueError(f"must be a non-empty string of at most {REQUEST_ID_MAX_CHARS} characters")
+        return value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -115,6 +151,27 @@ class SamplingRequest(SamplingFields):
     def streaming(self) -> bool:
         """True when the client asked for server-sent events."""
         return bool(self.stream)
+
+    def _unsupported(self) -> list[tuple[str, Any, bool]]:
+        return [("use_beam_search", self.use_beam_search, not self.use_beam_search),
+                ("priority", self.priority, self.priority == 0),
+                ("kv_transfer_params", self.kv_transfer_params, not self.kv_transfer_params),
+                ("structural_tag", self.structural_tag, False)]
+
+    def response_id(self, prefix: str) -> str:
+        """The response's ``id``: ``<prefix>-<request_id>`` when the request gave one, else a fresh one."""
+        return f"{prefix}-{self.request_id}" if self.request_id is not None else new_id(prefix)
+
+    def sampling_extra_args(self) -> dict[str, Any] | None:
+        """``extra_args`` for SamplingParams: the request's ``extra_args`` or vLLM's ``vllm_xargs``.
+
+        :raises APIError: 400 when both are given.
+        """
+        extra = getattr(self, "extra_args", None)
+        if extra is not None and self.vllm_xargs is not None:
+            raise bad_request("extra_args and vllm_xargs are two names for the same arguments; give one",
+                              param="vllm_xargs")
+        return self.vllm_xargs if self.vllm_xargs is not None else extra
 
     def usage_options(self) -> tuple[bool, bool]:
         """``(include_usage, continuous_usage_stats)`` of a stream.
@@ -138,11 +195,14 @@ class CompletionRequest(SamplingRequest):
     echo: bool | None = None
     best_of: int | None = None
     suffix: str | None = None
+    prompt_embeds: Any = None
 
-    accepted_values = {"best_of": "the same value as n, or leave it out"}
+    accepted_values = {**SamplingRequest.accepted_values, "best_of": "the same value as n, or leave it out",
+                       "prompt_embeds": "leave it out (give prompt as text or token ids)"}
 
     def _unsupported(self) -> list[tuple[str, Any, bool]]:
-        return [("suffix", self.suffix, False), ("best_of", self.best_of, self.best_of == (self.n or 1))]
+        return [*super()._unsupported(), ("suffix", self.suffix, False),
+                ("best_of", self.best_of, self.best_of == (self.n or 1)), ("prompt_embeds", self.prompt_embeds, False)]
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -174,6 +234,14 @@ class ChatCompletionRequest(SamplingRequest):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool | None = None
     continue_final_message: bool | None = None
+    # vLLM's chat extras
+    echo: bool | None = None
+    """Put the last message's text before the reply when it has the reply's role (vLLM's ``echo``)."""
+    documents: list[dict[str, str]] | None = None
+    """Given to the chat template as ``documents`` (retrieval-augmented templates read them)."""
+    include_reasoning: bool | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    best_of: int | None = None
     # OpenAI's fields for what this server does not do: refused unless they ask for nothing
     audio: Any = None
     modalities: list[str] | None = None
@@ -195,17 +263,22 @@ class ChatCompletionRequest(SamplingRequest):
 
     ignored_fields = ("user", "store", "metadata", "service_tier", "reasoning_effort", "verbosity", "prompt_cache_key",
                       "prompt_cache_retention", "prompt_cache_options", "safety_identifier", "moderation",
-                      "prediction", "web_search_options")
-    accepted_values = {"audio": "leave it out (replies are text)", "modalities": "['text'] or leave it out",
-                       "functions": "leave them out, or function_call 'none'",
-                       "function_call": "'none' or leave it out"}
+                      "prediction", "web_search_options", "length_penalty", "spaces_between_special_tokens",
+                      "include_reasoning")
+    accepted_values = {**SamplingRequest.accepted_values, "audio": "leave it out (replies are text)",
+                       "modalities": "['text'] or leave it out", "functions": "leave them out, or function_call 'none'",
+                       "function_call": "'none' or leave it out", "best_of": "the same value as n, or leave it out",
+                       "mm_processor_kwargs": "leave it out (images are prepared by the model's own processor "
+                                              "with its defaults)"}
 
     def _unsupported(self) -> list[tuple[str, Any, bool]]:
         no_functions = not self.functions or self.function_call == "none"
-        return [("audio", self.audio, False),
+        return [*super()._unsupported(), ("audio", self.audio, False),
                 ("modalities", self.modalities, set(self.modalities or ()) <= {"text"}),
                 ("functions", self.functions or None, no_functions),
-                ("function_call", self.function_call, no_functions)]
+                ("function_call", self.function_call, no_functions),
+                ("best_of", self.best_of, self.best_of == (self.n or 1)),
+                ("mm_processor_kwargs", self.mm_processor_kwargs, not self.mm_processor_kwargs)]
 
 
 class TokenizeRequest(BaseModel):

@@ -37,7 +37,9 @@ def clamp(logprob: float) -> float:
     return max(logprob, MIN_LOGPROB)
 
 
-def _token_text(tokenizer: Any, token_id: int, entry: Logprob | None) -> str:
+def _token_text(tokenizer: Any, token_id: int, entry: Logprob | None, as_ids: bool = False) -> str:
+    if as_ids:  # vLLM's return_tokens_as_token_ids: names that survive tokens that are not whole characters
+        return f"token_id:{token_id}"
     if entry is not None and entry.decoded_token is not None:
         return entry.decoded_token
     return tokenizer.decode([token_id]) if tokenizer is not None else f"token_id:{token_id}"
@@ -48,12 +50,13 @@ def _by_rank(position: PositionLogprobs) -> list[tuple[int, Logprob]]:
 
 
 def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs | None], tokenizer: Any,
-                        text_offset: int = 0) -> tuple[dict[str, Any], int]:
+                        text_offset: int = 0, as_ids: bool = False) -> tuple[dict[str, Any], int]:
     """Log-probabilities in the completions format, and the text offset after the last token.
 
     :param positions: per token, its log-probability entry (None for a prompt's first token,
         which nothing predicts: its ``token_logprobs`` and ``top_logprobs`` are null).
     :param text_offset: where the first token starts in the returned text.
+    :param as_ids: name tokens ``token_id:<id>`` (vLLM's ``return_tokens_as_token_ids``).
     """
     tokens: list[str] = []
     token_logprobs: list[float | None] = []
@@ -61,7 +64,7 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLo
     offsets: list[int] = []
     for token_id, position in zip(token_ids, positions):
         chosen = position.get(token_id) if position is not None else None
-        text = _token_text(tokenizer, token_id, chosen)
+        text = _token_text(tokenizer, token_id, chosen, as_ids)
         tokens.append(text)
         offsets.append(text_offset)
         text_offset += len(text)
@@ -70,16 +73,18 @@ def completion_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLo
             top_logprobs.append(None)
             continue
         token_logprobs.append(clamp(chosen.logprob) if chosen is not None else None)
-        top_logprobs.append({_token_text(tokenizer, tid, lp): clamp(lp.logprob) for tid, lp in _by_rank(position)})
+        top_logprobs.append({_token_text(tokenizer, tid, lp, as_ids): clamp(lp.logprob)
+                             for tid, lp in _by_rank(position)})
     return ({"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top_logprobs,
              "text_offset": offsets}, text_offset)
 
 
 def chat_logprobs(token_ids: Sequence[int], positions: Sequence[PositionLogprobs], top_n: int,
-                  tokenizer: Any) -> dict[str, Any]:
-    """Log-probabilities in the chat format: per token, its own and the ``top_n`` likeliest."""
+                  tokenizer: Any, as_ids: bool = False) -> dict[str, Any]:
+    """Log-probabilities in the chat format: per token, its own and the ``top_n`` likeliest (named
+    ``token_id:<id>`` with ``as_ids``, vLLM's ``return_tokens_as_token_ids``)."""
     def entry(token_id: int, lp: Logprob) -> dict[str, Any]:
-        text = _token_text(tokenizer, token_id, lp)
+        text = _token_text(tokenizer, token_id, lp, as_ids)
         return {"token": text, "logprob": clamp(lp.logprob), "bytes": list(text.encode("utf-8"))}
 
     content = []

@@ -61,6 +61,8 @@ def build_sampling_params(request: Any, *, defaults: dict[str, Any],
     values: dict[str, Any] = {}
     for field in PASSED_THROUGH:
         value = getattr(request, field, None)
+        if field == "extra_args" and hasattr(request, "sampling_extra_args"):
+            value = request.sampling_extra_args()  # or vLLM's name for it, vllm_xargs
         if value is None and field in GENERATION_CONFIG_FIELDS:
             value = defaults.get(field)
         if value is not None:

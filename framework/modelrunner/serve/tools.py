@@ -2,11 +2,17 @@
 
 - ``none``: the model answers in text (a tool-aware template still sees the tools, as in vLLM).
 - ``required`` and a named function (``{"type": "function", "function": {"name": ...}}``): the
-  grammar backend constrains the output to a JSON array of calls, ``[{"name", "parameters"}]``, whose
-  ``parameters`` validate against the function's schema (vLLM's way), so any model returns calls
-  that parse. No tool-call parser is needed.
+  grammar backend constrains the output to calls whose ``parameters`` validate against the
+  function's schema (vLLM's way), so any model returns calls that parse. A named function, and
+  ``required`` with ``parallel_tool_calls: false``, give exactly one call: the output is one object
+  ``{"name", "parameters"}``; ``required`` otherwise gives a JSON array of one or more. A function's
+  ``$defs`` (nested pydantic models) move to the root of that schema, their ``$ref``s rewritten; the
+  calls are spaced as ``json.dumps`` spaces JSON (no free whitespace to wander into). No
+  tool-call parser is needed; an answer cut short (``max_tokens``) is no call and no content, never
+  the server's own JSON.
 - ``auto`` (the default when tools are given): the model writes calls in its own format and the
-  server's tool-call parser (``--enable-auto-tool-choice --tool-call-parser NAME``) finds them.
+  server's tool-call parser (``--enable-auto-tool-choice --tool-call-parser NAME``) finds them; a call
+  cut short by ``max_tokens`` is dropped with its markup, the text before it kept as content.
 
 A template with tool support gets ``tools=`` (and the history's ``tool_calls``); for one without it
 (e.g. SmolLM2's), the functions and the format to call them in are described in a system message,
@@ -17,12 +23,13 @@ from __future__ import annotations
 
 import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 
 from ..sampling.structured import StructuredOutputsParams
+from ..structured_output.backend_schema import escape_pointer, map_subschemas, subschemas
 from ..tool_parser import ParsedOutput, ToolCall, ToolParser
 from .errors import bad_request
 
@@ -63,34 +70,51 @@ class ToolPlan:
         """``tools=`` for the chat template (OpenAI's shape)."""
         return [{"type": "function", "function": f} for f in self.functions]
 
+    @property
+    def single(self) -> bool:
+        """A forced answer is exactly one call (a named function, or ``parallel_tool_calls`` false)."""
+        return self.forced and (self.choice == "named" or not self.parallel)
+
     def schema(self) -> dict[str, Any]:
-        """The JSON schema a forced answer follows: an array of 1 (or more, with parallel calls) of
-        ``{"name": <one of names>, "parameters": <its parameters>}``."""
+        """The JSON schema a forced answer follows: one ``{"name": <one of names>, "parameters": <its
+        parameters>}`` (:attr:`single`), else an array of one or more of them; the functions'
+        ``$defs`` gathered at its root (see :func:`hoisted_parameters`)."""
+        definitions: dict[str, Any] = {}
         members = [{"type": "object",
                     "properties": {"name": {"type": "string", "enum": [f["name"]]},
-                                   "parameters": f.get("parameters") or {"type": "object", "properties": {}}},
+                                   "parameters": hoisted_parameters(f.get("parameters"), f["name"], definitions)},
                     "required": ["name", "parameters"], "additionalProperties": False}
                    for f in self.functions if f["name"] in self.names]
-        schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                                  "items": members[0] if len(members) == 1 else {"anyOf": members}}
-        if not self.parallel:
-            schema["maxItems"] = 1
+        call = members[0] if len(members) == 1 else {"anyOf": members}
+        schema: dict[str, Any] = dict(call) if self.single else {"type": "array", "minItems": 1, "items": call}
+        if definitions:
+            schema["$defs"] = definitions
         return schema
 
     def structured_outputs(self) -> StructuredOutputsParams | None:
-        """The constraint of a forced answer (None for ``none`` and ``auto``)."""
-        return StructuredOutputsParams(json=self.schema()) if self.forced else None
+        """The constraint of a forced answer (None for ``none`` and ``auto``): its JSON spaced as
+        ``json.dumps`` spaces it, so no model can wander into endless whitespace inside a call."""
+        return StructuredOutputsParams(json=self.schema(), disable_any_whitespace=True) if self.forced else None
 
-    def parse(self, text: str) -> ParsedOutput:
-        """A finished answer as content and calls: a forced one read as the JSON array, an ``auto``
-        one by the parser; text that does not read as calls stays content."""
+    def parse(self, text: str, finish_reason: str | None = None) -> ParsedOutput:
+        """A finished answer as content and calls: a forced one read as its JSON, an ``auto`` one by
+        the parser; text that does not read as calls stays content, except the server's own syntax
+        (a forced answer that is not a whole call has no content) and, when the answer was cut short
+        (``finish_reason="length"``), the markup of a call it did not finish (dropped with
+        everything after it: the content is the text before it)."""
         if self.forced:
-            return forced_calls(text)
+            parsed = forced_calls(text)
+            if not parsed.tool_calls:  # cut short: the server's own JSON is not the model's content
+                return ParsedOutput(None)
+            return ParsedOutput(None, parsed.tool_calls[:1]) if self.single else parsed
         if self.choice != "auto" or self.parser is None:
             return ParsedOutput(text)
         parsed = self.parser.parse(text)
         if not self.parallel and len(parsed.tool_calls) > 1:
             parsed = ParsedOutput(parsed.content, parsed.tool_calls[:1])
+        if finish_reason == "length" and parsed.content:
+            kept = parsed.content[:self.parser.streamable(parsed.content)].strip()
+            parsed = ParsedOutput(kept or None, parsed.tool_calls)
         return parsed
 
     def streamable(self, text: str) -> int:
@@ -113,14 +137,73 @@ class ToolPlan:
         listed = "\n".join(json.dumps(f, ensure_ascii=False) for f in self.functions if f["name"] in self.names)
         example_function = next(f for f in self.functions if f["name"] in self.names)
         example = ToolCall(example_function["name"], json.dumps(example_arguments(example_function.get("parameters"))))
-        if self.forced:
-            which = f"the function {self.names[0]}" if self.choice == "named" else "one or more of the functions"
+        if self.single:
+            which = f"the function {self.names[0]}" if self.choice == "named" else "one of the functions"
             return (f"You have access to these functions (JSON schemas of their parameters):\n{listed}\n\n"
-                    f"Answer by calling {which}: a JSON array of calls, each with the function's name and its "
-                    f"parameters, like this:\n{written_calls([example])}")
+                    f"Answer by calling {which} once: a JSON object with the function's name and its parameters, "
+                    f"like this:\n{written_calls([example])[1:-1]}")
+        if self.forced:
+            return (f"You have access to these functions (JSON schemas of their parameters):\n{listed}\n\n"
+                    f"Answer by calling one or more of the functions: a JSON array of calls, each with the "
+                    f"function's name and its parameters, like this:\n{written_calls([example])}")
         return (f"You have access to these functions (JSON schemas of their parameters):\n{listed}\n\n"
                 f"To call a function, answer with the call written exactly like this example:\n"
                 f"{self.format_calls([example])}\nOtherwise, answer normally.")
+
+
+def hoisted_parameters(parameters: Any, owner: str, definitions: dict[str, Any]) -> dict[str, Any]:
+    """A function's parameters schema made to work where the forced-call schema nests it (under
+    ``properties.parameters``): its ``$defs`` / ``definitions`` move into ``definitions`` (the root's
+    ``$defs``) as ``"<owner>.<name>"``, and its ``$ref``s are rewritten to match; a ``$ref`` to its own
+    root (``#`` or ``#/properties/...``, a recursive model) points at a copy of it kept there as
+    ``"<owner>"``. ``{"type": "object", "properties": {}}`` for None. What pydantic's
+    ``model_json_schema`` writes for nested models (LangChain's and openai's ``pydantic_function_tool``)."""
+    if not parameters:
+        return {"type": "object", "properties": {}}
+    local = {(key, name): sub for key in ("$defs", "definitions") if isinstance(parameters.get(key), dict)
+             for name, sub in parameters[key].items()}
+    if not local and not any(ref.startswith("#") for ref in _refs_in(parameters)):
+        return parameters
+    moved = {(key, name): f"{owner}.{name}" for key, name in local}
+    to_root = [False]
+
+    def rewrite(ref: str) -> str:
+        for (key, name), new in moved.items():
+            old = f"#/{key}/{escape_pointer(str(name))}"
+            if ref == old or ref.startswith(old + "/"):
+                return f"#/$defs/{escape_pointer(new)}{ref[len(old):]}"
+        if ref == "#" or ref.startswith("#/"):
+            to_root[0] = True
+            return f"#/$defs/{escape_pointer(owner)}{ref[1:]}"
+        return ref  # not local: refused by the schema check, naming it
+
+    body = _with_refs(parameters, rewrite)
+    for key in ("$defs", "definitions"):
+        body.pop(key, None)
+    for (key, name), new in moved.items():
+        definitions[new] = _with_refs(local[(key, name)], rewrite)
+    if to_root[0]:
+        definitions[owner] = body
+        return {"$ref": f"#/$defs/{escape_pointer(owner)}"}
+    return body
+
+
+def _refs_in(node: Any) -> list[str]:
+    stack, found = [(node, "#")], []
+    while stack:
+        item, where = stack.pop()
+        if isinstance(item, dict) and isinstance(item.get("$ref"), str):
+            found.append(item["$ref"])
+        stack.extend(subschemas(item, where))
+    return found
+
+
+def _with_refs(node: Any, rewrite: Callable[[str], str]) -> Any:
+    """A copy of schema ``node`` with every ``$ref`` in it passed through ``rewrite``."""
+    out = map_subschemas(node, lambda sub: _with_refs(sub, rewrite))
+    if isinstance(out, dict) and isinstance(out.get("$ref"), str):
+        out["$ref"] = rewrite(out["$ref"])
+    return out
 
 
 def example_arguments(schema: Any) -> dict[str, Any]:
@@ -146,8 +229,8 @@ def written_calls(calls: Sequence[ToolCall]) -> str:
 
 
 def forced_calls(text: str) -> ParsedOutput:
-    """A forced answer (``[{"name", "parameters"}, ...]``) as calls; text that is not one (generation
-    stopped early) stays content."""
+    """A forced answer (``{"name", "parameters"}`` or an array of them) as calls; text that is not one
+    (generation stopped early) stays content."""
     try:
         values = json.loads(text)
     except ValueError:
@@ -272,5 +355,5 @@ def tool_calls_of(message: dict[str, Any], where: str) -> list[ToolCall]:
     return calls
 
 
-__all__ = ["AUTO_FLAGS", "TOOL_CHOICES", "ToolPlan", "example_arguments", "forced_calls", "template_supports_tools",
-           "tool_calls_of", "tool_parser", "tool_plan", "written_calls"]
+__all__ = ["AUTO_FLAGS", "TOOL_CHOICES", "ToolPlan", "example_arguments", "forced_calls", "hoisted_parameters",
+           "template_supports_tools", "tool_calls_of", "tool_parser", "tool_plan", "written_calls"]
