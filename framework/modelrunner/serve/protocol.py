@@ -93,7 +93,7 @@ class SamplingRequest(SamplingFields):
     and these."""
 
     ignored_fields = ("user", "length_penalty", "spaces_between_special_tokens")
-    accepted_values = {"use_beam_search": "false or leave it out (this server samples; it has no beam search)",
+    accepted_values = {"use_beam_search": "false or leave it out (the server samples; beam search is offline only, LLM.beam_search)",
                        "priority": "0 or leave it out (requests are scheduled first come, first served)",
                        "kv_transfer_params": "leave it out (no disaggregated prefill here)",
                        "structural_tag": "leave it out (give response_format, structured_outputs or guided_*)"}
@@ -117,7 +117,7 @@ class SamplingRequest(SamplingFields):
     # vLLM's other extras (see docs/guide/serving.md, "vLLM's request fields")
     use_beam_search: bool | None = None
     length_penalty: float | None = None
-    """Beam search's; without beam search (vLLM's default, and all this server does) it has no effect."""
+    """Beam search's; without beam search (vLLM's default, and all this server serves) it has no effect."""
     spaces_between_special_tokens: bool | None = None
     """Only slow tokenizers read it; fast ones (all this server loads) decode the same either way, as in vLLM."""
     priority: int | None = None
