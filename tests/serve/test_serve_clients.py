@@ -141,7 +141,8 @@ def test_prompt_embeds_on_completions_is_refused_naming_it(client):
 def test_request_id_names_the_response_and_may_repeat(client):
     chat = _chat(client, extra_body={"request_id": "trace-42"})
     assert chat.id == "chatcmpl-trace-42"
-    completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=2, extra_body={"request_id": "trace-42"})
+    completion = client.completions.create(model="tiny", prompt="Hi", max_tokens=2,
+                                           extra_body={"request_id": "trace-42"})
     assert completion.id == "cmpl-trace-42"
     _refused(lambda: _chat(client, extra_body={"request_id": ""}), "request_id")
 
@@ -301,7 +302,8 @@ def test_constraints_that_cannot_be_honoured_are_400s_naming_the_field(client, e
 
 def test_completions_refuse_them_too(client):
     _refused(lambda: client.completions.create(model="tiny", prompt="x", max_tokens=2,
-                                               extra_body={"guided_regex": "[^\\s\\S]"}), "guided_regex", "invalid_value")
+                                               extra_body={"guided_regex": "[^\\s\\S]"}),
+             "guided_regex", "invalid_value")
 
 
 # -- tools with nested pydantic models (issue 52 item 6) -----------------------------------------

@@ -45,7 +45,8 @@ HONOURABLE = [
 ]
 
 
-@pytest.mark.parametrize("schema, named", UNSATISFIABLE, ids=lambda v: json.dumps(v)[:40] if isinstance(v, dict) else "")
+@pytest.mark.parametrize("schema, named", UNSATISFIABLE,
+                         ids=lambda v: json.dumps(v)[:40] if isinstance(v, dict) else "")
 def test_schemas_no_document_satisfies_are_named_with_their_place(schema, named):
     feature, message = schema_problem(schema)
     assert feature == MATCHES_NOTHING and named in message, message

@@ -93,7 +93,8 @@ class SamplingRequest(SamplingFields):
     and these."""
 
     ignored_fields = ("user", "length_penalty", "spaces_between_special_tokens")
-    accepted_values = {"use_beam_search": "false or leave it out (the server samples; beam search is offline only, LLM.beam_search)",
+    accepted_values = {"use_beam_search": "false or leave it out (the server samples; beam search is offline only, "
+                                          "LLM.beam_search)",
                        "priority": "0 or leave it out (requests are scheduled first come, first served)",
                        "kv_transfer_params": "leave it out (no disaggregated prefill here)",
                        "structural_tag": "leave it out (give response_format, structured_outputs or guided_*)"}
