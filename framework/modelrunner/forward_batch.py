@@ -11,6 +11,15 @@ import torch
 from .wire import register as _wire_type
 
 
+RETURN_HIDDEN_STATES = "return_hidden_states"
+"""``ForwardBatch.extra`` key: an int64 tensor of rows of the step's flattened tokens whose final hidden
+states (after the model's final norm) the forward hook must return in ``aux[HIDDEN_STATES]``, in that
+order. Set when embedding (pooling) requests run in the step; absent otherwise."""
+HIDDEN_STATES = "hidden_states"
+"""``ForwardOutput.aux`` key: float ``[len(rows), hidden_size]``, the final hidden states of the rows
+``extra[RETURN_HIDDEN_STATES]`` asked for (an adapter that does not return them cannot serve embeddings)."""
+
+
 @_wire_type
 @attrs.frozen
 class ForwardBatch:

@@ -95,7 +95,11 @@ def forward(
         Under pipeline parallelism a stage after the first reads the previous stage's tensors
         from ``batch.extra["stage_inputs"]``, and a stage before the last returns
         ``ForwardOutput(<empty logits>, aux={"stage_outputs": {name: tensor}})`` for the next one
-        (``modelrunner.distributed.STAGE_INPUTS`` / ``STAGE_OUTPUTS``).
+        (``modelrunner.distributed.STAGE_INPUTS`` / ``STAGE_OUTPUTS``). When
+        ``batch.extra["return_hidden_states"]`` holds token rows (embedding requests run in the step),
+        the last stage also returns their final hidden states, after the final norm, as
+        ``aux["hidden_states"]`` (``modelrunner.forward_batch.RETURN_HIDDEN_STATES`` / ``HIDDEN_STATES``;
+        :func:`modelrunner.models.run_stage` does it).
 
     Stops at first non-None result.
     """

@@ -39,7 +39,7 @@ from .distributed import (
     send_tensor_dict,
 )
 from .errors import ModelRunnerError
-from .forward_batch import ForwardBatch, ForwardOutput
+from .forward_batch import HIDDEN_STATES, ForwardBatch, ForwardOutput
 from .runner import ModelRunner, resolve_device
 from .source import resolve_source
 
@@ -128,10 +128,13 @@ def run_step(ctx: DistributedContext, runner: ModelRunner, batch: ForwardBatch,
     if ctx.logits_rank == 0:
         return out if ctx.rank == 0 else None
     if ctx.rank == ctx.logits_rank:
-        send_tensor_dict({"logits": out.logits}, 0, ctx.stage_group, group=ctx.stage_group)
+        # Embedding requests' final hidden states come from the last stage too.
+        hidden = {HIDDEN_STATES: out.aux[HIDDEN_STATES].float().cpu()} if HIDDEN_STATES in out.aux else {}
+        send_tensor_dict({"logits": out.logits, **hidden}, 0, ctx.stage_group, group=ctx.stage_group)
     elif ctx.rank == 0:
-        logits = recv_tensor_dict(ctx.logits_rank, torch.device("cpu"), ctx.stage_group, group=ctx.stage_group)
-        return ForwardOutput(logits=logits["logits"], aux=out.aux)
+        last = recv_tensor_dict(ctx.logits_rank, torch.device("cpu"), ctx.stage_group, group=ctx.stage_group)
+        logits = last.pop("logits")
+        return ForwardOutput(logits=logits, aux={**out.aux, **last})
     return None
 
 

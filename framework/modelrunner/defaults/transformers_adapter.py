@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from ..forward_batch import HIDDEN_STATES, RETURN_HIDDEN_STATES, ForwardOutput
 from ..hookspecs import hookimpl
 from ..loaded_model import LoadedModel
 from ..registry import FALLBACK_ARCHITECTURE
@@ -68,8 +69,10 @@ def parallelize(loaded: LoadedModel, parallel: Any) -> None:
 
 
 @hookimpl
-def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor:
-    """Run each sequence of the step through transformers' model with its own ``DynamicCache``."""
+def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor | ForwardOutput:
+    """Run each sequence of the step through transformers' model with its own ``DynamicCache``; with
+    ``batch.extra[RETURN_HIDDEN_STATES]``, also the final hidden states of those rows (transformers'
+    last ``hidden_states`` entry, which is after the final norm)."""
     from transformers import DynamicCache
 
     caches: dict[int, Any] = loaded.extra["caches"]
@@ -78,6 +81,9 @@ def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor:
     starts = batch.query_start_loc.tolist()
     context_lens = batch.context_lens.tolist()
     wanted = batch.logits_indices.tolist()
+    pooled = batch.extra.get(RETURN_HIDDEN_STATES)
+    pooled_rows = [] if pooled is None else pooled.tolist()
+    hidden_rows: dict[int, torch.Tensor] = {}
     rows: list[torch.Tensor] = []
     for i, seq_id in enumerate(batch.seq_ids):
         start, end = starts[i], starts[i + 1]
@@ -90,15 +96,25 @@ def forward(loaded: LoadedModel, batch: Any) -> torch.Tensor:
             cache.crop(context_lens[i])
         mine = [w - start for w in wanted if start <= w < end]
         keep = (end - start - min(mine)) if mine else 1
+        pooled_here = [r for r in pooled_rows if start <= r < end]
         out = loaded.runnable(
             input_ids=batch.input_ids[start:end].unsqueeze(0),
             position_ids=batch.positions[start:end].unsqueeze(0),
             **{loaded.extra["cache_argument"]: cache},
             use_cache=True,
             logits_to_keep=keep,
+            **({"output_hidden_states": True} if pooled_here else {}),
         )
+        if pooled_here:
+            final = out.hidden_states[-1][0]
+            hidden_rows.update((r, final[r - start]) for r in pooled_here)
         if mine:
             logits = out.logits[0]
             offset = (end - start) - keep
             rows.append(logits[[m - offset for m in mine]])
-    return torch.cat(rows).float() if rows else batch.input_ids.new_zeros((0, loaded.vocab_size), dtype=torch.float32)
+    logits = torch.cat(rows).float() if rows else batch.input_ids.new_zeros((0, loaded.vocab_size),
+                                                                             dtype=torch.float32)
+    if pooled is None:
+        return logits
+    return ForwardOutput(logits=logits, aux={HIDDEN_STATES: torch.stack([hidden_rows[r] for r in pooled_rows])
+                                             if pooled_rows else logits.new_zeros((0, 0))})

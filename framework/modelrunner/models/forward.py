@@ -7,15 +7,16 @@ from typing import Any, Callable
 import torch
 
 from ..distributed import STAGE_INPUTS, STAGE_OUTPUTS
-from ..forward_batch import ForwardBatch, ForwardOutput
+from ..forward_batch import HIDDEN_STATES, RETURN_HIDDEN_STATES, ForwardBatch, ForwardOutput
 
 
 def run_stage(loaded: Any, batch: ForwardBatch, kv_caches: list[torch.Tensor],
               aux_of: Callable[[Any], dict[str, Any]] | None = None, **model_inputs: Any) -> ForwardOutput:
     """This rank's part of one step of ``loaded.model`` (a :class:`~.decoder.DecoderForCausalLM` or any
     model with a ``parallel`` state, ``forward(batch, kv_caches, **inputs)`` and ``compute_logits``):
-    the logits of ``batch.logits_indices`` on the last pipeline stage, the next stage's inputs (in
-    ``aux[STAGE_OUTPUTS]``, with empty logits) on the others.
+    the logits of ``batch.logits_indices`` on the last pipeline stage (with the final hidden states
+    of the rows ``batch.extra[RETURN_HIDDEN_STATES]`` asks for in ``aux[HIDDEN_STATES]``), the next
+    stage's inputs (in ``aux[STAGE_OUTPUTS]``, with empty logits) on the others.
 
     :param aux_of: called with the model after its forward; what it returns joins the output's
         ``aux`` (e.g. the MoE adapter's router logits).
@@ -33,6 +34,9 @@ def run_stage(loaded: Any, batch: ForwardBatch, kv_caches: list[torch.Tensor],
         return ForwardOutput(logits=torch.empty(0, loaded.vocab_size), aux={STAGE_OUTPUTS: out, **aux})
     with torch.inference_mode():
         hidden = out.index_select(0, batch.logits_indices)
+        pooled_rows = batch.extra.get(RETURN_HIDDEN_STATES)
+        if pooled_rows is not None:  # embedding requests: their rows' final hidden states
+            aux = {**aux, HIDDEN_STATES: out.index_select(0, pooled_rows.to(out.device))}
     # Logits leave inference mode so callers (samplers, logits processors) may edit them in place.
     with torch.no_grad():
         logits = model.compute_logits(hidden).float()
