@@ -51,6 +51,9 @@ __all__ = [
     "Logprob",
     "BeamSearchParams",
     "LoRARequest",
+    "PoolingParams",
+    "PoolingRequestOutput",
+    "EmbeddingRequestOutput",
 ]
 
 _LAZY = {
@@ -65,6 +68,9 @@ _LAZY = {
     "CompletionOutput": ("modelrunner.engine.outputs", "CompletionOutput"),
     "Logprob": ("modelrunner.engine.outputs", "Logprob"),
     "BeamSearchParams": ("modelrunner.engine.beam_search", "BeamSearchParams"),
+    "PoolingParams": ("modelrunner.pooling.params", "PoolingParams"),
+    "PoolingRequestOutput": ("modelrunner.pooling.outputs", "PoolingRequestOutput"),
+    "EmbeddingRequestOutput": ("modelrunner.pooling.outputs", "EmbeddingRequestOutput"),
 }
 
 

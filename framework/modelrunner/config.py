@@ -350,6 +350,30 @@ class LoRAConfig:
         return self.max_cpu_loras or self.max_loras
 
 
+def _vllm_pooling_name(value: Any) -> Any:
+    """vLLM spells pooling types in capitals (``LAST``, ``MEAN``, ``CLS``); the registry's names are lowercase."""
+    return value.lower() if isinstance(value, str) and value.isupper() else value
+
+
+def _optional_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, bool):
+        raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
+
+
+@attrs.frozen
+class PoolerConfig:
+    """How embedding requests pool a prompt's hidden states (vLLM's ``pooler_config``, also accepted as
+    ``LLM(pooler_config={"pooling_type": "mean", "normalize": False})``)."""
+
+    pooling_type: str | None = attrs.field(default=None, converter=_vllm_pooling_name, validator=_optional_str)
+    """The pooling method, by name: ``last``, ``mean``, ``cls`` or another installed one (``modelrunner
+    plugins`` lists them); None: what the checkpoint's sentence-transformers ``Pooling`` module
+    says, else ``last``."""
+    normalize: bool | None = attrs.field(default=None, validator=_optional_bool)
+    """L2-normalise embeddings unless a request says otherwise; None: as the checkpoint's
+    sentence-transformers modules say (a ``Normalize`` module), else True."""
+
+
 def _device_default() -> str:
     return "auto"
 
@@ -376,6 +400,8 @@ class RunnerConfig:
     """Speculative decoding (None: off); vLLM's ``speculative_config`` in the flat dict."""
     lora: LoRAConfig = attrs.field(factory=LoRAConfig)
     """LoRA adapters."""
+    pooling: PoolerConfig = attrs.field(factory=PoolerConfig)
+    """Embeddings: the pooling method and normalisation."""
     device: str | int = attrs.field(factory=_device_default, validator=_device)
     """``auto`` (CUDA when available, else CPU), ``cpu``, ``cuda``, ``cuda:N`` or a GPU index."""
 
@@ -426,12 +452,14 @@ _SECTIONS = {
     "limits": RequestLimits,
     "structured_outputs": StructuredOutputsConfig,
     "lora": LoRAConfig,
+    "pooling": PoolerConfig,
 }
 
 _RENAMED = {
     "compile": {"compile": "enabled", "compile_backend": "backend", "compile_mode": "mode",
                 "compile_cache_dir": "cache_dir", "compile_options": "options"},
     "structured_outputs": {f"structured_outputs_{f.name}": f.name for f in attrs.fields(StructuredOutputsConfig)},
+    "pooling": {"pooling_type": "pooling_type", "pooling_normalize": "normalize"},
 }
 """Section → flat key → field, for the sections whose flat keys are not their fields' names."""
 
@@ -469,6 +497,9 @@ def _translate_vllm(d: dict[str, Any]) -> dict[str, Any]:
         if key == "structured_outputs_config":
             out.update(_flat_structured_outputs(value))
             continue
+        if key in ("pooler_config", "override_pooler_config"):
+            out.update(_flat_pooler(value, key))
+            continue
         if key == "guided_decoding_backend":
             warnings.warn("guided_decoding_backend is deprecated (as in vLLM); use "
                           "structured_outputs_config={'backend': ...}", DeprecationWarning, stacklevel=4)
@@ -504,3 +535,16 @@ def _flat_structured_outputs(value: Any) -> dict[str, Any]:
         raise ValueError(f"unknown structured_outputs_config key {unknown[0]!r}{did_you_mean(unknown[0], known)} "
                          f"(known: {', '.join(known)})")
     return {f"structured_outputs_{k}": v for k, v in value.items()}
+
+
+def _flat_pooler(value: Any, key: str = "pooler_config") -> dict[str, Any]:
+    """vLLM's ``pooler_config`` (a dict or a :class:`PoolerConfig`) as flat keys."""
+    if isinstance(value, PoolerConfig):
+        value = attrs.asdict(value)
+    if not isinstance(value, dict):
+        raise ValueError(f"{key} must be a dict like {{'pooling_type': 'mean', 'normalize': True}}, got {value!r}")
+    known = [f.name for f in attrs.fields(PoolerConfig)]
+    unknown = sorted(set(value) - set(known))
+    if unknown:
+        raise ValueError(f"unknown {key} key {unknown[0]!r}{did_you_mean(unknown[0], known)} (known: {', '.join(known)})")
+    return {("pooling_type" if k == "pooling_type" else "pooling_normalize"): v for k, v in value.items()}

@@ -38,7 +38,8 @@ def register(registry: Registry) -> None:
     backend names, and ``registry.attention_backends(cls)`` / ``registry.logits_processors(cls)`` /
     ``registry.quantization_methods(cls)`` / ``registry.matmul_kernels(cls)`` /
     ``registry.grammar_backends(cls)`` / ``registry.tool_parsers(cls)`` / ``registry.proposers(cls)`` /
-    ``registry.lora_kernels(cls)`` / ``registry.executors(cls)`` with classes of those kinds. The kernel calls your other hooks only for the names you declare here.
+    ``registry.lora_kernels(cls)`` / ``registry.executors(cls)`` / ``registry.pooling_methods(cls)`` with
+    classes of those kinds. The kernel calls your other hooks only for the names you declare here.
 
     :param registry: collects the names; it records which plugin gave each one.
     """

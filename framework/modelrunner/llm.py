@@ -18,6 +18,8 @@ from .engine.llm_engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .errors import ModelRunnerError, StructuredOutputError
 from .executor import Executor, create_executor
+from .pooling.outputs import EmbeddingRequestOutput, PoolingRequestOutput
+from .pooling.params import PoolingParams
 from .sampling.params import GENERATION_CONFIG, SamplingParams
 
 
@@ -177,7 +179,99 @@ class LLM:
                 bar.close()
         return [done[rid] for rid in ids]
 
-    def _add_all(self, prompts: list[Any], params: list[SamplingParams], consumer: Any,
+    def encode(
+        self,
+        prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        lora_request: Any = None,
+        pooling_task: str | None = None,
+    ) -> list[PoolingRequestOutput]:
+        """Run every prompt through the model without generating and pool its final hidden states
+        (vLLM's ``encode``); one output per prompt, in order, ``outputs.data`` a float32 tensor.
+
+        The pooling method is the model's (``pooling_type``: the checkpoint's sentence-transformers
+        config, else ``last``); requests batch continuously with any others on the engine.
+
+        :param prompts: as :meth:`generate`'s.
+        :param pooling_params: one :class:`~modelrunner.pooling.PoolingParams` for all prompts, or one per
+            prompt (default: ``PoolingParams()``: full size, the model's normalisation).
+        :param truncate_prompt_tokens: keep only each prompt's last this many tokens (sets the params' field).
+        :param use_tqdm: show a progress bar when there is more than one prompt.
+        :param lora_request: as :meth:`generate`'s.
+        :param pooling_task: ``embed`` (one vector per prompt; the default) or ``token_embed`` (one per
+            prompt token); sets the params' ``task``.
+        :raises ValueError: a prompt or its parameters are invalid (the message names its index, and
+            the field, e.g. ``dimensions`` a model does not allow); nothing runs then.
+        :raises PoolingError: a prompt could not be pooled (e.g. the model's adapter returns no hidden states).
+        """
+        batch = _as_prompt_list(prompts)
+        if isinstance(pooling_params, (list, tuple)):
+            if len(pooling_params) != len(batch):
+                raise ValueError(f"got {len(pooling_params)} pooling_params for {len(batch)} prompts; give one, or "
+                                 "one per prompt")
+            params = list(pooling_params)
+        else:
+            params = [pooling_params or PoolingParams()] * len(batch)
+        if not all(isinstance(p, PoolingParams) for p in params):
+            bad = next(p for p in params if not isinstance(p, PoolingParams))
+            raise ValueError(f"pooling_params must be PoolingParams, got {type(bad).__name__}")
+        changes = {k: v for k, v in (("truncate_prompt_tokens", truncate_prompt_tokens), ("task", pooling_task))
+                   if v is not None}
+        params = [attrs.evolve(p, **changes) for p in params]
+        done: dict[str, PoolingRequestOutput] = {}
+        bar = None
+        if use_tqdm and len(batch) > 1:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(batch), desc="Embedding", unit="prompt", dynamic_ncols=True)
+
+        def collect(output: Any) -> None:
+            if output.finished:
+                done[output.request_id] = output
+                if bar is not None:
+                    bar.update(1)
+
+        ids = self._add_all(batch, params, collect, _per_prompt_loras(lora_request, len(batch)))
+        try:
+            while len(done) < len(ids):
+                self.engine.advance()
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        outputs = [done[rid] for rid in ids]
+        for i, output in enumerate(outputs):
+            data = getattr(getattr(output, "outputs", None), "data", None)
+            if data is None:
+                why = output.error or f"it ended with finish_reason={output.finish_reason!r}"
+                raise PoolingError(f"prompt {i}: no embedding: {why}")
+        return outputs
+
+    def embed(
+        self,
+        prompts: str | list[int] | dict[str, Any] | Sequence[str | list[int] | dict[str, Any]],
+        *,
+        truncate_prompt_tokens: int | None = None,
+        use_tqdm: bool = True,
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        lora_request: Any = None,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt (vLLM's ``embed``): ``out.outputs.embedding`` is a list of floats.
+
+        See :meth:`encode` for the arguments; ``PoolingParams(dimensions=256)`` shortens Matryoshka
+        models' embeddings, ``PoolingParams(normalize=False)`` skips the L2 normalisation.
+        """
+        outputs = self.encode(prompts, pooling_params, truncate_prompt_tokens=truncate_prompt_tokens,
+                              use_tqdm=use_tqdm, lora_request=lora_request, pooling_task="embed")
+        return [EmbeddingRequestOutput.from_base(o) for o in outputs]
+
+    def _add_all(self, prompts: list[Any], params: list[SamplingParams] | list[PoolingParams], consumer: Any,
                  loras: list[Any] | None = None) -> list[str]:
         ids: list[str] = []
         loras = loras or [None] * len(prompts)
@@ -336,6 +430,10 @@ class GenerationError(ModelRunnerError):
     """A request failed while generating (its forward or sampling raised twice); the message says why."""
 
 
+class PoolingError(ModelRunnerError):
+    """A prompt could not be pooled into an embedding (its forward or pooling failed); the message says why."""
+
+
 def _as_prompt_list(prompts: Any) -> list[Any]:
     if isinstance(prompts, (str, dict)):
         return [prompts]
@@ -374,7 +472,7 @@ class DataParallelLLM(LLM):
     ``generate``, ``chat``, ``stats``, ``memory_stats``, ``reset_prefix_cache``, ``shutdown`` and
     ``add_lora`` / ``remove_lora`` (every replica reads an adapter itself, also the first time a
     request uses it); what needs one engine in this process (``generate_stream``, ``beam_search``,
-    ``llm_engine``, ``runner``) raises :class:`~modelrunner.errors.ModelRunnerError` saying so.
+    ``embed`` / ``encode``, ``llm_engine``, ``runner``) raises :class:`~modelrunner.errors.ModelRunnerError` saying so.
     """
 
     def __init__(self, model: str = "smollm2", *, plugins: Any = None, **config: Any) -> None:
@@ -423,6 +521,12 @@ class DataParallelLLM(LLM):
 
     def generate_stream(self, prompt: Any, sampling_params: Any = None) -> Iterator[str]:  # noqa: D102
         raise _one_engine("generate_stream")
+
+    def encode(self, prompts: Any, pooling_params: Any = None, **kwargs: Any) -> Any:  # noqa: D102
+        raise _one_engine("encode")
+
+    def embed(self, prompts: Any, **kwargs: Any) -> Any:  # noqa: D102
+        raise _one_engine("embed")
 
     def _each(self, name: str) -> list[Any]:
         return [r.call(name).result() for r in self.router.replicas if r.alive]

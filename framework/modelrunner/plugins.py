@@ -39,6 +39,7 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-proposers": "modelrunner.defaults.proposers",
     "default-lora-kernels": "modelrunner.defaults.lora_kernels",
     "default-executors": "modelrunner.defaults.executors",
+    "default-pooling": "modelrunner.defaults.pooling",
 }
 """The kernel's own plugins (name → module), registered ``trylast`` so installed plugins win."""
 
@@ -359,6 +360,10 @@ class Plugins:
     def executor_class(self, name: str) -> type:
         """The :class:`~modelrunner.executor.Executor` subclass registered as ``name``."""
         return self._class("executors", name)
+
+    def pooling_method_class(self, name: str) -> type:
+        """The :class:`~modelrunner.pooling.PoolingMethod` subclass registered as ``name``."""
+        return self._class("pooling_methods", name)
 
     def quantization_method_class(self, name: str) -> type:
         """The :class:`~modelrunner.quantization.QuantizationMethod` subclass registered as ``name``."""

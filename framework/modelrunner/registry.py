@@ -19,7 +19,7 @@ NAME_KINDS = ("architectures", "allocators", "compile_backends")
 """Kinds declared by name only (the plugin's hook answers for them)."""
 CLASS_KINDS = ("attention_backends", "logits_processors", "quantization_methods", "matmul_kernels",
                "grammar_backends", "tool_parsers", "proposers", "lora_kernels",
-               "executors")
+               "executors", "pooling_methods")
 """Kinds declared by class (the class's ``name`` attribute is the name; the kernel instantiates it)."""
 KINDS = NAME_KINDS + CLASS_KINDS
 """Every kind of name a plugin may provide."""
@@ -54,6 +54,7 @@ CLASS_CAPABILITIES = {
     "proposers": (),
     "lora_kernels": ("devices",),
     "executors": ("parallel", "launched_externally"),
+    "pooling_methods": ("reads",),
 }
 """Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
 
@@ -101,6 +102,10 @@ def _base_class(kind: str) -> type:
         from .executor_base import Executor
 
         return Executor
+    if kind == "pooling_methods":
+        from .pooling.method import PoolingMethod
+
+        return PoolingMethod
     from .quantization.base import QuantizationMethod
 
     return QuantizationMethod
@@ -217,6 +222,11 @@ class Registry:
         """Declare executors (:class:`modelrunner.executor.Executor` subclasses: what runs a replica's
         ranks), selectable by ``name`` (config ``distributed_executor_backend``)."""
         self._add_classes("executors", executors)
+
+    def pooling_methods(self, *methods: type) -> None:
+        """Declare pooling methods for embeddings (:class:`modelrunner.pooling.PoolingMethod` subclasses),
+        selectable by ``name`` (config field ``pooling_type``)."""
+        self._add_classes("pooling_methods", methods)
 
     # -- looking up ----------------------------------------------------------------------------
 

@@ -234,9 +234,10 @@ def _with(index, value):
     (_with(1, lambda q: q[:, :20].contiguous()), r"K \(input features\) must be a positive multiple of 32, got K = 40"),
     (_with(1, lambda q: q.view(-1)), r"qweight must be 2-D"),
     (_with(1, lambda q: torch.cat([q, q], 1)[:, ::2]), r"qweight must be contiguous"),
-    (_with(4, 48), r"group_size must be a positive multiple of 32 that divides K = 64, got 48"),
-    (_with(4, 128), r"group_size must be a positive multiple of 32 that divides K = 64, got 128"),
-    (_with(2, lambda s: s.float()), r"scales must be float16, got Float"),
+    (_with(4, 48), r"group_size must be 16 or a positive multiple of 32 that divides K = 64, got 48"),
+    (_with(4, 128), r"group_size must be 16 or a positive multiple of 32 that divides K = 64, got 128"),
+    (_with(2, lambda s: s.double()), r"scales must be float16 or float32, got Double"),
+    (_with(2, lambda s: s.float()), r"mins must be float32 like scales, got Half"),
     (_with(2, lambda s: s[:, :1].contiguous()), r"scales must be \[N, K/group_size\] = \[16, 2\], got shape \[16, 1\]"),
     (_with(3, lambda m: m[:15].contiguous()), r"mins must be \[N, K/group_size\] = \[16, 2\], got shape \[15, 2\]"),
     (_with(3, lambda m: m.t().contiguous().t()), r"mins must be contiguous"),
@@ -253,7 +254,8 @@ def test_bad_input_is_refused_by_name(change, message, mode):
 
 def test_bad_input_to_dequantize_and_bad_mode():
     _, qweight, scales, lows, group, bits = _args()
-    with pytest.raises(ValueError, match=r"group_size must be a positive multiple of 32 that divides K = 64, got 0"):
+    with pytest.raises(ValueError, match=r"group_size must be 16 or a positive multiple of 32 that divides K = 64, "
+                                         r"got 0"):
         quant.dequantize(qweight, scales, lows, 0, bits)
     with pytest.raises(ValueError, match=r"mode must be 'exact' or 'q8', got 'fast'"):
         quant.qlinear(torch.randn(1, 64), qweight, scales, lows, group, bits, mode="fast")

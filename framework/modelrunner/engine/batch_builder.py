@@ -62,7 +62,7 @@ def build_forward_batch(
             for position in range(item.start, min(end, seq.prompt_len - 1)):
                 rows.append(position - item.start)
                 owners.append(LogitsRowOwner(i, position, False))
-        if end == len(seq.token_ids):
+        if end == len(seq.token_ids) and seq.request.pooling is None:  # pooling requests sample nothing
             for j in range(len(item.draft) + 1):  # the last token, then each speculative draft token
                 rows.append(item.num_new_tokens - 1 + j)
                 owners.append(LogitsRowOwner(i, end - 1 + j, True))

@@ -61,12 +61,14 @@ class InputProcessor:
         """Size limits on each request's sampling fields."""
 
     def process(self, request_id: str, prompt: Any, params: SamplingParams | dict | None,
-                extra: dict[str, Any] | None = None) -> ProcessedPrompt:
+                extra: dict[str, Any] | None = None, pooling: Any = None) -> ProcessedPrompt:
         """Validate one request.
 
         :param prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
             whose other keys (e.g. ``"images"``) join ``extra``; a ``"cache_salt"`` string (vLLM's)
             keeps its blocks apart in the prefix cache: only prompts with the same salt share them.
+        :param pooling: an embedding request's :class:`~modelrunner.pooling.PoolingParams` (``params``
+            is then ignored): its prompt may fill ``max_model_len``, as nothing is generated.
         :raises ValueError: empty or too long prompt, token ids outside the vocabulary, a text prompt
             for a model without a tokenizer, invalid sampling parameters (checked again here, as they
             may have been changed since construction), ``n`` above ``max_num_seqs``, a logits
@@ -74,6 +76,9 @@ class InputProcessor:
             image placeholders), a sampling field over its :class:`~modelrunner.config.RequestLimits` limit or
             naming a token id outside the vocabulary.
         """
+        if pooling is not None:  # nothing is sampled: what the engine keeps is a one-token placeholder
+            pooling.validate()
+            params = SamplingParams(max_tokens=1, truncate_prompt_tokens=pooling.truncate_prompt_tokens)
         if not isinstance(params, SamplingParams) and not isinstance(params, (dict, type(None))):
             raise ValueError(f"sampling_params must be a SamplingParams, a dict or None, got {type(params).__name__}")
         params = SamplingParams.from_optional(params)
@@ -93,7 +98,7 @@ class InputProcessor:
                 token_ids, extra = self.process_inputs(prompt_text=text, token_ids=token_ids, extra=extra)
             except ValueError as e:
                 raise ValueError(f"request {request_id!r}: {e}") from e
-        self._check_lengths(request_id, token_ids, params)
+        self._check_lengths(request_id, token_ids, params, room=0 if pooling is not None else 1)
         states = self.processor_states(params) if self.processor_states is not None else {}
         keys = extra_keys(extra)
         if salt is not None:
@@ -138,10 +143,14 @@ class InputProcessor:
             raise ValueError(f"prompt token id {bad!r} is not in the vocabulary (accepted: 0 … {vocab - 1})")
         return list(ids)
 
-    def _check_lengths(self, request_id: str, token_ids: list[int], params: SamplingParams) -> None:
+    def _check_lengths(self, request_id: str, token_ids: list[int], params: SamplingParams, room: int = 1) -> None:
         if not token_ids:
             raise ValueError(f"request {request_id!r}: prompt is empty (0 tokens); give at least one token")
-        if len(token_ids) >= self.max_model_len:
+        if room == 0 and len(token_ids) > self.max_model_len:
+            raise ValueError(f"request {request_id!r}: prompt has {len(token_ids)} tokens but max_model_len is "
+                             f"{self.max_model_len}; accepted: at most {self.max_model_len} tokens (or set "
+                             "truncate_prompt_tokens)")
+        if room and len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"request {request_id!r}: prompt has {len(token_ids)} tokens but max_model_len is "
                 f"{self.max_model_len}, which leaves no room for output; accepted: at most "

@@ -30,6 +30,8 @@ from ..executor import Executor, UniprocExecutor, create_executor
 from ..kv_cache.allocator import KVCacheError
 from ..layers.cpu_ops import broken_rows
 from ..layers.sampler import Sampler, SamplingMetadata, sampling_probs
+from ..pooling.outputs import PoolingRequestOutput
+from ..pooling.params import PoolingParams
 from ..runner import ModelRunner
 from ..sampling.logits_processor import ProcessorContext
 from ..sampling.logprobs import token_logprobs
@@ -42,6 +44,7 @@ from .batch_builder import LogitsRowOwner, build_forward_batch
 from .detokenizer import start_detokenizer, text_delta
 from .input_processor import InputProcessor
 from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .pooling import EnginePooler
 from .processors import ProcessorFailed, ProcessorPipeline, logits_problem
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, child_seed
@@ -145,6 +148,9 @@ class LLMEngine:
             executor.plugins, config.structured_outputs, GrammarContext(self.tokenizer, self.vocab_size,
                                                                         self.eos_token_ids))
         """Grammar backends, compiled grammars and each step's token bitmask for structured outputs."""
+        self.pooler = EnginePooler(executor.plugins, config.pooling, loaded,
+                                   getattr(getattr(executor, "runner", None), "source", None))
+        """Embedding (pooling) requests: the rows each step keeps, and the pooling method."""
         self.speculator: Speculator | None = None
         """Speculative decoding (None: off): proposes tokens each step, verified in the same forward."""
         if config.speculative is not None:
@@ -205,7 +211,7 @@ class LLMEngine:
         self,
         request_id: str,
         prompt: str | list[int] | dict[str, Any],
-        params: SamplingParams | dict | None = None,
+        params: SamplingParams | PoolingParams | dict | None = None,
         extra: dict[str, Any] | None = None,
         on_output: OutputConsumer | None = None,
         lora_request: Any = None,
@@ -214,7 +220,9 @@ class LLMEngine:
 
         :param prompt: text, token ids, or ``{"prompt": text}`` / ``{"prompt_token_ids": ids}``
             whose other keys (e.g. ``"images"``) join ``extra``.
-        :param params: sampling parameters (None: defaults; a dict is turned into SamplingParams).
+        :param params: sampling parameters (None: defaults; a dict is turned into SamplingParams), or
+            :class:`~modelrunner.pooling.PoolingParams` for an embedding request: it computes the
+            prompt, samples nothing and ends with one :class:`~modelrunner.pooling.PoolingRequestOutput`.
             The engine keeps a validated copy: changing ``params`` later does not affect the request.
         :param extra: adapter inputs passed to the model in ``ForwardBatch.extra``.
         :param on_output: receives this request's outputs as steps produce them; without one they
@@ -231,8 +239,15 @@ class LLMEngine:
             raise ValueError(f"request id {request_id!r} is already in use; ids must be unique among live requests")
         if lora_request is not None:
             self.add_lora(lora_request)
-        p = self.input_processor.process(request_id, prompt, params, extra)
+        pooling = None
+        if isinstance(params, PoolingParams):
+            p = self.input_processor.process(request_id, prompt, None, extra, pooling=params)
+            pooling = self.pooler.start(params, len(p.token_ids))
+        else:
+            p = self.input_processor.process(request_id, prompt, params, extra)
         extra_keys = p.extra_keys if lora_request is None else (*p.extra_keys, ("lora", lora_request.lora_int_id))
+        if pooling is not None:
+            extra_keys += self.pooler.prefix_cache_key(pooling, request_id)
         grammar = None
         if p.params.structured_outputs is not None:
             grammar = self.structured_outputs.prepare(p.params.structured_outputs)  # compiles off this thread
@@ -241,7 +256,7 @@ class LLMEngine:
             arrival=next(self._arrivals), metrics=RequestMetrics(arrival_time=time.monotonic()), extra=p.extra,
             extra_keys=extra_keys, processor_states=p.processor_states, lora_request=lora_request,
             prompt_logprobs=None if p.params.prompt_logprobs is None else [None] * len(p.token_ids),
-            grammar=grammar,
+            grammar=grammar, pooling=pooling,
         )
         seed = p.params.seed
         generator = None if seed is None else torch.Generator().manual_seed(child_seed(seed, 0))
@@ -409,6 +424,7 @@ class LLMEngine:
                 # token either gets its next token or its request fails: none is left half-advanced.
                 for item in scheduled:
                     item.seq.num_computed_tokens = item.start + item.num_new_tokens
+                self._finish_pooled(scheduled, changed, outputs)
                 self._record_prompt_logprobs(logits, owners, scheduled)
                 sampled: list[tuple[int, Sequence]] = []
                 speculated: dict[int, list[int]] = {}  # scheduled item → its rows (last token, then drafts)
@@ -450,9 +466,8 @@ class LLMEngine:
         :returns: logits, who owns each logits row, and the scheduled sequences that ran; None when none did.
         """
         scheduled = out.scheduled
-        batch, owners = build_forward_batch(scheduled, self.allocator, out.finished_seq_ids)
         try:
-            return self.executor.execute_model(batch).logits, owners, scheduled
+            return (*self._forward(scheduled, out.finished_seq_ids), scheduled)
         except FatalError:
             raise
         except Exception as exc:  # noqa: BLE001 - isolated below, reported per request
@@ -468,8 +483,7 @@ class LLMEngine:
         for request in requests:
             mine = [self._recompute_unwritten(item, unwritten) for item in scheduled if item.seq.request is request]
             try:
-                batch, _ = build_forward_batch(mine, self.allocator, out.finished_seq_ids)
-                logits = self.executor.execute_model(batch).logits
+                logits, _ = self._forward(mine, out.finished_seq_ids)
             except FatalError:
                 raise
             except Exception as exc:  # noqa: BLE001
@@ -488,6 +502,35 @@ class LLMEngine:
         size = self.allocator.block_size
         table = self.allocator.block_table(item.seq.seq_id)
         return table[item.start // size:-(-(item.start + item.num_new_tokens) // size)]
+
+    def _forward(self, scheduled: list[ScheduledSequence],
+                 finished_seq_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[LogitsRowOwner]]:
+        """One forward over ``scheduled``: its logits and who owns each row; the final hidden states the
+        step's pooling requests keep are stored with them.
+
+        :raises ValueError: the adapter returned no hidden states for pooling requests.
+        """
+        batch, owners = build_forward_batch(scheduled, self.allocator, finished_seq_ids)
+        batch, pooled = self.pooler.ask(batch, scheduled)
+        out = self.executor.execute_model(batch)
+        self.pooler.collect(out, pooled, self.executor.loaded.adapter)
+        return out.logits, owners
+
+    def _finish_pooled(self, scheduled: list[ScheduledSequence], changed: dict[str, Request],
+                       outputs: list[Any]) -> None:
+        """End the pooling requests whose whole prompt is now computed, with their embedding."""
+        for item in scheduled:
+            seq, request = item.seq, item.seq.request
+            if request.pooling is None or seq.is_finished or seq.num_computed_tokens < len(seq.token_ids):
+                continue
+            try:
+                self.pooler.finish(request)
+            except Exception as exc:  # noqa: BLE001 - a pooling method's bug fails its request only
+                self._fail(request, f"pooling failed: {type(exc).__name__}: {exc}", outputs)
+                continue
+            self.scheduler.finish(seq, "stop")
+            request.metrics.finished_time = time.monotonic()
+            changed[request.request_id] = request
 
     def _recompute_unwritten(self, item: ScheduledSequence, unwritten: set[int]) -> ScheduledSequence:
         """``item``, starting earlier if its cached prefix includes a block in ``unwritten``: a
@@ -807,7 +850,9 @@ class LLMEngine:
         if self._requests.pop(request.request_id, None) is not None:
             outputs.append(self._output(request))
 
-    def _output(self, request: Request) -> RequestOutput:
+    def _output(self, request: Request) -> RequestOutput | PoolingRequestOutput:
+        if request.pooling is not None:
+            return self.pooler.output(request)
         completions = []
         for seq in request.seqs:
             delta = text_delta(seq, self.stop_checker.longest_stop_string(seq))

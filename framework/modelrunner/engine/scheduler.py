@@ -161,7 +161,8 @@ class Scheduler:
         decodes = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1]
         prefills = [s for s in running if len(s.token_ids) - s.num_computed_tokens > 1]
         scheduled_ids: set[int] = set()
-        drafts = self.speculator.propose(decodes, alloc.max_model_len) if self.speculator and decodes else {}
+        drafted = [s for s in decodes if s.request.pooling is None]  # an embedding request's last prompt token
+        drafts = self.speculator.propose(drafted, alloc.max_model_len) if self.speculator and drafted else {}
         for seq in decodes + prefills:
             if budget == 0 or len(out.scheduled) >= max_seqs:
                 break

@@ -172,6 +172,9 @@ class Request:
 
     lora_request: Any = None
     """The LoRA adapter it runs with (a :class:`~modelrunner.lora.LoRARequest`; None: the base model)."""
+    pooling: Any = None
+    """An embedding request's :class:`~modelrunner.engine.pooling.PoolingState` (None: it generates);
+    it samples nothing and ends once its prompt is computed."""
 
     @property
     def lora_int_id(self) -> int:

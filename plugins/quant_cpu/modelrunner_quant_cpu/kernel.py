@@ -104,9 +104,12 @@ def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor |
     :param qweight: bits=4: uint8 ``[N, K/2]``, two 4-bit values per byte in ggml's order (byte ``j`` of
         each 16-byte block: element ``j`` in the low nibble, ``j + 16`` in the high one); bits=8: int8
         ``[N, K]``.
-    :param scales: float16 ``[N, K / group_size]``.
-    :param mins: float16 ``[N, K / group_size]``, or None.
-    :param group_size: elements per scale: a multiple of 32 dividing K (K itself: one scale per row).
+    :param scales: float16 or float32 ``[N, K / group_size]`` (float32: a GGUF K-quant's products of
+        two scales, which float16 cannot hold exactly).
+    :param mins: ``[N, K / group_size]`` of the dtype of ``scales``, or None.
+    :param group_size: elements per scale dividing K: a multiple of 32 (K itself: one scale per row),
+        or 16 (Q6_K, Q3_K, Q2_K; the ``q8`` mode and the p16 kernels with int8 activations,
+        :func:`bind_qlinear_p16` and :func:`bind_qlinear_p16_split`, take multiples of 32 only).
     :param bits: 4 or 8.
     :raises ValueError: a dtype, shape or size the format does not allow (the message names it).
     """
@@ -184,7 +187,8 @@ def pack_p16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | N
     """A planar weight (see :func:`dequantize`) in the p16 layout :func:`bind_qlinear_p16` multiplies:
     the same bytes regrouped in tiles of 16 rows (rows padded to a multiple of 16 with zero weights),
     so that one instruction takes 4 weights of each of 16 rows. Shapes stay planar, padded:
-    ``[N16, K*bits/8]`` and ``[N16, K/group_size]``; :func:`unpack_p16` is the inverse."""
+    ``[N16, K*bits/8]`` and ``[N16, K/group_size]`` (the scales' dtype kept); :func:`unpack_p16` is the
+    inverse."""
     load()
     data, packed_scales, packed_mins = torch.ops.modelrunner_quant_cpu.pack_p16(qweight, scales, mins, group_size, bits)
     return data, packed_scales, packed_mins if mins is not None else None

@@ -11,8 +11,10 @@ kernel's quantization methods time against the others that claim a layer's forma
   activations split into three int8 digits), 2x ``cpu_p16_exact`` at one row on SmolLM2's LM head,
   slower at 64 rows (AVX-512 VNNI).
 
-Every kernel needs the build loaded (:func:`~.kernel.available`), blocks of 32 values (group sizes
-that are multiples of 32) and a CPU tensor; the p16 ones also the p16 kernel for the weight's bits.
+Every kernel needs the build loaded (:func:`~.kernel.available`) and a CPU tensor; the p16 ones also
+the p16 kernel for the weight's bits. All read float16 or float32 scales (``scale_dtypes``); the exact
+ones (``cpu_exact``, ``cpu_p16_exact``) take groups of 16 (GGUF's Q6_K, Q3_K, Q2_K) or of a multiple of
+32, the int8-activation ones (``cpu_q8``, ``cpu_p16``, ``cpu_p16_split``) multiples of 32 (``min_group``).
 """
 
 from __future__ import annotations
@@ -44,14 +46,18 @@ def build_id() -> str:
 
 
 class _CPUKernel(MatmulKernel):
-    """What the plugin's kernels share: the build loaded here, 32-value blocks, CPU tensors."""
+    """What the plugin's kernels share: the build loaded here, float16 or float32 scales, CPU tensors."""
 
     devices = ("cpu",)
+    scale_dtypes = ("float16", "float32")
+    min_group = 16
 
     @classmethod
     def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
-        """A CPU tensor in 32-value blocks (the columns, a multiple of the group, follow), with the build loaded."""
-        return super().supports(format, device) and format.group_size % 32 == 0 and native.available()
+        """Also: groups of 16 or of a multiple of 32 (a group of 16 is half a 32-value block: 48 is
+        neither), with the build loaded."""
+        return (super().supports(format, device) and (format.group_size == 16 or format.group_size % 32 == 0)
+                and native.available())
 
     @classmethod
     def build_id(cls) -> str:
@@ -84,6 +90,7 @@ class CPUQ8(CPUExact):
     mode = "q8"
     exact = False
     superseded_by = ("cpu_p16",)
+    min_group = 32  # x is quantized per 32-value block, each scaled as a whole
 
 
 class _P16Kernel(_CPUKernel):
@@ -139,6 +146,7 @@ class CPUP16(_P16Kernel):
     name = "cpu_p16"
     kind = "q8"
     exact = False
+    min_group = 32  # as cpu_q8
 
     @classmethod
     def _supported(cls, bits: int) -> bool:
@@ -167,6 +175,7 @@ class CPUP16Split(_P16Kernel):
 
     name = "cpu_p16_split"
     kind = "split"
+    min_group = 32  # as cpu_q8 (each digit of x is a q8 quantization)
 
     @classmethod
     def _supported(cls, bits: int) -> bool:

@@ -6,8 +6,14 @@
 //   qweight  bits=4: uint8 [N, K/2], ggml's nibble order per 32-element block: byte j of the block
 //            holds element j in its low nibble and element j+16 in its high nibble (q = 0..15);
 //            bits=8: int8 [N, K] (q = -128..127).
-//   scales   float16 [N, K/group_size]; mins float16 [N, K/group_size] or absent;
-//            w[n, k] = scales[n, k/g] * q[n, k] + mins[n, k/g].
+//   scales   float16 or float32 [N, K/group_size]; mins of the same dtype [N, K/group_size] or absent;
+//            w[n, k] = scales[n, k/g] * q[n, k] + mins[n, k/g]. float32 where a GGUF K-quant's scales
+//            (an fp16 super-block scale times a 6-bit sub-block scale) do not fit float16 exactly.
+//   group_size a multiple of 32, or 16 (Q6_K, Q3_K, Q2_K: two groups per 32-element block, its
+//            elements 0..15 and 16..31; the int8-activation kernels, q8, p16 and split, take
+//            multiples of 32 only).
+// The kernels are templates on the scale type (and, where a 16-group needs other loops, on that):
+// float16 scales and groups of 32 or more run the code they ran before either existed.
 //
 // Registered as torch operators (modelrunner_quant_cpu::...) so that eager code and torch.compile
 // graphs call the same kernels. Built with -march=native: the code paths below are chosen by the
@@ -28,6 +34,7 @@
 #include <memory>
 #include <string>
 #include <tuple>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -56,13 +63,21 @@ constexpr int64_t kBlock = 32;  // elements of one nibble block and of one activ
 // ---------------------------------------------------------------------------------------------
 // The weight, validated.
 
+constexpr int64_t kHalfBlock = 16;  // the one group smaller than a block: half of one
+
 struct QuantWeight {
   const uint8_t* data = nullptr;  // row n starts at data + n * row_bytes
-  const at::Half* scales = nullptr;
-  const at::Half* mins = nullptr;  // nullptr: no mins
+  const void* scales = nullptr;   // at::Half, or float where `wide`
+  const void* mins = nullptr;     // the same type; nullptr: no mins
+  bool wide = false;              // float32 scales and mins
   int64_t rows = 0, cols = 0, group = 0, groups = 0, bits = 0, row_bytes = 0;
 
   const uint8_t* row(int64_t n) const { return data + n * row_bytes; }
+  template <typename S>
+  const S* scales_as() const { return static_cast<const S*>(scales); }
+  template <typename S>
+  const S* mins_as() const { return static_cast<const S*>(mins); }
+  bool half_groups() const { return group == kHalfBlock; }
 };
 
 QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, const std::optional<at::Tensor>& mins,
@@ -82,12 +97,17 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, co
   w.cols = bits == 4 ? 2 * w.row_bytes : w.row_bytes;
   TORCH_CHECK_VALUE(w.cols > 0 && w.cols % kBlock == 0, "K (input features) must be a positive multiple of 32, got K = ",
                     w.cols, " from qweight shape ", qweight.sizes());
-  TORCH_CHECK_VALUE(group_size > 0 && group_size % kBlock == 0 && w.cols % group_size == 0,
-                    "group_size must be a positive multiple of 32 that divides K = ", w.cols, ", got ", group_size);
+  TORCH_CHECK_VALUE(
+      group_size > 0 && (group_size % kBlock == 0 || group_size == kHalfBlock) && w.cols % group_size == 0,
+      "group_size must be 16 or a positive multiple of 32 that divides K = ", w.cols, ", got ", group_size);
   w.group = group_size;
   w.groups = w.cols / group_size;
+  TORCH_CHECK_VALUE(scales.scalar_type() == at::kHalf || scales.scalar_type() == at::kFloat,
+                    "scales must be float16 or float32, got ", scales.scalar_type());
+  w.wide = scales.scalar_type() == at::kFloat;
   const auto check_grid = [&](const at::Tensor& t, const char* name) {
-    TORCH_CHECK_VALUE(t.scalar_type() == at::kHalf, name, " must be float16, got ", t.scalar_type());
+    TORCH_CHECK_VALUE(t.scalar_type() == scales.scalar_type(), name, " must be ", (w.wide ? "float32" : "float16"),
+                      " like scales, got ", t.scalar_type());
     TORCH_CHECK_VALUE(t.dim() == 2 && t.size(0) == w.rows && t.size(1) == w.groups, name,
                       " must be [N, K/group_size] = [", w.rows, ", ", w.groups, "], got shape ", t.sizes());
     TORCH_CHECK_VALUE(t.device().is_cpu(), name, " must be a CPU tensor, got device ", t.device());
@@ -95,12 +115,28 @@ QuantWeight check_weight(const at::Tensor& qweight, const at::Tensor& scales, co
   };
   check_grid(scales, "scales");
   w.data = static_cast<const uint8_t*>(qweight.const_data_ptr());
-  w.scales = scales.const_data_ptr<at::Half>();
+  w.scales = scales.const_data_ptr();
   if (mins.has_value()) {
     check_grid(*mins, "mins");
-    w.mins = mins->const_data_ptr<at::Half>();
+    w.mins = mins->const_data_ptr();
   }
   return w;
+}
+
+// Calls visit.template operator()<S, kHalf>() for the weight's scale type (at::Half or float) and
+// whether its groups are half blocks: each kernel that reads scales itself is instantiated per format.
+template <typename F>
+void with_format(const QuantWeight& w, F&& visit) {
+  if (!w.wide)
+    w.half_groups() ? visit.template operator()<at::Half, true>() : visit.template operator()<at::Half, false>();
+  else
+    w.half_groups() ? visit.template operator()<float, true>() : visit.template operator()<float, false>();
+}
+
+// The int8-activation kernels (q8, p16, split) scale whole 32-element blocks of x.
+void check_int8_groups(const QuantWeight& w, const char* kernel) {
+  TORCH_CHECK_VALUE(!w.half_groups(), "the ", kernel, " kernel takes groups of a multiple of 32, got group_size ",
+                    w.group);
 }
 
 void check_input(const at::Tensor& x, const QuantWeight& w) {
@@ -120,6 +156,14 @@ inline void halves_to_floats(const at::Half* src, float* dst, int64_t n) {
   for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
 }
 
+// n scales or mins of the weight's type from element `at` on, as floats.
+inline void grid_to_floats(const QuantWeight& w, const void* grid, int64_t at, float* dst, int64_t n) {
+  if (w.wide)
+    std::memcpy(dst, static_cast<const float*>(grid) + at, n * sizeof(float));
+  else
+    halves_to_floats(static_cast<const at::Half*>(grid) + at, dst, n);
+}
+
 // Float scales and mins (zeros when absent) of rows [n0, n0 + count), [count][groups] each.
 struct RowScales {
   std::vector<float> scales, mins;
@@ -127,9 +171,9 @@ struct RowScales {
   void fetch(const QuantWeight& w, int64_t n0, int64_t count) {
     const size_t size = static_cast<size_t>(count * w.groups);
     if (scales.size() < size) scales.resize(size), mins.resize(size);
-    halves_to_floats(w.scales + n0 * w.groups, scales.data(), count * w.groups);
+    grid_to_floats(w, w.scales, n0 * w.groups, scales.data(), count * w.groups);
     if (w.mins)
-      halves_to_floats(w.mins + n0 * w.groups, mins.data(), count * w.groups);
+      grid_to_floats(w, w.mins, n0 * w.groups, mins.data(), count * w.groups);
     else
       std::fill(mins.begin(), mins.begin() + size, 0.f);
   }
@@ -139,6 +183,16 @@ struct RowScales {
 
 // ---------------------------------------------------------------------------------------------
 // Weights unpacked to floats in registers.
+
+#ifdef MRQ_AVX2
+// v as it is, hidden from the compiler's multiply-add contraction (-ffp-contract=fast): a product
+// passed through it is rounded before anything is added to it.
+template <typename V>
+inline V rounded(V v) {
+  asm("" : "+x"(v));
+  return v;
+}
+#endif
 
 #ifdef MRQ_AVX512
 // 16 float lanes; a 32-element block is two vectors. 4-bit weights are looked up in a 16-entry
@@ -155,31 +209,43 @@ struct Exact {
     V a, b;
   };
   // kMins false: a multiply, no add of 0 (dequantize keeps torch's -0 for negative scales).
-  template <int kBits, bool kMins = true>
+  // kRound: the product rounded before the min is added, as torch computes q * s + m (float32
+  // scales; with float16 ones the product is exact and a fused multiply-add rounds the same).
+  template <int kBits, bool kMins = true, bool kRound = false>
   static Group group(float s, float m) {
     if constexpr (kBits == 4) {
       const V iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      if constexpr (kMins && kRound)
+        return {_mm512_add_ps(rounded(_mm512_mul_ps(iota, _mm512_set1_ps(s))), _mm512_set1_ps(m)), V{}};
       return {kMins ? _mm512_fmadd_ps(iota, _mm512_set1_ps(s), _mm512_set1_ps(m)) : _mm512_mul_ps(iota, _mm512_set1_ps(s)),
               V{}};
     } else {
       return {_mm512_set1_ps(s), _mm512_set1_ps(m)};
     }
   }
-  template <int kBits, bool kMins = true>
+  template <int kBits, bool kMins = true, bool kRound = false>
   static void unpack(const uint8_t* p, const Group& g, V* w) {
+    unpack2<kBits, kMins, kRound>(p, g, g, w);
+  }
+  // Elements 0..15 of the block with g0, 16..31 with g1 (groups of 16; unpack: one group).
+  template <int kBits, bool kMins = true, bool kRound = false>
+  static void unpack2(const uint8_t* p, const Group& g0, const Group& g1, V* w) {
     if constexpr (kBits == 4) {
       const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-      w[0] = _mm512_permutexvar_ps(bytes, g.a);  // the permute reads the low 4 bits of each index
-      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), g.a);
+      w[0] = _mm512_permutexvar_ps(bytes, g0.a);  // the permute reads the low 4 bits of each index
+      w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), g1.a);
     } else {
       const __m512i q0 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
       const __m512i q1 = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16)));
-      if constexpr (kMins) {
-        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), g.a, g.b);
-        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), g.a, g.b);
+      if constexpr (kMins && kRound) {
+        w[0] = _mm512_add_ps(rounded(_mm512_mul_ps(_mm512_cvtepi32_ps(q0), g0.a)), g0.b);
+        w[1] = _mm512_add_ps(rounded(_mm512_mul_ps(_mm512_cvtepi32_ps(q1), g1.a)), g1.b);
+      } else if constexpr (kMins) {
+        w[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q0), g0.a, g0.b);
+        w[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(q1), g1.a, g1.b);
       } else {
-        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), g.a);
-        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), g.a);
+        w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(q0), g0.a);
+        w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(q1), g1.a);
       }
     }
   }
@@ -202,27 +268,34 @@ struct Exact {
   struct Group {
     V a, b;
   };
-  template <int kBits, bool kMins = true>
+  // kRound: see the AVX-512 version.
+  template <int kBits, bool kMins = true, bool kRound = false>
   static Group group(float s, float m) {
     return {_mm256_set1_ps(s), _mm256_set1_ps(m)};
   }
-  template <int kBits, bool kMins = true>
+  template <int kBits, bool kMins = true, bool kRound = false>
   static void unpack(const uint8_t* p, const Group& g, V* w) {
+    unpack2<kBits, kMins, kRound>(p, g, g, w);
+  }
+  // Elements 0..15 of the block with g0, 16..31 with g1 (groups of 16; unpack: one group).
+  template <int kBits, bool kMins = true, bool kRound = false>
+  static void unpack2(const uint8_t* p, const Group& g0, const Group& g1, V* w) {
     const auto bytes = [&](int offset) {
       const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + offset));
       return kBits == 4 ? _mm256_cvtepu8_epi32(raw) : _mm256_cvtepi8_epi32(raw);
     };
-    const auto dequant = [&](__m256i q) {
+    const auto dequant = [&](__m256i q, const Group& g) {
+      if constexpr (kMins && kRound) return _mm256_add_ps(rounded(_mm256_mul_ps(_mm256_cvtepi32_ps(q), g.a)), g.b);
       return kMins ? _mm256_fmadd_ps(_mm256_cvtepi32_ps(q), g.a, g.b) : _mm256_mul_ps(_mm256_cvtepi32_ps(q), g.a);
     };
     if constexpr (kBits == 4) {
       const __m256i lo = bytes(0), hi = bytes(8), mask = _mm256_set1_epi32(15);
-      w[0] = dequant(_mm256_and_si256(lo, mask));  // elements 0..7
-      w[1] = dequant(_mm256_and_si256(hi, mask));  // 8..15
-      w[2] = dequant(_mm256_srli_epi32(lo, 4));    // 16..23
-      w[3] = dequant(_mm256_srli_epi32(hi, 4));    // 24..31
+      w[0] = dequant(_mm256_and_si256(lo, mask), g0);  // elements 0..7
+      w[1] = dequant(_mm256_and_si256(hi, mask), g0);  // 8..15
+      w[2] = dequant(_mm256_srli_epi32(lo, 4), g1);    // 16..23
+      w[3] = dequant(_mm256_srli_epi32(hi, 4), g1);    // 24..31
     } else {
-      for (int v = 0; v < 4; ++v) w[v] = dequant(bytes(8 * v));
+      for (int v = 0; v < 4; ++v) w[v] = dequant(bytes(8 * v), v < 2 ? g0 : g1);
     }
   }
   static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
@@ -230,45 +303,59 @@ struct Exact {
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// Dequantization. scales * q is exact in float32 (11-bit fp16 mantissa times an integer of at most
-// 8 bits), so a fused or a separate multiply-add rounds the same way: these values equal torch's
-// `scales.float() * q + mins.float()` bit for bit, whatever the compiler contracts.
+// Dequantization. With float16 scales, scales * q is exact in float32 (11-bit fp16 mantissa times an
+// integer of at most 8 bits), so a fused or a separate multiply-add rounds the same way; with float32
+// scales the product is rounded before the min is added (kRound). Either way these values equal
+// torch's `scales.float() * q + mins.float()` bit for bit, whatever the compiler contracts.
+// kHalf: groups of 16, two per block.
 
-template <int kBits, bool kMins>
+template <int kBits, bool kMins, bool kHalf = false, bool kRound = false>
 void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K, int64_t group, float* out) {
 #ifdef MRQ_AVX2
+  if constexpr (kHalf) {
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      const Exact::Group lo = Exact::group<kBits, kMins, kRound>(s[2 * b], kMins ? m[2 * b] : 0.f);
+      const Exact::Group hi = Exact::group<kBits, kMins, kRound>(s[2 * b + 1], kMins ? m[2 * b + 1] : 0.f);
+      Exact::V w[Exact::kVecs];
+      Exact::unpack2<kBits, kMins, kRound>(q + b * (kBits * kBlock / 8), lo, hi, w);
+      for (int v = 0; v < Exact::kVecs; ++v) Exact::store(out + b * kBlock + v * Exact::kLanes, w[v]);
+    }
+    return;
+  }
   const int64_t per_group = group / kBlock;
   for (int64_t g = 0, b = 0; g < K / group; ++g) {
-    const Exact::Group grp = Exact::group<kBits, kMins>(s[g], kMins ? m[g] : 0.f);
+    const Exact::Group grp = Exact::group<kBits, kMins, kRound>(s[g], kMins ? m[g] : 0.f);
     for (const int64_t end = b + per_group; b < end; ++b) {
       Exact::V w[Exact::kVecs];
-      Exact::unpack<kBits, kMins>(q + b * (kBits * kBlock / 8), grp, w);
+      Exact::unpack<kBits, kMins, kRound>(q + b * (kBits * kBlock / 8), grp, w);
       for (int v = 0; v < Exact::kVecs; ++v) Exact::store(out + b * kBlock + v * Exact::kLanes, w[v]);
     }
   }
 #else
+  // Plain loops (no FMA in this build's target: nothing to contract).
   for (int64_t b = 0; b < K / kBlock; ++b) {
-    const int64_t g = b * kBlock / group;
-    const float sc = s[g], mn = kMins ? m[g] : 0.f;
+    const int64_t g = b * kBlock / group, g_hi = kHalf ? g + 1 : g;  // elements 0..15, 16..31
+    const float sc = s[g], mn = kMins ? m[g] : 0.f, sc_hi = s[g_hi], mn_hi = kMins ? m[g_hi] : 0.f;
     float* o = out + b * kBlock;
     if constexpr (kBits == 4) {
       const uint8_t* p = q + b * 16;
       for (int j = 0; j < 16; ++j) {
         if constexpr (kMins) {
           o[j] = sc * static_cast<float>(p[j] & 15) + mn;
-          o[j + 16] = sc * static_cast<float>(p[j] >> 4) + mn;
+          o[j + 16] = sc_hi * static_cast<float>(p[j] >> 4) + mn_hi;
         } else {
           o[j] = sc * static_cast<float>(p[j] & 15);
-          o[j + 16] = sc * static_cast<float>(p[j] >> 4);
+          o[j + 16] = sc_hi * static_cast<float>(p[j] >> 4);
         }
       }
     } else {
       const int8_t* p = reinterpret_cast<const int8_t*>(q) + b * kBlock;
       for (int j = 0; j < 32; ++j) {
+        const float sj = j < 16 ? sc : sc_hi, mj = j < 16 ? mn : mn_hi;
         if constexpr (kMins)
-          o[j] = sc * static_cast<float>(p[j]) + mn;
+          o[j] = sj * static_cast<float>(p[j]) + mj;
         else
-          o[j] = sc * static_cast<float>(p[j]);
+          o[j] = sj * static_cast<float>(p[j]);
       }
     }
   }
@@ -279,17 +366,21 @@ void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K,
 void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* out, RowScales& rs) {
   if (n1 <= n0) return;
   rs.fetch(w, n0, n1 - n0);
-  for (int64_t n = n0; n < n1; ++n) {
-    const float* s = rs.scale(n - n0, w.groups);
-    const float* m = rs.min(n - n0, w.groups);
-    float* o = out + (n - n0) * w.cols;
+  const auto rows = [&]<int kBits, bool kMins, bool kHalf, bool kRound>() {
+    for (int64_t n = n0; n < n1; ++n)
+      dequantize_row<kBits, kMins, kHalf, kRound>(w.row(n), rs.scale(n - n0, w.groups), rs.min(n - n0, w.groups),
+                                                  w.cols, w.group, out + (n - n0) * w.cols);
+  };
+  const auto with_bits = [&]<bool kHalf, bool kRound>() {
     if (w.bits == 4)
-      w.mins ? dequantize_row<4, true>(w.row(n), s, m, w.cols, w.group, o)
-             : dequantize_row<4, false>(w.row(n), s, m, w.cols, w.group, o);
+      w.mins ? rows.template operator()<4, true, kHalf, kRound>() : rows.template operator()<4, false, kHalf, false>();
     else
-      w.mins ? dequantize_row<8, true>(w.row(n), s, m, w.cols, w.group, o)
-             : dequantize_row<8, false>(w.row(n), s, m, w.cols, w.group, o);
-  }
+      w.mins ? rows.template operator()<8, true, kHalf, kRound>() : rows.template operator()<8, false, kHalf, false>();
+  };
+  if (!w.half_groups())
+    w.wide ? with_bits.template operator()<false, true>() : with_bits.template operator()<false, false>();
+  else
+    w.wide ? with_bits.template operator()<true, true>() : with_bits.template operator()<true, false>();
 }
 
 // Multiply-adds a thread must get before a call is split: waking torch's other threads costs ~35 us
@@ -327,7 +418,7 @@ constexpr int64_t kStreamAhead = 512;
 
 // MT activation rows times NT weight rows over all of K, each weight block unpacked once for the
 // MT rows; acc[r][t] stay in registers. kPerGroup: blocks per group when known at compile time
-// (1: groups of 32, one flat loop), 0: w.group / 32.
+// (1: groups of 32, one flat loop), 0: w.group / 32, -1: groups of 16 (two per block).
 template <int kBits, int kPerGroup, int MT, int NT>
 void exact_tile(const QuantWeight& w, const uint8_t* const* rows, const float* const* s, const float* const* m,
                 const float* x, float* y, int64_t ldy) {
@@ -347,7 +438,7 @@ void exact_tile(const QuantWeight& w, const uint8_t* const* rows, const float* c
   // Few x rows: their block is loaded into registers once for the NT weight rows; more rows: read
   // by the multiply-adds from L1 (registers are short).
   constexpr bool kHoist = MT * Exact::kVecs <= 4;
-  const auto block = [&](const Exact::Group* grp, int64_t b) {
+  const auto block = [&](const Exact::Group* grp, const Exact::Group* grp_hi, int64_t b) {
     const float* xb = x + b * kBlock;
     V xv[kHoist ? MT : 1][Exact::kVecs];
     if constexpr (kHoist) {
@@ -367,21 +458,36 @@ void exact_tile(const QuantWeight& w, const uint8_t* const* rows, const float* c
       V wv[Exact::kVecs];
       if ((b * bb) % 64 == 0)  // each row's bytes are read once per token: see kStreamAhead
         _mm_prefetch(reinterpret_cast<const char*>(q[t] + b * bb) + kStreamAhead, _MM_HINT_NTA);
-      Exact::unpack<kBits>(q[t] + b * bb, grp[t], wv);
+      if constexpr (kPerGroup < 0)
+        Exact::unpack2<kBits>(q[t] + b * bb, grp[t], grp_hi[t], wv);
+      else
+        Exact::unpack<kBits>(q[t] + b * bb, grp[t], wv);
 #pragma GCC unroll 4
       for (int v = 0; v < Exact::kVecs; ++v)
 #pragma GCC unroll 8
         for (int r = 0; r < MT; ++r) acc[r][t] = Exact::fma(x_at(r, v), wv[v], acc[r][t]);
     }
   };
-  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
-    Exact::Group grp[NT];
+  if constexpr (kPerGroup < 0) {
+    for (int64_t b = 0; b < K / kBlock; ++b) {
+      Exact::Group lo[NT], hi[NT];
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) grp[t] = Exact::group<kBits>(sc[t][g], mn[t][g]);
-    if constexpr (kPerGroup == 1) {
-      block(grp, b++);
-    } else {
-      for (const int64_t end = b + per_group; b < end; ++b) block(grp, b);
+      for (int t = 0; t < NT; ++t) {
+        lo[t] = Exact::group<kBits>(sc[t][2 * b], mn[t][2 * b]);
+        hi[t] = Exact::group<kBits>(sc[t][2 * b + 1], mn[t][2 * b + 1]);
+      }
+      block(lo, hi, b);
+    }
+  } else {
+    for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+      Exact::Group grp[NT];
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) grp[t] = Exact::group<kBits>(sc[t][g], mn[t][g]);
+      if constexpr (kPerGroup == 1) {
+        block(grp, grp, b++);
+      } else {
+        for (const int64_t end = b + per_group; b < end; ++b) block(grp, grp, b);
+      }
     }
   }
 #pragma GCC unroll 8
@@ -799,10 +905,17 @@ struct PackedRows {
         transpose8x8_epi32(r);
         for (int kk = 0; kk < 8; ++kk) data[static_cast<size_t>((b * 8 + kk) * 2 + half)] = r[kk];
       }
+    w.wide ? pack_grids<float>(w, n0, rows) : pack_grids<at::Half>(w, n0, rows);
+  }
+
+  template <typename S>
+  void pack_grids(const QuantWeight& w, int64_t n0, int64_t rows) {
+    const S* ws = w.scales_as<S>();
+    const S* wm = w.mins_as<S>();
     for (int64_t n = 0; n < rows; ++n)
       for (int64_t g = 0; g < w.groups; ++g) {
-        scales[g * kPackRows + n] = static_cast<float>(w.scales[(n0 + n) * w.groups + g]);
-        if (w.mins) mins[g * kPackRows + n] = static_cast<float>(w.mins[(n0 + n) * w.groups + g]);
+        scales[g * kPackRows + n] = static_cast<float>(ws[(n0 + n) * w.groups + g]);
+        if (wm) mins[g * kPackRows + n] = static_cast<float>(wm[(n0 + n) * w.groups + g]);
       }
   }
 };
@@ -981,6 +1094,31 @@ struct TileRows {
 template <int kBits>
 void exact_rows(const QuantWeight& w, const float* x, int64_t M, float* y, int64_t n0, int64_t n1) {
 #ifdef MRQ_AVX2
+  if (w.half_groups()) {  // tiles of 8, 4, 2 and 1 rows of x only (fewer instantiations)
+    for_each_tile(w, M, n0, n1, 8, [&](const RowScales& rs, int64_t s0, int64_t s1, int64_t m0, int64_t mt) {
+      for (int64_t part : {8, 4, 2, 1}) {
+        if (!(mt & part)) continue;
+        const auto run = [&]<int MT>() {
+          constexpr int NT = exact_nt(MT);
+          const float* xm = x + m0 * w.cols;
+          float* ym = y + m0 * w.rows;
+          int64_t n = s0;
+          for (; n + NT <= s1; n += NT) {
+            const TileRows<NT> tr(w, rs, s0, n);
+            exact_tile<kBits, -1, MT, NT>(w, tr.rows, tr.s, tr.m, xm, ym + n, w.rows);
+          }
+          for (; n < s1; ++n) {
+            const TileRows<1> tr(w, rs, s0, n);
+            exact_tile<kBits, -1, MT, 1>(w, tr.rows, tr.s, tr.m, xm, ym + n, w.rows);
+          }
+        };
+        part == 8 ? run.template operator()<8>() : part == 4 ? run.template operator()<4>()
+                  : part == 2 ? run.template operator()<2>() : run.template operator()<1>();
+        m0 += part;
+      }
+    });
+    return;
+  }
   for_each_tile(w, M, n0, n1, 8, [&](const RowScales& rs, int64_t s0, int64_t s1, int64_t m0, int64_t mt) {
     with_mt(mt, [&]<int MT>() {
       constexpr int NT = exact_nt(MT);
@@ -1181,8 +1319,12 @@ std::vector<at::Tensor> pack_p16(const at::Tensor& qweight, const at::Tensor& sc
   at::Tensor sc = at::zeros({rows16, w.groups}, scales.options());
   at::Tensor mn = mins.has_value() ? at::zeros({rows16, w.groups}, scales.options()) : at::Tensor();
   uint8_t* out = static_cast<uint8_t*>(data.data_ptr());
-  at::Half* so = sc.data_ptr<at::Half>();
-  at::Half* mo = mins.has_value() ? mn.data_ptr<at::Half>() : nullptr;
+  // The grids' elements as bytes (float16 or float32: copied as they are).
+  const int64_t size = scales.element_size();
+  uint8_t* so = static_cast<uint8_t*>(sc.data_ptr());
+  uint8_t* mo = mins.has_value() ? static_cast<uint8_t*>(mn.data_ptr()) : nullptr;
+  const uint8_t* si = static_cast<const uint8_t*>(w.scales);
+  const uint8_t* mi = static_cast<const uint8_t*>(w.mins);
   const int64_t words = bits == 4 ? 4 : 8;  // 4-byte words per row and block
   at::parallel_for(0, tiles, 16, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t) {
@@ -1203,8 +1345,8 @@ std::vector<at::Tensor> pack_p16(const at::Tensor& qweight, const at::Tensor& sc
             for (int i = 0; i < 4; ++i) dst[i] = bits == 8 ? static_cast<uint8_t>(from[i] ^ 0x80) : from[i];
           }
         for (int64_t g = 0; g < w.groups; ++g) {
-          so[(t * w.groups + g) * kP16 + r] = w.scales[n * w.groups + g];
-          if (mo) mo[(t * w.groups + g) * kP16 + r] = w.mins[n * w.groups + g];
+          std::memcpy(so + ((t * w.groups + g) * kP16 + r) * size, si + (n * w.groups + g) * size, size);
+          if (mo) std::memcpy(mo + ((t * w.groups + g) * kP16 + r) * size, mi + (n * w.groups + g) * size, size);
         }
       }
     }
@@ -1219,28 +1361,48 @@ inline int32_t load_word(const int8_t* p) {
   return v;
 }
 
-// Tile t's weight bytes, scales and mins (nullptr without mins).
-inline std::tuple<const uint8_t*, const at::Half*, const at::Half*> p16_tile_parts(const P16Weight& w, int64_t t) {
-  return {w.data + t * w.tile_bytes, w.scales + t * w.groups * kP16, w.mins ? w.mins + t * w.groups * kP16 : nullptr};
+// Tile t's weight bytes, scales and mins (nullptr without mins), the grids of type S.
+template <typename S = at::Half>
+inline std::tuple<const uint8_t*, const S*, const S*> p16_tile_parts(const P16Weight& w, int64_t t) {
+  return {w.data + t * w.tile_bytes, w.scales_as<S>() + t * w.groups * kP16,
+          w.mins ? w.mins_as<S>() + t * w.groups * kP16 : nullptr};
 }
+
+// 8 or 16 consecutive scales (or mins) of type S as floats.
+template <typename S>
+inline __m256 load8(const S* p) {
+  if constexpr (std::is_same_v<S, float>)
+    return _mm256_loadu_ps(p);
+  else
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+#ifdef MRQ_AVX512
+template <typename S>
+inline __m512 load16(const S* p) {
+  if constexpr (std::is_same_v<S, float>)
+    return _mm512_loadu_ps(p);
+  else
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+#endif
 
 constexpr int64_t kP16Ahead = 1024;  // see kStreamAhead (a p16 tile is one stream, read faster)
 
 #if defined(MRQ_AVX512) && MRQ_VNNI == 1
 constexpr int kP16MaxRows = 4;
 // Rows [m0, m0 + MT) of x against tile t: 16 outputs per row of x. D: the digits x is written in
-// (1: q8; kSplitDigits: the split kernel, below), each an integer sum per block.
-template <int kBits, int MT, int D = 1>
+// (1: q8; kSplitDigits: the split kernel, below), each an integer sum per block. S: the scales' type.
+template <int kBits, int MT, int D = 1, typename S = at::Half>
 void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* in, int64_t m0, float* y, int64_t ldy) {
   const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
-  const auto [tile, ts, tm] = p16_tile_parts(w, t);
+  const auto [tile, ts, tm] = p16_tile_parts<S>(w, t);
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
   const __m512i low = _mm512_set1_epi8(0x0f);
   __m512 acc[MT];
 #pragma GCC unroll 4
   for (int r = 0; r < MT; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t g = 0, b = 0; g < w.groups; ++g) {
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts + g * kP16)));
+    const __m512 s = load16(ts + g * kP16);
     for (const int64_t end = b + per_group; b < end; ++b) {
       const uint8_t* p = tile + b * kBlockBytes;
 #pragma GCC unroll 8
@@ -1297,7 +1459,7 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* in, int64_t m
       }
     }
     if (tm) {
-      const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm + g * kP16)));
+      const __m512 mv = load16(tm + g * kP16);
 #pragma GCC unroll 4
       for (int r = 0; r < MT; ++r)
         acc[r] = _mm512_fmadd_ps(mv, _mm512_set1_ps(in[0].sum[(m0 + r) * w.groups + g]), acc[r]);
@@ -1311,12 +1473,12 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* in, int64_t m
 #else
 constexpr int kP16MaxRows = 2;
 // The same with 256-bit registers: each 64-byte word row holds rows 0-7, then rows 8-15.
-template <int kBits, int MT, int D = 1>
+template <int kBits, int MT, int D = 1, typename S = at::Half>
 void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* digits, int64_t m0, float* y, int64_t ldy) {
   static_assert(D == 1, "the split kernel needs AVX-512 VNNI");
   const QuantizedInput& in = digits[0];
   const int64_t K = w.cols, blocks = K / kBlock, per_group = w.group / kBlock;
-  const auto [tile, ts, tm] = p16_tile_parts(w, t);
+  const auto [tile, ts, tm] = p16_tile_parts<S>(w, t);
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
   const __m256i low = _mm256_set1_epi8(0x0f);
   __m256 acc[MT][2];
@@ -1324,7 +1486,7 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* digits, int64
   for (int64_t g = 0, b = 0; g < w.groups; ++g) {
     __m256 s[2];
     for (int h = 0; h < 2; ++h)
-      s[h] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ts + g * kP16 + 8 * h)));
+      s[h] = load8(ts + g * kP16 + 8 * h);
     for (const int64_t end = b + per_group; b < end; ++b) {
       const uint8_t* p = tile + b * kBlockBytes;
       for (int64_t line = 0; line < kBlockBytes; line += 64)
@@ -1355,7 +1517,7 @@ void p16_tile(const P16Weight& w, int64_t t, const QuantizedInput* digits, int64
     }
     if (tm) {
       for (int h = 0; h < 2; ++h) {
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + g * kP16 + 8 * h)));
+        const __m256 mv = load8(tm + g * kP16 + 8 * h);
         for (int r = 0; r < MT; ++r)
           acc[r][h] = _mm256_fmadd_ps(mv, _mm256_set1_ps(in.sum[(m0 + r) * w.groups + g]), acc[r][h]);
       }
@@ -1397,16 +1559,16 @@ bool p16_exact_supported_bits(int64_t bits) {
 constexpr int p16x_nt(int mt) { return mt == 1 ? 4 : mt <= 4 ? 2 : 1; }
 
 // Rows [m0, m0 + MT) of x against tiles [t0, t0 + NT): 16 outputs per tile and row of x.
-// sums: float [M][groups], the exact sums of x per group.
-template <int kBits, bool kMins, int MT, int NT>
+// sums: float [M][groups], the exact sums of x per group. S: the scales' type; kHalf: groups of 16.
+template <int kBits, bool kMins, int MT, int NT, typename S = at::Half, bool kHalf = false>
 void p16x_tile(const P16Weight& w, int64_t t0, const float* x, const float* sums, int64_t m0, float* y, int64_t ldy) {
   const int64_t K = w.cols, per_group = w.group / kBlock;
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
   const uint8_t* tile[NT];
-  const at::Half* ts[NT];
-  const at::Half* tm[NT];
+  const S* ts[NT];
+  const S* tm[NT];
 #pragma GCC unroll 4
-  for (int t = 0; t < NT; ++t) std::tie(tile[t], ts[t], tm[t]) = p16_tile_parts(w, t0 + t);
+  for (int t = 0; t < NT; ++t) std::tie(tile[t], ts[t], tm[t]) = p16_tile_parts<S>(w, t0 + t);
   const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
   const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
   __m512 acc[MT][NT];
@@ -1417,13 +1579,11 @@ void p16x_tile(const P16Weight& w, int64_t t0, const float* x, const float* sums
   const float* xr[MT];
 #pragma GCC unroll 8
   for (int r = 0; r < MT; ++r) xr[r] = x + (m0 + r) * K;
-  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
-    __m512 part[MT][NT];
-#pragma GCC unroll 8
-    for (int r = 0; r < MT; ++r)
-#pragma GCC unroll 4
-      for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_ps();
-    for (const int64_t end = b + per_group; b < end; ++b) {
+  if constexpr (kHalf) {
+    // Two groups per block, its elements 0..15 (4-bit: the low nibbles of its word rows; 8-bit: word
+    // rows 0..3) and 16..31 (the high nibbles; word rows 4..7): a pass over each, then its scale and
+    // min, as the loop below does per group.
+    for (int64_t b = 0; b < K / kBlock; ++b) {
       const int64_t k0 = b * kBlock;
 #pragma GCC unroll 4
       for (int t = 0; t < NT; ++t) {
@@ -1432,45 +1592,111 @@ void p16x_tile(const P16Weight& w, int64_t t0, const float* x, const float* sums
         for (int64_t line = 0; line < kBlockBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
       }
-      // Word row j of the block: 4-bit, bytes 4j..4j+3 of each row (low nibbles: elements 4j..4j+3,
-      // high nibbles: 16+4j..16+4j+3); 8-bit, elements 4j..4j+3 as q + 128.
+#pragma GCC unroll 2
+      for (int h = 0; h < 2; ++h) {
+        __m512 part[MT][NT];
 #pragma GCC unroll 8
-      for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
-        __m512i v[NT];
+        for (int r = 0; r < MT; ++r)
 #pragma GCC unroll 4
-        for (int t = 0; t < NT; ++t) {
-          v[t] = _mm512_loadu_si512(tile[t] + b * kBlockBytes + j * 64);
-          if constexpr (kBits == 8) v[t] = _mm512_xor_si512(v[t], flip);  // back to signed q
-        }
-#pragma GCC unroll 8
-        for (int i = 0; i < 8; ++i) {
-          if (kBits == 8 && i >= 4) break;
-          const int64_t k = kBits == 4 ? k0 + (i & 1 ? 16 : 0) + 4 * j + (i >> 1) : k0 + 4 * j + i;
+          for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int jj = 0; jj < 4; ++jj) {
+          const int j = kBits == 4 ? jj : 4 * h + jj;
+          __m512i v[NT];
 #pragma GCC unroll 4
           for (int t = 0; t < NT; ++t) {
-            __m512 q;
-            if constexpr (kBits == 4) {
-              q = _mm512_permutexvar_ps(i == 0 ? v[t] : _mm512_srli_epi32(v[t], 4 * i), iota);
-            } else {
-              const __m512i lane = i == 3 ? v[t] : _mm512_slli_epi32(v[t], 24 - 8 * i);
-              q = _mm512_cvtepi32_ps(_mm512_srai_epi32(lane, 24));
-            }
+            v[t] = _mm512_loadu_si512(tile[t] + b * kBlockBytes + j * 64);
+            if constexpr (kBits == 8) v[t] = _mm512_xor_si512(v[t], flip);
+          }
+#pragma GCC unroll 4
+          for (int ii = 0; ii < 4; ++ii) {
+            const int i = kBits == 4 ? h + 2 * ii : ii;  // 4-bit: nibble i, element 16h + 4j + ii
+            const int64_t k = kBits == 4 ? k0 + 16 * h + 4 * j + ii : k0 + 4 * j + i;
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; ++t) {
+              __m512 q;
+              if constexpr (kBits == 4) {
+                q = _mm512_permutexvar_ps(i == 0 ? v[t] : _mm512_srli_epi32(v[t], 4 * i), iota);
+              } else {
+                const __m512i lane = i == 3 ? v[t] : _mm512_slli_epi32(v[t], 24 - 8 * i);
+                q = _mm512_cvtepi32_ps(_mm512_srai_epi32(lane, 24));
+              }
 #pragma GCC unroll 8
-            for (int r = 0; r < MT; ++r) part[r][t] = _mm512_fmadd_ps(q, _mm512_set1_ps(xr[r][k]), part[r][t]);
+              for (int r = 0; r < MT; ++r) part[r][t] = _mm512_fmadd_ps(q, _mm512_set1_ps(xr[r][k]), part[r][t]);
+            }
+          }
+        }
+        const int64_t g = 2 * b + h;
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          const __m512 s = load16(ts[t] + g * kP16);
+#pragma GCC unroll 8
+          for (int r = 0; r < MT; ++r) acc[r][t] = _mm512_fmadd_ps(part[r][t], s, acc[r][t]);
+          if constexpr (kMins) {
+            const __m512 mv = load16(tm[t] + g * kP16);
+#pragma GCC unroll 8
+            for (int r = 0; r < MT; ++r)
+              acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][t]);
           }
         }
       }
     }
+  } else {
+    for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+      __m512 part[MT][NT];
+#pragma GCC unroll 8
+      for (int r = 0; r < MT; ++r)
 #pragma GCC unroll 4
-    for (int t = 0; t < NT; ++t) {
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(ts[t] + g * kP16)));
+        for (int t = 0; t < NT; ++t) part[r][t] = _mm512_setzero_ps();
+      for (const int64_t end = b + per_group; b < end; ++b) {
+        const int64_t k0 = b * kBlock;
+#pragma GCC unroll 4
+        for (int t = 0; t < NT; ++t) {
+          const uint8_t* p = tile[t] + b * kBlockBytes;
 #pragma GCC unroll 8
-      for (int r = 0; r < MT; ++r) acc[r][t] = _mm512_fmadd_ps(part[r][t], s, acc[r][t]);
-      if constexpr (kMins) {
-        const __m512 mv = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tm[t] + g * kP16)));
+          for (int64_t line = 0; line < kBlockBytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(p) + kP16Ahead + line, _MM_HINT_NTA);
+        }
+        // Word row j of the block: 4-bit, bytes 4j..4j+3 of each row (low nibbles: elements 4j..4j+3,
+        // high nibbles: 16+4j..16+4j+3); 8-bit, elements 4j..4j+3 as q + 128.
 #pragma GCC unroll 8
-        for (int r = 0; r < MT; ++r)
-          acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][t]);
+        for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
+          __m512i v[NT];
+#pragma GCC unroll 4
+          for (int t = 0; t < NT; ++t) {
+            v[t] = _mm512_loadu_si512(tile[t] + b * kBlockBytes + j * 64);
+            if constexpr (kBits == 8) v[t] = _mm512_xor_si512(v[t], flip);  // back to signed q
+          }
+#pragma GCC unroll 8
+          for (int i = 0; i < 8; ++i) {
+            if (kBits == 8 && i >= 4) break;
+            const int64_t k = kBits == 4 ? k0 + (i & 1 ? 16 : 0) + 4 * j + (i >> 1) : k0 + 4 * j + i;
+#pragma GCC unroll 4
+            for (int t = 0; t < NT; ++t) {
+              __m512 q;
+              if constexpr (kBits == 4) {
+                q = _mm512_permutexvar_ps(i == 0 ? v[t] : _mm512_srli_epi32(v[t], 4 * i), iota);
+              } else {
+                const __m512i lane = i == 3 ? v[t] : _mm512_slli_epi32(v[t], 24 - 8 * i);
+                q = _mm512_cvtepi32_ps(_mm512_srai_epi32(lane, 24));
+              }
+#pragma GCC unroll 8
+              for (int r = 0; r < MT; ++r) part[r][t] = _mm512_fmadd_ps(q, _mm512_set1_ps(xr[r][k]), part[r][t]);
+            }
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < NT; ++t) {
+        const __m512 s = load16(ts[t] + g * kP16);
+#pragma GCC unroll 8
+        for (int r = 0; r < MT; ++r) acc[r][t] = _mm512_fmadd_ps(part[r][t], s, acc[r][t]);
+        if constexpr (kMins) {
+          const __m512 mv = load16(tm[t] + g * kP16);
+#pragma GCC unroll 8
+          for (int r = 0; r < MT; ++r)
+            acc[r][t] = _mm512_fmadd_ps(mv, _mm512_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][t]);
+        }
       }
     }
   }
@@ -1486,7 +1712,7 @@ void p16x_tile(const P16Weight& w, int64_t t0, const float* x, const float* sums
 // Tiles [u0, u1) for every row of x: NT tiles at a time where the row count allows, each group of
 // tiles (at most 4 * 16 rows of K weights: in L1/L2) passed over by every tile of x rows. x rows go
 // 8 at a time, the rest as 4, 2 and 1 (fewer instantiations to compile than every count up to 8).
-template <int kBits, bool kMins>
+template <int kBits, bool kMins, typename S, bool kHalf>
 void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M, float* y, int64_t u0, int64_t u1) {
   const int64_t step_max = p16x_nt(static_cast<int>(std::min<int64_t>(M, 2)));
   for (int64_t t = u0; t < u1;) {
@@ -1498,10 +1724,10 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
         // A tile group shorter than NT (the end of the rows) goes one tile at a time.
         for (int64_t s = 0; s < step;) {
           if (step - s >= NT) {
-            p16x_tile<kBits, kMins, MT, NT>(w, t + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            p16x_tile<kBits, kMins, MT, NT, S, kHalf>(w, t + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
             s += NT;
           } else {
-            p16x_tile<kBits, kMins, MT, 1>(w, t + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            p16x_tile<kBits, kMins, MT, 1, S, kHalf>(w, t + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
             s += 1;
           }
         }
@@ -1588,17 +1814,18 @@ constexpr int64_t p16x_ahead() {
 }
 
 // Rows [m0, m0 + MT) of x against half tiles [h0, h0 + NH) (half h: rows 8h..8h+7 of the weight).
-template <int kBits, bool kMins, int MT, int NH>
+// S: the scales' type; kHalf: groups of 16.
+template <int kBits, bool kMins, int MT, int NH, typename S = at::Half, bool kHalf = false>
 void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* sums, int64_t m0, float* y,
                  int64_t ldy) {
   const int64_t K = w.cols, per_group = w.group / kBlock;
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
   const uint8_t* base[NH];
-  const at::Half* hs[NH];
-  const at::Half* hm[NH];
+  const S* hs[NH];
+  const S* hm[NH];
 #pragma GCC unroll 4
   for (int i = 0; i < NH; ++i) {
-    const auto [tile, ts, tm] = p16_tile_parts(w, (h0 + i) / 2);
+    const auto [tile, ts, tm] = p16_tile_parts<S>(w, (h0 + i) / 2);
     const int64_t half = (h0 + i) % 2;
     base[i] = tile + 32 * half;
     hs[i] = ts + 8 * half;
@@ -1613,13 +1840,10 @@ void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* su
   const float* xr[MT];
 #pragma GCC unroll 4
   for (int r = 0; r < MT; ++r) xr[r] = x + (m0 + r) * K;
-  for (int64_t g = 0, b = 0; g < w.groups; ++g) {
-    __m256 part[MT][NH];
-#pragma GCC unroll 4
-    for (int r = 0; r < MT; ++r)
-#pragma GCC unroll 4
-      for (int i = 0; i < NH; ++i) part[r][i] = _mm256_setzero_ps();
-    for (const int64_t end = b + per_group; b < end; ++b) {
+  if constexpr (kHalf) {
+    // Two groups per block, as in the AVX-512 kernel: the low nibbles (4-bit) or word rows 0..3
+    // (8-bit) are elements 0..15, then the rest; a pass over each, then its scale and min.
+    for (int64_t b = 0; b < K / kBlock; ++b) {
       const int64_t k0 = b * kBlock;
 #pragma GCC unroll 4
       for (int i = 0; i < NH; ++i) {
@@ -1629,36 +1853,97 @@ void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* su
         for (int64_t line = 0; line < kBlockBytes; line += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p) + p16x_ahead<kBits>() + line, _MM_HINT_NTA);
       }
-#pragma GCC unroll 8
-      for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
-        __m256i v[NH];
+#pragma GCC unroll 2
+      for (int gh = 0; gh < 2; ++gh) {
+        __m256 part[MT][NH];
 #pragma GCC unroll 4
-        for (int i = 0; i < NH; ++i) {
-          v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[i] + b * kBlockBytes + j * 64));
-          if constexpr (kBits == 8) v[i] = _mm256_xor_si256(v[i], flip);  // back to signed q
-        }
-#pragma GCC unroll 8
-        for (int e = 0; e < (kBits == 4 ? 8 : 4); ++e) {
-          const int64_t k = p16_column<kBits>(k0, j, e);
+        for (int r = 0; r < MT; ++r)
+#pragma GCC unroll 4
+          for (int i = 0; i < NH; ++i) part[r][i] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int jj = 0; jj < 4; ++jj) {
+          const int j = kBits == 4 ? jj : 4 * gh + jj;
+          __m256i v[NH];
 #pragma GCC unroll 4
           for (int i = 0; i < NH; ++i) {
-            const __m256 q = p16_scaled_lanes<kBits>(v[i], e);
+            v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[i] + b * kBlockBytes + j * 64));
+            if constexpr (kBits == 8) v[i] = _mm256_xor_si256(v[i], flip);
+          }
 #pragma GCC unroll 4
-            for (int r = 0; r < MT; ++r) part[r][i] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(xr[r] + k), part[r][i]);
+          for (int ee = 0; ee < 4; ++ee) {
+            const int e = kBits == 4 ? gh + 2 * ee : ee;  // 4-bit: nibble e, in the low or high half
+            const int64_t k = p16_column<kBits>(k0, j, e);
+#pragma GCC unroll 4
+            for (int i = 0; i < NH; ++i) {
+              const __m256 q = p16_scaled_lanes<kBits>(v[i], e);
+#pragma GCC unroll 4
+              for (int r = 0; r < MT; ++r) part[r][i] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(xr[r] + k), part[r][i]);
+            }
+          }
+        }
+        const int64_t g = 2 * b + gh;
+#pragma GCC unroll 4
+        for (int i = 0; i < NH; ++i) {
+          const __m256 s = load8(hs[i] + g * kP16);
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r) acc[r][i] = _mm256_fmadd_ps(part[r][i], s, acc[r][i]);
+          if constexpr (kMins) {
+            const __m256 mv = load8(hm[i] + g * kP16);
+#pragma GCC unroll 4
+            for (int r = 0; r < MT; ++r)
+              acc[r][i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][i]);
           }
         }
       }
     }
+  } else {
+    for (int64_t g = 0, b = 0; g < w.groups; ++g) {
+      __m256 part[MT][NH];
 #pragma GCC unroll 4
-    for (int i = 0; i < NH; ++i) {
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hs[i] + g * kP16)));
+      for (int r = 0; r < MT; ++r)
 #pragma GCC unroll 4
-      for (int r = 0; r < MT; ++r) acc[r][i] = _mm256_fmadd_ps(part[r][i], s, acc[r][i]);
-      if constexpr (kMins) {
-        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(hm[i] + g * kP16)));
+        for (int i = 0; i < NH; ++i) part[r][i] = _mm256_setzero_ps();
+      for (const int64_t end = b + per_group; b < end; ++b) {
+        const int64_t k0 = b * kBlock;
 #pragma GCC unroll 4
-        for (int r = 0; r < MT; ++r)
-          acc[r][i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][i]);
+        for (int i = 0; i < NH; ++i) {
+          if ((h0 + i) % 2 == 1 && i > 0) continue;  // the low half prefetched the tile's lines
+          const uint8_t* p = base[i] - 32 * ((h0 + i) % 2) + b * kBlockBytes;
+#pragma GCC unroll 8
+          for (int64_t line = 0; line < kBlockBytes; line += 64)
+            _mm_prefetch(reinterpret_cast<const char*>(p) + p16x_ahead<kBits>() + line, _MM_HINT_NTA);
+        }
+#pragma GCC unroll 8
+        for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
+          __m256i v[NH];
+#pragma GCC unroll 4
+          for (int i = 0; i < NH; ++i) {
+            v[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(base[i] + b * kBlockBytes + j * 64));
+            if constexpr (kBits == 8) v[i] = _mm256_xor_si256(v[i], flip);  // back to signed q
+          }
+#pragma GCC unroll 8
+          for (int e = 0; e < (kBits == 4 ? 8 : 4); ++e) {
+            const int64_t k = p16_column<kBits>(k0, j, e);
+#pragma GCC unroll 4
+            for (int i = 0; i < NH; ++i) {
+              const __m256 q = p16_scaled_lanes<kBits>(v[i], e);
+#pragma GCC unroll 4
+              for (int r = 0; r < MT; ++r) part[r][i] = _mm256_fmadd_ps(q, _mm256_broadcast_ss(xr[r] + k), part[r][i]);
+            }
+          }
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < NH; ++i) {
+        const __m256 s = load8(hs[i] + g * kP16);
+#pragma GCC unroll 4
+        for (int r = 0; r < MT; ++r) acc[r][i] = _mm256_fmadd_ps(part[r][i], s, acc[r][i]);
+        if constexpr (kMins) {
+          const __m256 mv = load8(hm[i] + g * kP16);
+#pragma GCC unroll 4
+          for (int r = 0; r < MT; ++r)
+            acc[r][i] = _mm256_fmadd_ps(mv, _mm256_set1_ps(sums[(m0 + r) * w.groups + g]), acc[r][i]);
+        }
       }
     }
   }
@@ -1681,7 +1966,7 @@ void p16x_halves(const P16Weight& w, int64_t h0, const float* x, const float* su
 
 // Tiles [u0, u1) for every row of x, as halves: NH at a time where the row count allows; x rows go
 // 4 at a time, the rest as 2 and 1 (more would not fit AVX2's 16 registers).
-template <int kBits, bool kMins>
+template <int kBits, bool kMins, typename S, bool kHalf>
 void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M, float* y, int64_t u0, int64_t u1) {
   const int64_t step_max = p16x_nh(static_cast<int>(std::min<int64_t>(M, 2)));
   for (int64_t h = 2 * u0; h < 2 * u1;) {
@@ -1692,10 +1977,10 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
         constexpr int NH = p16x_nh(MT);
         for (int64_t s = 0; s < step;) {
           if (step - s >= NH) {
-            p16x_halves<kBits, kMins, MT, NH>(w, h + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            p16x_halves<kBits, kMins, MT, NH, S, kHalf>(w, h + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
             s += NH;
           } else {
-            p16x_halves<kBits, kMins, MT, 1>(w, h + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
+            p16x_halves<kBits, kMins, MT, 1, S, kHalf>(w, h + s, x, sums, m0, y + m0 * w.valid_rows, w.valid_rows);
             s += 1;
           }
         }
@@ -1729,20 +2014,26 @@ void group_sums(const float* x, int64_t M, const QuantWeight& w, float* sums) {
 #ifndef MRQ_AVX512
 // Rows [n0, n1) of a p16 weight (n0 a multiple of 16, whole tiles written) as columns of out
 // ([K][ld]): 8 rows' weights of one element per vector, each scale * q + min as the planar
-// dequantization computes it (the same floats).
-template <int kBits, bool kMins>
+// dequantization computes it (the same floats: float32 scales' products rounded before the min is
+// added). S: the scales' type; kHalf: groups of 16, two per block (elements 0..15: the low nibbles
+// or word rows 0..3; 16..31: the high nibbles or word rows 4..7).
+template <int kBits, bool kMins, typename S = at::Half, bool kHalf = false>
 void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* out, int64_t ld) {
-  const int64_t per_group = w.group / kBlock;
+  const int64_t per_group = kHalf ? 1 : w.group / kBlock, steps = kHalf ? w.cols / kBlock : w.groups;
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  constexpr bool kRound = kMins && std::is_same_v<S, float>;
   const __m256i flip = _mm256_set1_epi32(static_cast<int32_t>(0x80808080u));
   for (int64_t t = n0 / kP16; t < (n1 + kP16 - 1) / kP16; ++t) {
-    const auto [tile, ts, tm] = p16_tile_parts(w, t);
+    const auto [tile, ts, tm] = p16_tile_parts<S>(w, t);
     for (int64_t half = 0; half < 2; ++half) {
       float* col = out + t * kP16 - n0 + 8 * half;
-      for (int64_t g = 0, b = 0; g < w.groups; ++g) {
-        const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(ts + g * kP16 + 8 * half)));
-        const __m256 m = kMins ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(tm + g * kP16 + 8 * half)))
-                               : _mm256_setzero_ps();
+      // A step is a group (of a whole number of blocks) or, with kHalf, one block's two groups.
+      for (int64_t g = 0, b = 0; g < steps; ++g) {
+        const int64_t g0 = kHalf ? 2 * g : g;
+        const __m256 s = load8(ts + g0 * kP16 + 8 * half);
+        const __m256 m = kMins ? load8(tm + g0 * kP16 + 8 * half) : _mm256_setzero_ps();
+        const __m256 s_hi = kHalf ? load8(ts + (g0 + 1) * kP16 + 8 * half) : s;
+        const __m256 m_hi = kHalf && kMins ? load8(tm + (g0 + 1) * kP16 + 8 * half) : m;
         for (const int64_t end = b + per_group; b < end; ++b) {
           const int64_t k0 = b * kBlock;
 #pragma GCC unroll 8
@@ -1752,8 +2043,13 @@ void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* o
 #pragma GCC unroll 8
             for (int e = 0; e < (kBits == 4 ? 8 : 4); ++e) {
               const __m256 q = p16_lanes<kBits>(v, e);
+              const bool hi = kHalf && (kBits == 4 ? (e & 1) == 1 : j >= 4);
+              const __m256 se = hi ? s_hi : s, me = hi ? m_hi : m;
               float* out_k = col + p16_column<kBits>(k0, j, e) * ld;
-              _mm256_storeu_ps(out_k, kMins ? _mm256_fmadd_ps(q, s, m) : _mm256_mul_ps(q, s));
+              if constexpr (kRound)
+                _mm256_storeu_ps(out_k, _mm256_add_ps(rounded(_mm256_mul_ps(q, se)), me));
+              else
+                _mm256_storeu_ps(out_k, kMins ? _mm256_fmadd_ps(q, se, me) : _mm256_mul_ps(q, se));
             }
           }
         }
@@ -1783,12 +2079,14 @@ at::Tensor qlinear_p16_exact(const at::Tensor& x, const at::Tensor& data, const 
   if (M >= kP16GemmRows) {
     struct None {};
     gemm_tiles<None, true>(w.valid_rows, w.cols, x, y, [&](int64_t n0, int64_t n1, float* out, int64_t ld, None&) {
-      if (bits == 4)
-        w.mins ? dequantize_p16_columns<4, true>(w, n0, n1, out, ld)
-               : dequantize_p16_columns<4, false>(w, n0, n1, out, ld);
-      else
-        w.mins ? dequantize_p16_columns<8, true>(w, n0, n1, out, ld)
-               : dequantize_p16_columns<8, false>(w, n0, n1, out, ld);
+      with_format(w, [&]<typename S, bool kHalf>() {
+        if (bits == 4)
+          w.mins ? dequantize_p16_columns<4, true, S, kHalf>(w, n0, n1, out, ld)
+                 : dequantize_p16_columns<4, false, S, kHalf>(w, n0, n1, out, ld);
+        else
+          w.mins ? dequantize_p16_columns<8, true, S, kHalf>(w, n0, n1, out, ld)
+                 : dequantize_p16_columns<8, false, S, kHalf>(w, n0, n1, out, ld);
+      });
     });
     return y;
   }
@@ -1813,14 +2111,16 @@ at::Tensor qlinear_p16_exact(const at::Tensor& x, const at::Tensor& data, const 
   }
 #endif
   float* yp = y.data_ptr<float>();
-  const auto run = [&]<int kBits, bool kMins>(int64_t n0, int64_t n1) {
-    p16x_rows<kBits, kMins>(w, xk, sums, M, yp, n0 / kP16, n1 / kP16);
-  };
-  parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
-    if (bits == 4)
-      w.mins ? run.template operator()<4, true>(n0, n1) : run.template operator()<4, false>(n0, n1);
-    else
-      w.mins ? run.template operator()<8, true>(n0, n1) : run.template operator()<8, false>(n0, n1);
+  with_format(w, [&]<typename S, bool kHalf>() {
+    const auto run = [&]<int kBits, bool kMins>(int64_t n0, int64_t n1) {
+      p16x_rows<kBits, kMins, S, kHalf>(w, xk, sums, M, yp, n0 / kP16, n1 / kP16);
+    };
+    parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
+      if (bits == 4)
+        w.mins ? run.template operator()<4, true>(n0, n1) : run.template operator()<4, false>(n0, n1);
+      else
+        w.mins ? run.template operator()<8, true>(n0, n1) : run.template operator()<8, false>(n0, n1);
+    });
   });
 #endif
   return y;
@@ -1830,7 +2130,7 @@ bool p16_exact_supported(int64_t bits) { return p16_exact_supported_bits(bits); 
 
 #ifdef MRQ_AVX2
 // Every tile for every row of x (in D digits), the tiles split among torch's threads.
-template <int D>
+template <int D, typename S>
 void p16_rows(const P16Weight& w, const QuantizedInput* digits, int64_t M, float* yp) {
   const int64_t count = (M + kP16MaxRows - 1) / kP16MaxRows;
   parallel_rows(w.rows, kP16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
@@ -1839,12 +2139,18 @@ void p16_rows(const P16Weight& w, const QuantizedInput* digits, int64_t M, float
         const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
         with_mt(mt, [&]<int MT>() {
           if constexpr (MT <= kP16MaxRows)
-            w.bits == 4 ? p16_tile<4, MT, D>(w, t, digits, m0, yp + m0 * w.valid_rows, w.valid_rows)
-                        : p16_tile<8, MT, D>(w, t, digits, m0, yp + m0 * w.valid_rows, w.valid_rows);
+            w.bits == 4 ? p16_tile<4, MT, D, S>(w, t, digits, m0, yp + m0 * w.valid_rows, w.valid_rows)
+                        : p16_tile<8, MT, D, S>(w, t, digits, m0, yp + m0 * w.valid_rows, w.valid_rows);
         });
         m0 += mt;
       }
   });
+}
+
+// p16_rows for the weight's scale type.
+template <int D>
+void p16_rows(const P16Weight& w, const QuantizedInput* digits, int64_t M, float* yp) {
+  w.wide ? p16_rows<D, float>(w, digits, M, yp) : p16_rows<D, at::Half>(w, digits, M, yp);
 }
 #endif
 
@@ -1853,6 +2159,7 @@ at::Tensor qlinear_p16(const at::Tensor& x, const at::Tensor& data, const at::Te
   const auto operands = p16_operands(x, data, scales, mins, rows, group_size, bits, p16_supported_bits(bits), "p16",
                                      bits == 8 ? "8-bit needs VNNI" : "needs AVX2");
   const P16Weight& w = operands.first;
+  check_int8_groups(w, "p16");
   at::Tensor y = operands.second;
   const int64_t M = x.size(0);
   if (M == 0 || w.valid_rows == 0) return y;
@@ -1915,6 +2222,7 @@ at::Tensor qlinear_p16_split(const at::Tensor& x, const at::Tensor& data, const 
   const auto operands = p16_operands(x, data, scales, mins, rows, group_size, bits, p16_split_supported_bits(bits),
                                      "split p16", "needs AVX-512 VNNI");
   const P16Weight& w = operands.first;
+  check_int8_groups(w, "split p16");
   at::Tensor y = operands.second;
   const int64_t M = x.size(0);
   if (M == 0 || w.valid_rows == 0) return y;
@@ -1986,6 +2294,7 @@ at::Tensor qlinear(const at::Tensor& x, const at::Tensor& qweight, const at::Ten
 at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
                       const std::optional<at::Tensor>& mins, int64_t group_size, int64_t bits, int64_t packed_rows) {
   const QuantWeight w = check_weight(qweight, scales, mins, group_size, bits);
+  check_int8_groups(w, "q8");
   check_input(x, w);
   const int64_t M = x.size(0);
   at::Tensor y = at::empty({M, w.rows}, x.options());
