@@ -25,6 +25,7 @@ SUITES = {
     "proposers": "modelrunner.conformance.proposer:ProposerSuite",
     "lora_kernels": "modelrunner.conformance.lora:LoRAKernelSuite",
     "executors": "modelrunner.conformance.executor:ExecutorSuite",
+    "pooling_methods": "modelrunner.conformance.pooling:PoolingMethodSuite",
 }
 """Registry kind → ``module:class`` of its suite (imported when used)."""
 

@@ -29,7 +29,8 @@ def add_parser(subparsers: Any) -> None:
                              "cuda:N; default cpu); the other suites run on the CPU")
     parser.add_argument("--kind", action="append", default=None,
                         help="only these kinds (architectures, attention_backends, allocators, compile_backends, "
-                             "quantization_methods, logits_processors, matmul_kernels, grammar_backends, tool_parsers, proposers, lora_kernels, executors); repeatable")
+                             "quantization_methods, logits_processors, matmul_kernels, grammar_backends, tool_parsers, proposers, lora_kernels, executors, "
+                             "pooling_methods); repeatable")
 
 
 def run(args: argparse.Namespace) -> int:

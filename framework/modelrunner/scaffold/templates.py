@@ -16,6 +16,7 @@ KINDS = {
     "proposer": "proposers",
     "lora-kernel": "lora_kernels",
     "executor": "executors",
+    "pooling": "pooling_methods",
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
@@ -539,6 +540,35 @@ def register(registry: Any) -> None:
     """Declare the executor (``LLM(model, distributed_executor_backend="{name}")`` picks it)."""
     registry.executors({cls})
 ''',
+    "pooling": HEADER + '''
+from collections.abc import Sequence
+
+import torch
+
+from modelrunner.pooling import PoolingMethod
+
+
+class {cls}(PoolingMethod):
+    """Max pooling: each dimension's largest value over the prompt's tokens (sentence-transformers'
+    ``pooling_mode_max_tokens``). Replace :meth:`pool` with your method; set ``reads`` to ``"first"`` or
+    ``"last"`` when it needs that token's hidden state only (the engine then keeps no other row, and
+    with ``"last"`` prompts share cached prefixes).
+    """
+
+    name = "{name}"
+    reads = "all"  # which rows pool() gets: "all" (every prompt token's, in order), "first" or "last"
+
+    def pool(self, hidden: torch.Tensor, token_ids: Sequence[int]) -> torch.Tensor:
+        """``[tokens, hidden_size]`` float32 → ``[hidden_size]``: the maximum over the tokens (the kernel
+        then truncates to the request's ``dimensions`` and L2-normalises)."""
+        return hidden.amax(dim=0)
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the method (``LLM(model, pooling_type="{name}")`` picks it)."""
+    registry.pooling_methods({cls})
+''',
 }
 """KIND → the plugin module (``{name}``, ``{cls}`` filled in; an adapter's ``{arch}`` too)."""
 
@@ -597,6 +627,7 @@ SUMMARIES = {
     "proposer": "The {name} speculative-decoding proposer for modelrunner.",
     "lora-kernel": "The {name} batched LoRA kernel for modelrunner.",
     "executor": "The {name} executor for modelrunner (what runs a model's ranks).",
+    "pooling": "The {name} pooling method for modelrunner's embeddings.",
 }
 
 USAGE = {
@@ -618,6 +649,8 @@ USAGE = {
                    '`llm.generate(prompt, lora_request=LoRARequest("my-adapter", 1, "/path/to/peft/adapter"))`.',
     "executor": '`LLM(model, distributed_executor_backend="{name}")`, or\n'
                 '`modelrunner serve MODEL --set distributed_executor_backend={name}`.',
+    "pooling": '`LLM(model, pooling_type="{name}").embed(["some text"])`, or\n'
+               '`modelrunner serve MODEL --set pooling_type={name}` and `POST /v1/embeddings`.',
 }
 
 TEST_OPTIONS: dict[str, tuple[str, str]] = {}
