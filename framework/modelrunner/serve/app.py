@@ -23,6 +23,7 @@ from .auth import require_api_key
 from .body_limit import BodyLimit
 from .chat_completions import create_chat_completion
 from .completions import create_completion
+from .embeddings import embedding_routes
 from .errors import APIError, CatchInternalErrors, from_validation_errors
 from .responses_api import create_response
 from .state import ServerState
@@ -196,6 +197,7 @@ def build_app(state: ServerState) -> FastAPI:
     app.state.server = state
     app.include_router(open_routes)
     app.include_router(model_routes)
+    app.include_router(embedding_routes)
     app.add_exception_handler(APIError, _api_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
