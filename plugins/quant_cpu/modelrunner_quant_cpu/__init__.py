@@ -1,5 +1,5 @@
 """modelrunner plugin: CPU matmul kernels for weight-quantized linear layers (4-bit and 8-bit weights
-with grouped float16 scales and optional mins).
+with grouped float16 or float32 scales and optional mins).
 
 Its ``register`` hook declares the kernels as matmul kernels (:mod:`.matmul`): the kernel's
 quantization methods time them against the other registered kernels that claim a layer's format,
