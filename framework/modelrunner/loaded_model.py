@@ -30,6 +30,10 @@ class LoadedModel:
     """The callable the forward hook runs: ``model`` itself or what the compile hook returned."""
     extra: dict[str, Any] = attrs.field(factory=dict)
     """Adapter-owned state (e.g. per-sequence caches of the generic transformers adapter)."""
+    causal: bool = True
+    """Whether each token attends to earlier ones only (a decoder). False for an encoder (bidirectional
+    attention, e.g. BERT): the engine then computes a prompt in one step, never in chunks, and the
+    model serves embeddings only."""
     parts: dict[str, LoadedModel] = attrs.field(factory=dict)
     """Sub-models loaded through ``loader.load`` (e.g. a LLaVA model's ``language_model``); the
     kernel parallelizes each through the plugin that loaded it before the model itself."""

@@ -51,3 +51,22 @@ def qwen3_embedding_dir(tmp_path_factory) -> Path:
     path = tiny_checkpoint(config, tmp_path_factory.mktemp("pool-qwen3"))
     write_sentence_transformers(path, "lasttoken", normalize=True)
     return path
+
+
+@pytest.fixture(scope="session")
+def bert_dir(tmp_path_factory) -> Path:
+    """A 2-layer random ``BertModel`` (an encoder: no adapter but the generic transformers one) saved as
+    sentence-transformers' MiniLM-style models are: mean pooling, then ``Normalize``."""
+    import torch
+    from transformers import BertConfig, BertModel
+
+    from modelrunner.conformance.models import VOCAB_SIZE, tiny_tokenizer
+
+    path = tmp_path_factory.mktemp("pool-bert")
+    config = BertConfig(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=128, max_position_embeddings=64, pad_token_id=0)
+    torch.manual_seed(0)
+    BertModel(config).eval().save_pretrained(str(path))
+    tiny_tokenizer(VOCAB_SIZE).save_pretrained(str(path))
+    write_sentence_transformers(path, "mean", normalize=True)
+    return path

@@ -126,6 +126,24 @@ def test_qwen3_embedding_checkpoint_matches_sentence_transformers(qwen3_embeddin
         llm.embed(texts, pooling_params=PoolingParams(dimensions=10), use_tqdm=False)
 
 
+def test_bert_encoder_matches_sentence_transformers_one_prompt_per_step(bert_dir):
+    from sentence_transformers import SentenceTransformer
+
+    st = SentenceTransformer(str(bert_dir), device="cpu")
+    # A 16-token budget: each prompt fits a step but two do not, and an encoder's prompt is never chunked.
+    llm = LLM(str(bert_dir), max_num_batched_tokens=16, **EMBED_CONFIG)
+    assert (llm.runner.loaded.adapter, llm.runner.loaded.causal) == ("default-transformers", False)
+    assert (llm.llm_engine.pooler.method_name, llm.llm_engine.pooler.normalize) == ("mean", True)
+    texts = ["t5 t6 t7 t8 t9 t3 t4 t5 t6", "t3 t4", "t9 t8 t7 t6 t5 t4 t3 t9 t8 t7 t6"]
+    got = torch.tensor([o.outputs.embedding for o in llm.embed(texts, use_tqdm=False)])
+    assert (got - st.encode(texts, convert_to_tensor=True)).abs().max() <= 1e-4
+    with pytest.raises(ValueError, match=r"prompt has 20 tokens; model .* is an encoder .* at most "
+                                         r"max_num_batched_tokens=16 tokens"):
+        llm.embed([[5] * 20], use_tqdm=False)
+    with pytest.raises(ValueError, match="is an encoder .* it computes embeddings .* not generations"):
+        llm.generate("t5 t6", use_tqdm=False)
+
+
 def test_pipeline_stages_return_the_last_stages_hidden_states(llama_dir):
     prompts = [[1, 5, 9, 11], LONG]
     one = LLM(str(llama_dir), pooling_type="mean", **EMBED_CONFIG)

@@ -2,7 +2,10 @@
 
 It keeps one ``DynamicCache`` per sequence and runs sequences one after another, so it is
 correct for every architecture but not fast; native adapters (installed separately) win over it.
-It has no paged KV cache, so the runner turns prefix caching off for it.
+It has no paged KV cache, so the runner turns prefix caching off for it. An encoder family that
+transformers also runs as a causal LM (BERT, RoBERTa, …: ``BertLMHeadModel`` in encoder mode, on a
+``BertModel`` checkpoint) loads as ``causal=False``: the engine serves its embeddings, each prompt in one
+step.
 """
 
 from __future__ import annotations
@@ -44,7 +47,18 @@ def load(source: Any, config: Any, device: torch.device, dtype: torch.dtype) -> 
         hf_config=model.config,
         kv_cache_spec=None,
         extra={"caches": {}, "cache_argument": _cache_argument(model)},
+        causal=not is_encoder(model.config),
     )
+
+
+def is_encoder(config: Any) -> bool:
+    """Whether transformers runs ``config``'s causal-LM class as a bidirectional encoder: a family that
+    also has a masked-LM head (BERT, RoBERTa, XLM-R, ELECTRA …) whose config is neither a decoder
+    (``is_decoder``) nor an encoder-decoder (BART's decoder is causal)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    return (getattr(config, "model_type", None) in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+            and not getattr(config, "is_decoder", False) and not getattr(config, "is_encoder_decoder", False))
 
 
 def _cache_argument(model: Any) -> str:

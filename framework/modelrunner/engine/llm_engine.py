@@ -149,7 +149,8 @@ class LLMEngine:
                                                                         self.eos_token_ids))
         """Grammar backends, compiled grammars and each step's token bitmask for structured outputs."""
         self.pooler = EnginePooler(executor.plugins, config.pooling, loaded,
-                                   getattr(getattr(executor, "runner", None), "source", None))
+                                   getattr(getattr(executor, "runner", None), "source", None),
+                                   config.scheduler.max_num_batched_tokens)
         """Embedding (pooling) requests: the rows each step keeps, and the pooling method."""
         self.speculator: Speculator | None = None
         """Speculative decoding (None: off): proposes tokens each step, verified in the same forward."""
@@ -243,6 +244,9 @@ class LLMEngine:
         if isinstance(params, PoolingParams):
             p = self.input_processor.process(request_id, prompt, None, extra, pooling=params)
             pooling = self.pooler.start(params, len(p.token_ids))
+        elif not self.pooler.causal:
+            raise ValueError(f"request {request_id!r}: model {self.pooler.model_name!r} is an encoder (bidirectional "
+                             "attention): it computes embeddings (LLM.embed, POST /v1/embeddings), not generations")
         else:
             p = self.input_processor.process(request_id, prompt, params, extra)
         extra_keys = p.extra_keys if lora_request is None else (*p.extra_keys, ("lora", lora_request.lora_int_id))

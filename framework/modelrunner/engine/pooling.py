@@ -10,6 +10,10 @@ the vector, and finishes the request (``finish_reason="stop"``).
 Prefix caching: the last token of a prompt is always computed, so requests whose method reads only
 ``last`` share cached prefixes like any prompt; the others get a prefix-cache key of their own (as
 ``prompt_logprobs`` requests do), since a cached token's hidden state is never computed.
+
+An encoder (``LoadedModel.causal`` False: BERT and its kin, through the generic transformers adapter)
+attends in both directions, so its prompts are computed in one step each, never in chunks
+(``PoolingState.whole_prompt``); its default method is ``cls``, as vLLM's, and it does not generate.
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class PoolingState:
     """The validated parameters, ``normalize`` resolved."""
     positions: range
     """The prompt positions whose hidden states are kept (what the method reads; all for ``token_embed``)."""
+    whole_prompt: bool = False
+    """Compute the prompt in one step (an encoder's: every token attends to every other)."""
     rows: torch.Tensor | None = None
     """float32 ``[len(positions), hidden]`` on the CPU, filled as steps compute them."""
     data: torch.Tensor | None = None
@@ -48,13 +54,20 @@ class EnginePooler:
     :param config: the ``pooler_config`` (method, default normalisation).
     :param loaded: the loaded model (its config and tokenizer).
     :param source: the checkpoint (its sentence-transformers files give the defaults), or None.
+    :param max_step_tokens: the most tokens one step computes (``max_num_batched_tokens``): an
+        encoder's prompt must fit.
     """
 
-    def __init__(self, plugins: Any, config: PoolerConfig, loaded: Any, source: Any = None) -> None:
+    def __init__(self, plugins: Any, config: PoolerConfig, loaded: Any, source: Any = None,
+                 max_step_tokens: int | None = None) -> None:
         directory = getattr(source, "path", None)
         declared = checkpoint_pooling(directory if directory is not None and directory.is_dir() else None)
         self.plugins = plugins
-        self.method_name: str = config.pooling_type or declared.method or DEFAULT_METHOD
+        self.causal: bool = bool(getattr(loaded, "causal", True))
+        """False for an encoder: prompts in one step each, ``cls`` by default, no generation."""
+        self.max_step_tokens = max_step_tokens
+        """The most tokens a step computes (an encoder's prompt must fit)."""
+        self.method_name: str = config.pooling_type or declared.method or (DEFAULT_METHOD if self.causal else "cls")
         """The pooling method's name (config, else the checkpoint's, else ``last``)."""
         self.method_source = ("the pooling_type config field" if config.pooling_type else
                               declared.source if declared.method else "the default")
@@ -101,11 +114,15 @@ class EnginePooler:
         size = self.context.hidden_size if params.task == "token_embed" else method.output_size()
         check_dimensions(params.dimensions, self.matryoshka, size, self.model_name)
         reads = "all" if params.task == "token_embed" else method.reads
-        return PoolingState(params, rows_read(reads, num_prompt_tokens))
+        if not self.causal and self.max_step_tokens is not None and num_prompt_tokens > self.max_step_tokens:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; model {self.model_name!r} is an encoder "
+                             f"(bidirectional attention), which computes a prompt in one step: at most "
+                             f"max_num_batched_tokens={self.max_step_tokens} tokens (or set truncate_prompt_tokens)")
+        return PoolingState(params, rows_read(reads, num_prompt_tokens), whole_prompt=not self.causal)
 
     def prefix_cache_key(self, state: PoolingState, request_id: str) -> tuple:
-        """Extra prefix-cache keys of a request: none when it keeps only the last token's row."""
-        last_only = len(state.positions) == 1 and state.positions.start > 0
+        """Extra prefix-cache keys of a request: none when it keeps only the last token's row of a causal model."""
+        last_only = len(state.positions) == 1 and state.positions.start > 0 and not state.whole_prompt
         return () if last_only else (("pooling", request_id),)
 
     # -- steps -------------------------------------------------------------------------------------

@@ -211,6 +211,8 @@ class Scheduler:
             # The first chunk starts after the cached prefix, however many chunks that prefix spans.
             cached = alloc.cached_prefix_len(tokens, extra_keys) if len(tokens) > budget else 0
             chunk = tokens[:cached + budget] if len(tokens) > cached + budget else tokens
+            if len(chunk) < len(tokens) and getattr(seq.request.pooling, "whole_prompt", False):
+                break  # an encoder computes a prompt in one step: it waits for a step with room for all of it
             if not alloc.can_allocate(chunk, extra_keys):
                 if running:
                     break  # blocks come back as running sequences finish
