@@ -69,6 +69,8 @@ def test_input_forms_and_encodings(server):
     both = post(input=[ids, ids[:2]])
     assert [d["index"] for d in both["data"]] == [0, 1] and both["data"][0]["embedding"] == vector
     assert both["usage"] == {"prompt_tokens": len(ids) + 2, "total_tokens": len(ids) + 2}
+    named = post(input=TEXTS[0], request_id="abc", priority=0, embed_dtype="float32", endianness="little")
+    assert named["id"] == "embd-abc" and named["data"][0]["embedding"] == vector
     raw = post(input=TEXTS[0], normalize=False, truncate_prompt_tokens=2)
     assert raw["usage"]["prompt_tokens"] == 2 and abs(np.linalg.norm(raw["data"][0]["embedding"]) - 1) > 1e-3
 
@@ -88,6 +90,9 @@ def test_input_forms_and_encodings(server):
     ({"input": "t5", "encoding_format": "hex"}, 400, "encoding_format", "must be one of float, base64"),
     ({"input": "t5", "dimension": 16}, 400, "dimension", "dimension"),
     ({"input": "t5", "model": "other"}, 404, "model", "model 'other' is not served here"),
+    ({"input": "t5", "priority": 1}, 400, "priority", "priority is not supported .* accepted: 0"),
+    ({"input": "t5", "embed_dtype": "float16"}, 400, "embed_dtype", "accepted: float32"),
+    ({"input": "t5", "request_id": ""}, 400, "request_id", "non-empty string"),
 ])
 def test_errors_name_the_field(server, body, status, param, message):
     response = server.post("/v1/embeddings", {"model": MODEL, **body})

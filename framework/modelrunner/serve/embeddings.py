@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import sys
 from typing import Any, ClassVar
 
 from fastapi import APIRouter, Depends
+from pydantic import field_validator
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -24,7 +26,7 @@ from ..pooling.params import PoolingParams
 from .async_engine import AsyncEngine, EngineStopped, NeverFits, Overloaded, PromptRejected, RETRY_AFTER_S
 from .auth import require_api_key
 from .errors import APIError, bad_request, leading_field
-from .protocol import OpenAIRequest, parse_body
+from .protocol import REQUEST_ID_MAX_CHARS, OpenAIRequest, parse_body
 from .responses import new_id, now
 from .state import ServedModel, ServerState
 from .streaming import wait_for_disconnect
@@ -36,10 +38,15 @@ POOLING_FIELDS = ("dimensions", "normalize", "truncate_prompt_tokens")
 
 
 class EmbeddingRequest(OpenAIRequest):
-    """The body of ``POST /v1/embeddings``: OpenAI's fields plus vLLM's ``truncate_prompt_tokens``,
-    ``normalize`` and ``add_special_tokens``."""
+    """The body of ``POST /v1/embeddings``: OpenAI's fields plus vLLM's (``truncate_prompt_tokens``,
+    ``normalize``, ``add_special_tokens``, ``request_id``; ``priority``, ``embed_dtype`` and
+    ``endianness`` at the values this server produces)."""
 
     ignored_fields: ClassVar[tuple[str, ...]] = ("user",)
+    accepted_values: ClassVar[dict[str, str]] = {
+        "priority": "0 (requests are scheduled first come, first served)",
+        "embed_dtype": "float32 (or leave it out)",
+        "endianness": "little or native (the server writes little-endian float32)"}
     model: str | None = None
     """The served model's name (or a LoRA adapter's); None: the base model."""
     input: Any = None
@@ -56,6 +63,27 @@ class EmbeddingRequest(OpenAIRequest):
     """vLLM: L2-normalise (None: the model's default)."""
     add_special_tokens: bool | None = None
     """vLLM: let the tokenizer add its special tokens to text inputs (default True)."""
+    request_id: str | None = None
+    """vLLM: the response's ``id`` is ``embd-<request_id>``."""
+    priority: int | None = None
+    """vLLM: only 0."""
+    embed_dtype: str | None = None
+    """vLLM: the dtype base64 embeddings are written in; only ``float32``."""
+    endianness: str | None = None
+    """vLLM: the byte order of base64 embeddings; ``little`` (``native`` on a little-endian machine)."""
+
+    @field_validator("request_id")
+    @classmethod
+    def _request_id(cls, value: str | None) -> str | None:
+        if value is not None and not 0 < len(value) <= REQUEST_ID_MAX_CHARS:
+            raise ValueError(f"must be a non-empty string of at most {REQUEST_ID_MAX_CHARS} characters")
+        return value
+
+    def _unsupported(self) -> list[tuple[str, Any, bool]]:
+        native = "native" if sys.byteorder == "little" else "little"
+        return [("priority", self.priority, self.priority == 0),
+                ("embed_dtype", self.embed_dtype, self.embed_dtype == "float32"),
+                ("endianness", self.endianness, self.endianness in ("little", native))]
 
 
 def prompts_of(value: Any) -> tuple[list[str | list[int]], bool]:
@@ -247,7 +275,7 @@ async def create_embedding(request: Request, state: ServerState) -> Response:
     _check_lengths(inputs, listed, params, served.max_model_len)
     engine = state.engine
     assert engine is not None  # require_model() came first
-    job_id = new_id("embd")
+    job_id = f"embd-{body.request_id}" if body.request_id is not None else new_id("embd")
     try:
         outputs = await pool(engine, job_id, inputs, params, adapter, request)
     except NeverFits as e:
