@@ -28,6 +28,11 @@ def _one_of(choices: tuple[str, ...]):
     return check
 
 
+def _seconds(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+        raise ValueError(f"{attribute.name} must be a positive number of seconds, got {value!r}")
+
+
 def _int(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{attribute.name} must be an integer, got {value!r}")
@@ -250,7 +255,24 @@ class StructuredOutputsConfig:
     alone with ``StructuredOutputsParams(disable_any_whitespace=True)``)."""
     compile_threads: int = attrs.field(default=2, validator=_positive)
     """Threads that compile grammars off the engine's step (a request waits, unscheduled, until its
-    grammar is ready; compiled grammars are cached by backend and schema)."""
+    grammar is ready; compiled grammars are cached by backend and schema). One more thread compiles
+    only small constraints (a few choices, a short regex), so they never wait behind large ones."""
+    compile_timeout_s: float = attrs.field(default=120.0, validator=_seconds)
+    """Longest one grammar may take to compile, counted from when a compile thread starts it (or to
+    wait for a thread); past it the requests that need it fail, naming it."""
+    max_queued_compiles: int = attrs.field(default=16, validator=_positive)
+    """Grammars that may wait for a compile thread (and as many small ones besides); one more is
+    refused at once, naming the busy pool (the server answers 503 with Retry-After)."""
+    cache_bytes: int = attrs.field(default=512 << 20, validator=_positive)
+    """Memory the cache of compiled grammars may hold, estimated per grammar (xgrammar reports its
+    size); the least recently used are dropped past it (a 40,000-value enum compiles to ~200 MB)."""
+    mask_threads: int = attrs.field(default=2, validator=_positive)
+    """Threads that advance grammars and compute token masks off the engine's step (twice this many
+    while some grammars are slow: slow ones get threads of their own)."""
+    mask_timeout_s: float = attrs.field(default=10.0, validator=_seconds)
+    """Longest one request's grammar may take to accept a token and compute the next token mask,
+    counted from when a mask thread starts (or the wait for one); past it that request fails, naming
+    its grammar. Other requests never wait for it: a request whose mask is not ready sits out steps."""
 
 
 _SPECULATIVE_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",

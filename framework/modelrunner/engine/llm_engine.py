@@ -39,7 +39,7 @@ from ..sampling.params import SamplingParams
 from ..spec_decode.rejection import greedy_accept, rejection_sample
 from ..spec_decode.speculator import Speculator
 from ..structured_output.backend import GrammarContext
-from ..structured_output.manager import GrammarFailed, StructuredOutputManager
+from ..structured_output.manager import IDLE_WAIT_S, GrammarCursor, GrammarFailed, StructuredOutputManager
 from .batch_builder import LogitsRowOwner, build_forward_batch
 from .detokenizer import start_detokenizer, text_delta
 from .input_processor import InputProcessor
@@ -156,8 +156,12 @@ class LLMEngine:
         """Speculative decoding (None: off): proposes tokens each step, verified in the same forward."""
         if config.speculative is not None:
             self.speculator = self._create_speculator(allocator)
+            self.speculator.excluded = self._slow_grammar
             self.scheduler.speculator = self.speculator
         self._compiling: list[Sequence] = []  # requests waiting for their grammar, in arrival order
+        self._starting: list[Sequence] = []  # compiled, waiting for their first mask
+        self._cursors: dict[int, GrammarCursor] = {}  # seq id → its grammar's cursor (constrained sequences)
+        self._grammar_tokens: dict[int, list[int]] = {}  # seq id → tokens appended this step, for its cursor
         self._shares_kv_on_fork = executor.kv_cache_spec is not None
         self._requests: dict[str, Request] = {}
         self._unclaimed: list[RequestOutput] = []
@@ -276,7 +280,7 @@ class LLMEngine:
         if grammar is None:
             self.scheduler.add(seq)
         else:
-            self._compiling.append(seq)  # scheduled once its grammar is compiled (see _admit_compiled)
+            self._compiling.append(seq)  # scheduled once its grammar compiled and its first mask is ready
 
     def add_lora(self, lora_request: Any) -> None:
         """Read and check a LoRA adapter so requests can use it (vLLM's ``add_lora``); done by
@@ -314,6 +318,7 @@ class LLMEngine:
         request = self._requests.pop(str(request_id), None)
         if request is None:
             return False
+        self._release_grammar(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -373,11 +378,13 @@ class LLMEngine:
                 consumer(output)
 
     def _admit_compiled(self) -> list[tuple[Request, str]]:
-        """Queue the waiting-for-grammar sequences whose grammar is compiled, each with a fresh matcher;
-        return the requests whose compilation failed, with why. With nothing else to run, wait
-        (briefly) for a compilation to finish rather than spin."""
-        if not self.scheduler.waiting and not self.scheduler.running:
-            self.structured_outputs.wait([s.request.grammar for s in self._compiling], timeout=0.05)
+        """Start a grammar cursor (a matcher, its first mask being computed) for each waiting-for-grammar
+        sequence whose grammar compiled; return the requests whose grammar failed to compile, took
+        longer than ``compile_timeout_s`` (or waited that long for a thread), or could not start a
+        matcher, with why. With nothing else to run, wait (briefly) for a compilation rather than spin."""
+        manager = self.structured_outputs
+        if not self.scheduler.waiting and not self.scheduler.running and not self._starting:
+            manager.wait([s.request.grammar for s in self._compiling if not s.is_finished], timeout=IDLE_WAIT_S)
         waiting: list[Sequence] = []
         failed: dict[str, tuple[Request, str]] = {}
         for seq in self._compiling:
@@ -385,30 +392,102 @@ class LLMEngine:
             if seq.is_finished:
                 continue  # aborted while compiling
             if not grammar.ready:
-                waiting.append(seq)
+                problem = manager.overdue(grammar)
+                if problem is None:
+                    waiting.append(seq)
+                else:
+                    failed[seq.request.request_id] = (seq.request, str(problem))
                 continue
             reason = grammar.error
             if reason is None:
                 try:
-                    seq.grammar = grammar.new_matcher()
+                    self._cursors[seq.seq_id] = cursor = manager.start(grammar)
                 except Exception as exc:  # noqa: BLE001 - a backend bug fails its request only
                     reason = f"grammar backend {grammar.backend.name!r} could not start a matcher: " \
                              f"{type(exc).__name__}: {exc}"
-            if reason is None:
-                self.scheduler.add(seq)
-            else:
+                else:
+                    cursor.owner, seq.grammar = seq, cursor.matcher
+                    self._starting.append(seq)
+            if reason is not None:
                 failed[seq.request.request_id] = (seq.request, reason)
         self._compiling = waiting
         return list(failed.values())
 
+    def _collect_masks(self, changed: dict[str, Request]) -> list[tuple[Request, str]]:
+        """Take in the grammar cursors' finished mask work (waiting a moment for fast grammars; see
+        :meth:`StructuredOutputManager.collect`): queue the sequences whose first mask is ready, end
+        those whose grammar is complete (``stop``, into ``changed``), hold the rest out of this step
+        (:attr:`Scheduler.held`), and return the requests that fail (a backend failure, or a mask past
+        ``mask_timeout_s``), with why."""
+        for seq_id in [i for i, c in self._cursors.items() if c.owner.is_finished]:
+            del self._cursors[seq_id]
+        pending = {i for i, c in self._cursors.items() if c.job is not None}
+        scheduler = self.scheduler
+        idle = all(s.seq_id in pending for s in scheduler.running) and \
+            all(s.seq_id in pending for s in scheduler.waiting) and not self._pending
+        failed: dict[str, tuple[Request, str]] = {}
+        for cursor, reason in self.structured_outputs.collect(list(self._cursors.values()), idle):
+            request = cursor.owner.request
+            failed.setdefault(request.request_id, (request, reason))
+            self._cursors.pop(cursor.owner.seq_id, None)
+        for seq_id, cursor in list(self._cursors.items()):
+            seq = cursor.owner
+            if cursor.ready and cursor.terminated and not seq.is_finished and seq.request.request_id not in failed:
+                del self._cursors[seq_id]
+                self.scheduler.finish(seq, "stop")  # the constraint is complete: nothing but its end may follow
+                if seq.request.is_finished:
+                    seq.request.metrics.finished_time = time.monotonic()
+                changed[seq.request.request_id] = seq.request
+        starting: list[Sequence] = []
+        for seq in self._starting:
+            cursor = self._cursors.get(seq.seq_id)
+            if cursor is None or seq.is_finished:
+                continue
+            if cursor.ready:
+                self.scheduler.add(seq)
+            else:
+                starting.append(seq)
+        self._starting = starting
+        scheduler.held = {i for i, c in self._cursors.items() if c.job is not None}
+        return list(failed.values())
+
+    def _advance_cursors(self) -> None:
+        """Hand the tokens this step appended to constrained sequences to their cursors' mask threads."""
+        tokens, self._grammar_tokens = self._grammar_tokens, {}
+        for seq_id, appended in tokens.items():
+            cursor = self._cursors.get(seq_id)
+            if cursor is None:
+                continue
+            if cursor.owner.is_finished:
+                del self._cursors[seq_id]
+                continue
+            self.structured_outputs.advance(cursor, appended)
+
+    def _release_grammar(self, request: Request) -> None:
+        """Let go of a finished request's grammar now: requests and sequences refer to each other, so
+        they are freed by the cycle collector, late, and a compiled grammar (hundreds of MB for a long
+        enum) must not live on with them once the cache dropped it."""
+        request.grammar = None
+        for seq in request.seqs:
+            seq.grammar = None
+            self._cursors.pop(seq.seq_id, None)
+
+    def _slow_grammar(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s grammar is slow to mask (it does not speculate: verifying drafts would
+        compute masks within the step)."""
+        cursor = self._cursors.get(seq.seq_id)
+        return cursor is not None and cursor.slow
+
     def _run_step(self) -> list[RequestOutput]:
         started = time.perf_counter()
+        changed: dict[str, Request] = {}
         failed_grammars = self._admit_compiled() if self._compiling else []
+        if self._cursors:
+            failed_grammars += self._collect_masks(changed)
         out = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         for request, reason in failed_grammars:
             self._fail(request, reason, outputs)
-        changed: dict[str, Request] = {}
         for seq, reason in out.failed:
             self._fail(seq.request, reason, outputs)
         for seq in out.ended:
@@ -448,11 +527,14 @@ class LLMEngine:
                                             [1] * len(chosen) + verified)
             if self.speculator is not None:
                 self._release_lookahead(out)
+        if self._grammar_tokens:
+            self._advance_cursors()
         for request in changed.values():
             if request.request_id in self._requests:
                 outputs.append(self._output(request))
                 if request.is_finished:
                     del self._requests[request.request_id]
+                    self._release_grammar(request)
         self.scheduler.drop_finished()
         return outputs
 
@@ -614,7 +696,7 @@ class LLMEngine:
         draft = item.draft
         try:
             with self._rewind_on_failure([seq]):
-                tokens, entries = self._accept(raw, seq, draft)
+                tokens, entries, complete_after = self._accept(raw, seq, draft)
         except FatalError:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
@@ -622,6 +704,9 @@ class LLMEngine:
             return 0
         accepted = len(tokens) - 1
         self.speculator.record(seq, len(draft), accepted, len(tokens))
+        complete = complete_after is not None and accepted == complete_after
+        if complete:  # its grammar is complete after the accepted drafts: the target's token after them is dropped
+            tokens, entries = tokens[:accepted], entries[:accepted]
         if accepted:
             copies = self.allocator.append_slots(seq.seq_id, tokens[:accepted])  # into the lookahead slots
             self.scheduler.owners.appended(seq.seq_id, seq.num_computed_tokens + accepted, copies)
@@ -634,14 +719,22 @@ class LLMEngine:
             appended += 1
             if seq.is_finished:
                 break  # EOS, a stop string or max_tokens inside the accepted run: the rest is dropped
+        if complete and not seq.is_finished:
+            self.scheduler.finish(seq, "stop")  # nothing but the constraint's end may follow
+            if seq.request.is_finished:
+                seq.request.metrics.finished_time = time.monotonic()
+            changed[seq.request.request_id] = seq.request
         return appended
 
-    def _accept(self, raw: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[list[int], list]:
-        """The tokens to append after verifying ``draft``, with their log-probabilities when asked."""
+    def _accept(self, raw: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[list[int], list, int | None]:
+        """The tokens to append after verifying ``draft``, with their log-probabilities when asked, and
+        after how many of the draft's tokens the sequence's grammar is complete (None: not within it)."""
         self._check_raw(raw, [seq] * len(raw))
         logits = raw
+        complete_after = None
         if seq.grammar is not None:  # log-probabilities stay the model's own, as in plain decoding
-            logits, draft = self._grammar_masked(raw, seq, draft)
+            logits, draft, complete = self._grammar_masked(raw, seq, draft)
+            complete_after = len(draft) if complete else None
         rows = [seq] * len(logits)
         params = seq.params
         metadata = SamplingMetadata.from_rows([params.temperature] * len(rows), [params.top_k] * len(rows),
@@ -653,23 +746,31 @@ class LLMEngine:
             generator = seq.generator if seq.generator is not None else self.sampler.generator
             tokens = rejection_sample(sampling_probs(logits, metadata), draft, generator)
         if params.logprobs is None:
-            return tokens, [None] * len(tokens)
+            return tokens, [None] * len(tokens), complete_after
         picked, rank, top_ids, top_lps = token_logprobs(raw[:len(tokens)], torch.tensor(tokens), params.logprobs)
         return tokens, [self._logprob_entry(t, float(picked[j]), int(rank[j]), top_ids[j].tolist(),
-                                            top_lps[j].tolist()) for j, t in enumerate(tokens)]
+                                            top_lps[j].tolist()) for j, t in enumerate(tokens)], complete_after
 
-    def _grammar_masked(self, raw: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def _grammar_masked(self, raw: torch.Tensor, seq: Sequence,
+                        draft: list[int]) -> tuple[torch.Tensor, list[int], bool]:
         """A constrained sequence's verification rows, each masked by its grammar at that position: the
         matcher walks the draft (a draft token its mask refuses ends the draft there, and the rows
-        after it are dropped), then is rolled back to where it was; the accepted tokens advance it
-        when they are appended."""
+        after it are dropped; so does the grammar's completion, which the returned flag says), then
+        is rolled back to where it was; the accepted tokens advance its cursor after the step."""
         matcher, grammar = seq.grammar, seq.request.grammar
         logits = raw.clone()
         walked = 0
+        complete = False
         try:
             for j in range(len(draft) + 1):
-                self.structured_outputs.apply_bitmasks(logits[j:j + 1], [matcher], [grammar])
-                if j == len(draft) or bool(torch.isneginf(logits[j, draft[j]])) or matcher.is_terminated():
+                if j and matcher.is_terminated():  # complete after draft[:j]: the row after it is never used
+                    draft, complete = draft[:j], True
+                    break
+                if j == 0:  # the cursor's ready mask; the positions after it are filled now (fast grammars only)
+                    self.structured_outputs.apply_masks(logits[:1], [self._cursors[seq.seq_id]])
+                else:
+                    self.structured_outputs.apply_bitmasks(logits[j:j + 1], [matcher], [grammar])
+                if j == len(draft) or bool(torch.isneginf(logits[j, draft[j]])):
                     draft = draft[:j]
                     break
                 if not matcher.accept_tokens([draft[j]]):
@@ -679,7 +780,7 @@ class LLMEngine:
         finally:
             if walked:
                 matcher.rollback(walked)
-        return logits[:len(draft) + 1], draft
+        return logits[:len(draft) + 1], draft, complete
 
     def _release_lookahead(self, out: SchedulerOutput) -> None:
         """Give back the lookahead slots of this step's drafts (the accepted ones hold tokens now), and
@@ -713,9 +814,9 @@ class LLMEngine:
         constrained = any(seq.grammar is not None for seq in seqs)
         if constrained or any(seq.request.processor_states for seq in seqs):
             logits = raw.clone()
-            if constrained:  # the grammars' masks first, one bitmask for the batch
-                self.structured_outputs.apply_bitmasks(logits, [s.grammar for s in seqs],
-                                                       [s.request.grammar for s in seqs])
+            if constrained:  # the grammars' masks first (computed by their cursors), one bitmask for the batch
+                self.structured_outputs.apply_masks(logits, [None if s.grammar is None else self._cursors[s.seq_id]
+                                                             for s in seqs])
             if any(seq.request.processor_states for seq in seqs):
                 logits = self.processors.apply(logits, seqs)
             masked = torch.isneginf(logits).all(1)
@@ -782,15 +883,13 @@ class LLMEngine:
         request = seq.request
         if seq.is_finished:
             return
-        if seq.grammar is not None and not self._advance_grammar(seq, choice.token, outputs):
-            return
         try:
             finish = self.stop_checker.append_token(seq, choice.token)
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
             self._fail(request, f"appending token {choice.token} failed: {type(exc).__name__}: {exc}", outputs)
             return
-        if finish is None and seq.grammar is not None and seq.grammar.is_terminated():
-            finish = ("stop", None)  # the constraint is complete: nothing but its end may follow
+        if seq.grammar is not None and finish is None:  # its cursor accepts it off the step (_advance_cursors)
+            self._grammar_tokens.setdefault(seq.seq_id, []).append(choice.token)
         if choice.logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(choice.logprobs)
             seq.cumulative_logprob += choice.logprobs[choice.token].logprob
@@ -805,28 +904,14 @@ class LLMEngine:
                 metrics.finished_time = now
         changed[request.request_id] = request
 
-    def _advance_grammar(self, seq: Sequence, token: int, outputs: list[RequestOutput]) -> bool:
-        """Move ``seq``'s matcher over its sampled token; on a refusal (the backend's own mask allowed the
-        token) fail the request, naming the backend. False when it failed."""
-        backend = seq.request.grammar.backend.name
-        try:
-            accepted = seq.grammar.accept_tokens([token])
-        except Exception as exc:  # noqa: BLE001 - a backend bug fails its request only
-            self._fail(seq.request, f"grammar backend {backend!r} raised accepting token {token}: "
-                                    f"{type(exc).__name__}: {exc}", outputs)
-            return False
-        if not accepted:
-            self._fail(seq.request, f"grammar backend {backend!r} refused token {token}, which its own mask allowed",
-                       outputs)
-        return bool(accepted)
-
     def _fork(self, parent: Sequence) -> list[Sequence]:
         """Create completions 1 … n-1 sharing the parent's freshly prefilled prompt blocks."""
         children = []
         for index in range(1, parent.request.params.n):
             child = parent.fork(next(self._seq_ids), index)
             if parent.grammar is not None:  # forked before its first token: a fresh matcher is the same state
-                child.grammar = parent.request.grammar.new_matcher()
+                cursor = self._cursors[child.seq_id] = self.structured_outputs.fork(self._cursors[parent.seq_id])
+                cursor.owner, child.grammar = child, cursor.matcher
             parent.request.seqs.append(child)
             children.append(child)
             if self._shares_kv_on_fork:
@@ -847,6 +932,7 @@ class LLMEngine:
         logger.warning("request %r failed: %s", request.request_id, reason)
         request.error = reason
         request.forked = True
+        self._release_grammar(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")

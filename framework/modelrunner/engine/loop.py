@@ -10,6 +10,10 @@ If a step raises an error the engine cannot recover from, or the engine reports 
 between steps (a parallel worker died, noticed within a second even while idle), the loop stops:
 every unfinished request's consumer receives a final output with ``finish_reason="error"``, later
 commands fail with :class:`EngineDeadError`, and :attr:`EngineLoop.error` says why.
+
+A step that does not end (a model or plugin call that blocks) cannot be interrupted, but it can be
+seen: :meth:`EngineLoop.stuck_for` says how long the current step has run once that exceeds
+``$MODELRUNNER_STEP_TIMEOUT`` (a server's ``/health`` then answers 503).
 """
 
 from __future__ import annotations
@@ -25,11 +29,20 @@ from typing import Any
 import attrs
 
 from ..errors import ModelRunnerError
+from ..plugin_timeout import timeout_from_env
 from ..wire import register as _wire_type
 from .llm_engine import LLMEngine, OutputConsumer
 from .outputs import CompletionOutput, RequestOutput
 
 logger = logging.getLogger(__name__)
+
+
+STEP_TIMEOUT_ENV = "MODELRUNNER_STEP_TIMEOUT"
+"""Seconds one engine step may run before the loop reports itself stuck (default
+:data:`DEFAULT_STEP_TIMEOUT_S`; ``0`` = never): see :meth:`EngineLoop.stuck_for`."""
+DEFAULT_STEP_TIMEOUT_S = 60.0
+"""The step bound when ``$MODELRUNNER_STEP_TIMEOUT`` is unset (a step runs at most
+``max_num_batched_tokens`` tokens: seconds on a slow machine, not minutes)."""
 
 
 class EngineDeadError(ModelRunnerError):
@@ -79,6 +92,9 @@ class EngineLoop:
         self.engine = engine
         """The engine (touch it only through :meth:`call`)."""
         self.idle_wait_s = idle_wait_s
+        self.step_timeout_s = timeout_from_env(STEP_TIMEOUT_ENV, DEFAULT_STEP_TIMEOUT_S)
+        """Seconds a step may run before :meth:`stuck_for` reports it (None: never)."""
+        self._step_started: float | None = None
         self.error: BaseException | None = None
         """The fatal error that stopped the loop, when one did."""
         self.snapshot = LoopSnapshot()
@@ -100,6 +116,15 @@ class EngineLoop:
     def running(self) -> bool:
         """True while the loop's thread runs and no fatal error stopped it."""
         return self._thread.is_alive() and self.error is None
+
+    def stuck_for(self) -> float | None:
+        """How long the step running now has run, once that exceeds :attr:`step_timeout_s`; None while
+        steps end in time (or none runs)."""
+        started = self._step_started
+        if started is None or self.step_timeout_s is None:
+            return None
+        elapsed = time.monotonic() - started
+        return elapsed if elapsed > self.step_timeout_s else None
 
     def stop(self, grace_s: float = 0.0) -> None:
         """Let unfinished requests run for up to ``grace_s`` seconds, abort the rest, and end the loop."""
@@ -186,7 +211,11 @@ class EngineLoop:
                 if self._stopping.is_set():
                     break
                 if engine.has_unfinished_requests() or engine.has_undelivered_outputs():
-                    engine.advance()
+                    self._step_started = time.monotonic()
+                    try:
+                        engine.advance()
+                    finally:
+                        self._step_started = None
                 self._snapshot()
         except BaseException as exc:  # noqa: BLE001 - fatal: fail every request and stop
             self.error = exc

@@ -89,6 +89,9 @@ class Scheduler:
         """Sequences holding blocks, oldest first (preemption takes from the end)."""
         self.num_preemptions = 0
         """Sequences preempted so far (each is recomputed later)."""
+        self.held: set[int] = set()
+        """Ids of sequences that sit out the next step, keeping their blocks: their structured-output
+        grammar is still computing the mask of their next token (set by the engine before each step)."""
         self.speculator: Any = None
         """Speculative decoding's :class:`~modelrunner.spec_decode.Speculator` (None: off): decoding
         sequences it proposes for get ``k`` more query tokens, budgeted like any other."""
@@ -158,8 +161,9 @@ class Scheduler:
         running = self.running
 
         # Decodes first, so a long prompt being prefilled in chunks never stalls the others.
-        decodes = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1]
-        prefills = [s for s in running if len(s.token_ids) - s.num_computed_tokens > 1]
+        held = self.held
+        decodes = [s for s in running if len(s.token_ids) - s.num_computed_tokens == 1 and s.seq_id not in held]
+        prefills = [s for s in running if len(s.token_ids) - s.num_computed_tokens > 1 and s.seq_id not in held]
         scheduled_ids: set[int] = set()
         drafted = [s for s in decodes if s.request.pooling is None]  # an embedding request's last prompt token
         drafts = self.speculator.propose(drafted, alloc.max_model_len) if self.speculator and drafted else {}
@@ -201,7 +205,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not out.preempted and len(out.scheduled) < max_seqs:
             seq = self.waiting[0]
             lora_id = seq.request.lora_int_id
-            if lora_id and lora_id not in adapters and self.max_loras is not None and len(adapters) >= self.max_loras:
+            if seq.seq_id in held or (lora_id and lora_id not in adapters and self.max_loras is not None
+                                      and len(adapters) >= self.max_loras):
                 held_back.append(self.waiting.popleft())
                 continue
             if seats + self._seats(seq) > max_seqs:

@@ -19,6 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
+from ..engine.loop import STEP_TIMEOUT_ENV
 from .auth import require_api_key
 from .body_limit import BodyLimit
 from .chat_completions import create_chat_completion
@@ -49,8 +50,17 @@ model_routes = APIRouter(dependencies=[Depends(require_api_key)])
 
 @open_routes.get("/health", summary="200 once the model is loaded and the engine runs; 503 otherwise")
 async def health(request: Request) -> JSONResponse:
-    """Liveness and readiness in one: 503 while loading, shutting down or after a fatal engine error."""
-    status, body = _state(request).health()
+    """Liveness and readiness in one: 503 while loading, shutting down, after a fatal engine error, or
+    while the engine's current step has run longer than ``$MODELRUNNER_STEP_TIMEOUT`` (a blocked model
+    or plugin call: requests are not advancing)."""
+    state = _state(request)
+    status, body = state.health()
+    stuck_for = getattr(state.engine.loop, "stuck_for", None) if status == 200 and state.engine else None
+    stuck = stuck_for() if stuck_for is not None else None
+    if stuck is not None:
+        status, body = 503, {"status": "stuck", "detail": f"the engine's current step has run for {stuck:.1f} s, "
+                             f"more than {STEP_TIMEOUT_ENV}={state.engine.loop.step_timeout_s:g} s: a model or "
+                             "plugin call is blocked, and no request advances until it returns"}
     return JSONResponse(body, status_code=status)
 
 

@@ -4,10 +4,11 @@ A decoding sequence speculates unless it uses a logits processor (``logit_bias``
 ``bad_words``, ``min_tokens``, named processors …), whose per-token state the verification does not
 replay: those decode one token per step as usual, in the same batch. A structured-output grammar
 does speculate: the engine masks each verified position by the grammar's state there, walking its
-matcher over the draft and rolling it back. How many tokens a sequence is offered adapts to how
-many it had accepted: all accepted → one more (up to ``num_speculative_tokens``), some → one more
-than accepted, none → half; after three proposals in a row with nothing accepted the sequence stops
-speculating for a while (2, 4, 8 … up to 64 steps), so text with nothing to copy runs at plain speed.
+matcher over the draft and rolling it back (unless the grammar is slow to mask: then it does not).
+How many tokens a sequence is offered adapts to how many it had accepted: all accepted → one more
+(up to ``num_speculative_tokens``), some → one more than accepted, none → half; after three
+proposals in a row with nothing accepted the sequence stops speculating for a while (2, 4, 8 … up
+to 64 steps), so text with nothing to copy runs at plain speed.
 
 Whether speculation pays also depends on the machine and the batch: a verification's extra query
 tokens cost little where a step is bound by reading the weights (a few sequences) and as much as
@@ -18,10 +19,19 @@ with and without drafts (the fastest of the latest few of each), and proposes no
 size where drafting has been slower; there it tries a drafting step again every :data:`_REPROBE`
 steps, in case the text has changed (``disable_by_batch_size="auto"``, the default; an integer is
 vLLM's fixed limit, None turns it off).
+
+The proposer is a plugin, and misbehaving is contained here: it sees each sequence's tokens as a
+tuple (it cannot change what the engine generates from); a proposal is read up to the tokens asked
+for (an endless iterator costs nothing more); garbage ends a proposal; a raised exception costs
+that step its drafts; and each call runs in a thread of its own, waited for at most
+``$MODELRUNNER_PROPOSER_TIMEOUT`` seconds (:mod:`.bounded`): a proposer that does not return by
+then turns speculative decoding off for the engine's life, logged as an error naming it, and
+every request goes on without drafts.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -30,8 +40,9 @@ import attrs
 import numpy as np
 
 from ..config import SpeculativeConfig
-from ..wire import register as _wire_type
+from .bounded import BoundedCalls, ProposerTimeoutError, proposer_timeout
 from .proposer import ProposalRequest, Proposer
+from ..wire import register as _wire_type
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +122,11 @@ class SpecCounters:
     """Tokens appended by verifications (accepted plus the target's own one each)."""
     proposer_errors: int = 0
     """Steps whose proposer raised (nothing was speculated then)."""
+    proposals_truncated: int = 0
+    """Proposals cut at the tokens asked for (a proposer that proposed more, or an endless iterator)."""
+    proposer_timeouts: int = 0
+    """Proposer calls that did not return within ``$MODELRUNNER_PROPOSER_TIMEOUT`` (the first one turns
+    speculative decoding off)."""
 
 
 class Speculator:
@@ -121,11 +137,20 @@ class Speculator:
     :param vocab_size: the target's vocabulary size (proposals must lie below it).
     """
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, vocab_size: int) -> None:
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, vocab_size: int,
+                 timeout_s: float | None = None) -> None:
         self.config = config
         """The ``speculative_config``."""
         self.proposer = proposer
         """Where the drafts come from."""
+        self.calls = BoundedCalls(proposer.name, proposer_timeout() if timeout_s is None else timeout_s or None)
+        """Runs the proposer's calls, each bounded (``timeout_s``, default ``$MODELRUNNER_PROPOSER_TIMEOUT``;
+        0: no bound)."""
+        self.disabled: str | None = None
+        """Why speculative decoding is off for good (a proposer call did not return in time); None: on."""
+        self.excluded: Any = None
+        """A predicate on a sequence: True where it must not speculate this step (the engine's: a slow
+        structured-output grammar, whose masks over the drafts would be computed within the step)."""
         self.vocab_size = vocab_size
         """Token ids at or above this are cut from proposals."""
         self.counters = SpecCounters()
@@ -134,13 +159,14 @@ class Speculator:
         """Batch-size bucket (``bit_length`` of the decoding sequences) → measured step costs."""
         self._states: dict[int, SpecState] = {}
 
-    @staticmethod
-    def eligible(seq: Any) -> bool:
+    def eligible(self, seq: Any) -> bool:
         """Whether ``seq`` may speculate (see the module docstring for who does not)."""
-        return not seq.request.processor_states
+        return not seq.request.processor_states and not (self.excluded is not None and self.excluded(seq))
 
     def propose(self, seqs: Seq[Any], max_model_len: int) -> dict[int, list[int]]:
         """Drafts for the decoding sequences ``seqs`` (by seq id); sequences absent speculate not this step."""
+        if self.disabled is not None:
+            return {}
         requests: list[ProposalRequest] = []
         limit = self.config.disable_by_batch_size
         if limit == "auto":
@@ -160,33 +186,61 @@ class Speculator:
             params = seq.params
             room = min(state.k, max_model_len - len(seq.token_ids),
                        params.max_tokens - seq.num_output_tokens - 1 if params.max_tokens is not None else state.k)
-            if room > 0:
-                requests.append(ProposalRequest(seq.seq_id, seq.token_ids, room))
+            if room > 0:  # a tuple: the proposer cannot change the sequence it reads
+                requests.append(ProposalRequest(seq.seq_id, tuple(seq.token_ids), room))
         if not requests:
             return {}
         try:
-            proposals = self.proposer.propose(requests)
-            if len(proposals) != len(requests):
-                raise ValueError(f"returned {len(proposals)} proposals for {len(requests)} sequences")
-        except Exception as exc:  # noqa: BLE001 - a broken proposer slows, never fails, requests
+            proposals = self.calls.call(lambda: self._read(self.proposer.propose(tuple(requests)), requests), "propose")
+        except ProposerTimeoutError as exc:
+            self._disable(exc)
+            return {}
+        except (Exception, SystemExit) as exc:  # noqa: BLE001 - a broken proposer slows, never fails, requests
             self.counters.proposer_errors += 1
             logger.warning("proposer %r failed (%s: %s); this step does not speculate", self.proposer.name,
                            type(exc).__name__, exc)
             return {}
-        drafts: dict[int, list[int]] = {}
+        return {request.seq_id: clean for request, clean in zip(requests, proposals) if clean}
+
+    def _read(self, proposals: Any, requests: list[ProposalRequest]) -> list[list[int]]:
+        """The valid prefix of each proposal, at most the tokens asked for: read in the proposer's thread,
+        so an endless iterator is cut there (and a slow one is bounded with the call).
+
+        :raises ValueError: not one proposal per request.
+        """
+        got = list(itertools.islice(iter(proposals), len(requests) + 1))
+        if len(got) != len(requests):
+            more = "more than " if len(got) > len(requests) else ""
+            raise ValueError(f"returned {more}{len(got)} proposals for {len(requests)} sequences")
         vocab = self.vocab_size
-        for request, proposal in zip(requests, proposals):
+        out: list[list[int]] = []
+        for request, proposal in zip(requests, got):
             clean: list[int] = []
             try:
-                for token in list(proposal)[:request.num_tokens]:
-                    if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
-                        break  # garbage from here on: keep what came before
-                    clean.append(int(token))
+                tokens = list(itertools.islice(iter(proposal), request.num_tokens + 1))
             except TypeError:
-                clean = []  # not a list of tokens at all
-            if clean:
-                drafts[request.seq_id] = clean
-        return drafts
+                tokens = []  # not a list of tokens at all
+            if len(tokens) > request.num_tokens:
+                self._truncated(request.num_tokens)
+                del tokens[request.num_tokens:]
+            for token in tokens:
+                if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
+                    break  # garbage from here on: keep what came before
+                clean.append(int(token))
+            out.append(clean)
+        return out
+
+    def _truncated(self, asked: int) -> None:
+        self.counters.proposals_truncated += 1
+        if self.counters.proposals_truncated == 1:
+            logger.warning("proposer %r proposed more than the %d tokens asked for; proposals are cut there "
+                           "(reported once)", self.proposer.name, asked)
+
+    def _disable(self, error: ProposerTimeoutError) -> None:
+        self.counters.proposer_timeouts += 1
+        self.disabled = f"{error}; speculative decoding is off from then on"
+        logger.error("%s: speculative decoding is off from now on (requests go on without drafts; restart to turn it "
+                     "back on)", error)
 
     def observe(self, drafted: bool, seconds: float, emitted: Seq[int]) -> None:
         """One decode step's cost (steps that also prefill are not reported): with drafts or not, it
@@ -230,9 +284,13 @@ class Speculator:
             return
         for seq_id in seq_ids:
             self._states.pop(seq_id, None)
+        if self.disabled is not None:
+            return  # its last call may still run: never call it again
         try:
-            self.proposer.forget(seq_ids)
-        except Exception as exc:  # noqa: BLE001
+            self.calls.call(lambda: self.proposer.forget(tuple(seq_ids)), "forget")
+        except ProposerTimeoutError as exc:
+            self._disable(exc)
+        except (Exception, SystemExit) as exc:  # noqa: BLE001
             logger.warning("proposer %r failed to forget sequences (%s: %s)", self.proposer.name,
                            type(exc).__name__, exc)
 
@@ -247,5 +305,8 @@ class Speculator:
             "drafted_ms_per_token": round(min(c.drafted) * 1e3, 3) if c.drafted else None,
             "plain_ms_per_token": round(min(c.plain) * 1e3, 3) if c.plain else None,
             "drafting": c.pays()} for b, c in sorted(self.costs.items())}
+        if self.disabled is not None:
+            out["disabled"] = self.disabled
+            return out  # the proposer may still run in its thread: not asked
         out.update(self.proposer.stats())
         return out

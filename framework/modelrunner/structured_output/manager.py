@@ -1,13 +1,31 @@
 """The engine's side of structured outputs: picking a backend per request, compiling off the step
-path with a cache, and masking a whole batch's logits at once (vLLM's ``StructuredOutputManager``)."""
+path with a cache, and the token masks of each step (vLLM's ``StructuredOutputManager``).
+
+Nothing a grammar does may hold the step of the requests beside it:
+
+- **Compiling** runs on ``compile_threads`` threads plus one that takes only small constraints, so a
+  ``choice`` never waits behind two huge schemas. At most ``max_queued_compiles`` grammars (and as
+  many small ones) wait for a thread; one more is refused at once (:class:`GrammarPoolBusy`, naming
+  the busy pool). A grammar
+  may take ``compile_timeout_s`` counted from when its compilation starts (or as long to get a thread).
+- **Masks** are computed off the step as well: after a step appends a constrained sequence's tokens,
+  a mask thread advances its matcher and fills the next token's mask into a row of its own
+  (:class:`GrammarCursor`). The next step waits a moment for fast grammars' masks; a sequence whose
+  mask is not ready sits that step out (keeping its KV blocks), and a grammar that took longer than
+  :data:`SLOW_MASK_S` moves to threads of its own, never waited for. One mask may take
+  ``mask_timeout_s``: past it, that request fails, naming its grammar.
+- **The cache** of compiled grammars is bounded by an estimate of their memory (``cache_bytes``;
+  xgrammar reports each grammar's size), dropping the least recently used.
+"""
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
+import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -15,13 +33,33 @@ import torch
 from ..errors import StructuredOutputError
 from .backend import GrammarBackend, GrammarContext, GrammarMatcher, GrammarSpec, apply_bitmask, bitmask_words
 
+logger = logging.getLogger(__name__)
+
 CACHE_SIZE = 512
-"""Compiled grammars kept (least recently used dropped first)."""
+"""Most compiled grammars kept, whatever their size (least recently used dropped first)."""
+SMALL_SPEC_CHARS = 1024
+"""Constraints up to this many characters (a few choices, a short regex or schema) may compile on the
+thread kept for small ones."""
+SLOW_MASK_S = 0.02
+"""A grammar whose mask took longer than this (or is still computing after it) is slow: its masks run
+on threads of their own, steps do not wait for them, and its sequence does not speculate."""
+STEP_MASK_WAIT_S = 0.02
+"""Longest a step waits for fast grammars' masks before running without the sequences still waiting."""
+IDLE_WAIT_S = 0.05
+"""With nothing else to run, how long a step waits for a compilation or a mask before returning."""
+FALLBACK_GRAMMAR_BYTES = 1 << 20
+"""The memory assumed for a compiled grammar whose backend reports none (at least 64 bytes per
+character of its constraint)."""
 
 
 class GrammarFailed(Exception):
     """A grammar backend raised, or filled a mask that allows nothing, while a step ran; the message
     names the backend (the engine fails only the requests involved)."""
+
+
+class GrammarPoolBusy(StructuredOutputError):
+    """Too many grammars wait for a compile thread (or one waited too long for one): the server is busy,
+    not the request wrong (a server answers 503 with Retry-After). The message says how busy."""
 
 
 class CompiledGrammar:
@@ -39,6 +77,14 @@ class CompiledGrammar:
         """Resolves to the backend's compiled form."""
         self.seconds: float | None = None
         """How long compiling took (None until done)."""
+        self.submitted = time.monotonic()
+        """When it was queued for a compile thread."""
+        self.started: float | None = None
+        """When a compile thread started it (None while it waits for one)."""
+        self.size = 0
+        """Estimated bytes of the compiled form (0 until done)."""
+        self.small = len(spec.value) <= SMALL_SPEC_CHARS
+        """Whether it may compile on the thread kept for small constraints."""
 
     @property
     def ready(self) -> bool:
@@ -48,8 +94,8 @@ class CompiledGrammar:
     @property
     def error(self) -> str | None:
         """Why compiling failed, once it did."""
-        if not self.future.done() or self.future.exception() is None:
-            return None
+        if not self.future.done() or self.future.cancelled() or self.future.exception() is None:
+            return "its compilation was given up" if self.future.cancelled() else None
         exc = self.future.exception()
         return str(exc) if isinstance(exc, StructuredOutputError) else \
             f"grammar backend {self.backend.name!r} failed to compile {self.spec.describe()}: {type(exc).__name__}: {exc}"
@@ -59,9 +105,214 @@ class CompiledGrammar:
         return self.backend.matcher(self.future.result())
 
 
+class _CompilePool:
+    """``threads`` threads taking any grammar (small ones first) plus one taking only small ones; at
+    most ``max_queued`` small and as many other grammars waiting."""
+
+    def __init__(self, threads: int, max_queued: int, run: Any) -> None:
+        self.threads = threads
+        self.max_queued = max_queued
+        self._run = run
+        self._cond = threading.Condition()
+        self._small: collections.deque[CompiledGrammar] = collections.deque()
+        self._large: collections.deque[CompiledGrammar] = collections.deque()
+        self._workers: list[threading.Thread] = []
+        self.compiling = 0
+        """Grammars being compiled now."""
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Grammars waiting for a thread."""
+        return len(self._small) + len(self._large)
+
+    def describe(self) -> str:
+        """How busy the pool is, for messages."""
+        return (f"the grammar compile pool is busy with {self.compiling + self.queued} other grammars ("
+                f"{self.compiling} compiling, {self.queued} waiting; structured_outputs_compile_threads "
+                f"{self.threads}, structured_outputs_max_queued_compiles {self.max_queued})")
+
+    def submit(self, compiled: CompiledGrammar) -> None:
+        """Queue ``compiled``.
+
+        :raises GrammarPoolBusy: :attr:`max_queued` grammars wait already.
+        """
+        with self._cond:
+            lane = self._small if compiled.small else self._large
+            if len(lane) >= self.max_queued:
+                raise GrammarPoolBusy(f"{self.describe()}; retry shortly", feature=compiled.spec.kind,
+                                      backend=compiled.backend.name)
+            lane.append(compiled)
+            if not self._workers:
+                for index in range(self.threads + 1):
+                    worker = threading.Thread(target=self._work, args=(index == 0,), daemon=True,
+                                              name=f"grammar-compile-{'small' if index == 0 else index}")
+                    worker.start()
+                    self._workers.append(worker)
+            self._cond.notify_all()
+
+    def cancel(self, compiled: CompiledGrammar) -> bool:
+        """Take ``compiled`` out of the queue if no thread started it; True if it was."""
+        with self._cond:
+            for queue in (self._small, self._large):
+                if compiled in queue:
+                    queue.remove(compiled)
+                    return True
+        return False
+
+    def _next(self, small_only: bool) -> CompiledGrammar | None:
+        with self._cond:
+            while True:
+                if self._closed:
+                    return None
+                if self._small:
+                    found = self._small.popleft()
+                elif self._large and not small_only:
+                    found = self._large.popleft()
+                else:
+                    self._cond.wait()
+                    continue
+                if found.future.set_running_or_notify_cancel():
+                    found.started = time.monotonic()
+                    self.compiling += 1
+                    return found
+
+    def _work(self, small_only: bool) -> None:
+        while True:
+            compiled = self._next(small_only)
+            if compiled is None:
+                return
+            try:
+                self._run(compiled)
+            finally:
+                with self._cond:
+                    self.compiling -= 1
+                del compiled  # an idle thread must not keep the grammar alive after the cache dropped it
+
+    def shutdown(self) -> None:
+        """Let the threads end once their compilations are done; drop what waits."""
+        with self._cond:
+            self._closed = True
+            for queue in (self._small, self._large):
+                for compiled in queue:
+                    compiled.future.cancel()
+                queue.clear()
+            self._cond.notify_all()
+
+
+class _DaemonPool:
+    """``threads`` daemon threads running submitted calls in order: a grammar stuck in a backend's
+    native code must not keep the process from exiting, as a ``ThreadPoolExecutor``'s threads would."""
+
+    def __init__(self, threads: int, name: str) -> None:
+        self.threads = threads
+        self.name = name
+        self._jobs: collections.deque[tuple[concurrent.futures.Future, Any, tuple]] = collections.deque()
+        self._cond = threading.Condition()
+        self._started = 0
+        self._idle = 0
+        self._closed = False
+
+    def submit(self, fn: Any, *args: Any) -> concurrent.futures.Future:
+        """``fn(*args)`` on a pool thread; its future."""
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._cond:
+            self._jobs.append((future, fn, args))
+            if self._idle == 0 and self._started < self.threads:
+                self._started += 1
+                threading.Thread(target=self._work, name=f"{self.name}-{self._started}", daemon=True).start()
+            self._cond.notify()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                self._idle += 1
+                while not self._jobs and not self._closed:
+                    self._cond.wait()
+                self._idle -= 1
+                if self._closed:
+                    return
+                future, fn, args = self._jobs.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn(*args))
+                except BaseException as exc:  # noqa: BLE001 - handed to whoever waits
+                    future.set_exception(exc)
+            del future, fn, args
+
+    def shutdown(self) -> None:
+        """Cancel what waits; threads end after their current call."""
+        with self._cond:
+            self._closed = True
+            for future, _, _ in self._jobs:
+                future.cancel()
+            self._jobs.clear()
+            self._cond.notify_all()
+
+
+class GrammarCursor:
+    """One constrained sequence's place in its grammar, and the mask of its next token, computed by a
+    mask thread (:meth:`StructuredOutputManager.advance`) while the engine runs other sequences.
+
+    :param grammar: the compiled grammar; ``matcher``: a fresh matcher of it; ``words``: bitmask width.
+    """
+
+    def __init__(self, grammar: CompiledGrammar, matcher: GrammarMatcher, words: int) -> None:
+        self.grammar = grammar
+        """The compiled grammar."""
+        self.matcher = matcher
+        """Where the sequence is in it (touched by one thread at a time: the job's, else the engine's)."""
+        self.mask = torch.zeros(1, words, dtype=torch.int32)
+        """The next token's mask (valid while :attr:`ready`)."""
+        self.job: concurrent.futures.Future | None = None
+        """The mask thread's work under way (None: the mask is ready)."""
+        self.submitted = 0.0
+        """When :attr:`job` was queued."""
+        self.started: float | None = None
+        """When a mask thread started :attr:`job`."""
+        self.seconds = 0.0
+        """How long the latest job ran."""
+        self.slow = False
+        """The grammar's masks take longer than :data:`SLOW_MASK_S` (see the module docstring)."""
+        self.terminated = False
+        """The grammar is complete: nothing but its end may follow (the sequence ends with ``stop``)."""
+        self.failure: str | None = None
+        """Why this sequence cannot go on (the backend raised, refused a token its mask allowed, or
+        allowed nothing), once known."""
+        self.owner: Any = None
+        """What the cursor belongs to (the engine's sequence)."""
+
+    @property
+    def ready(self) -> bool:
+        """True when no job runs (the mask, or :attr:`terminated` / :attr:`failure`, is current)."""
+        return self.job is None
+
+    @torch.inference_mode()  # the mask tensor was made in the engine's step, in inference mode
+    def _advance(self, tokens: tuple[int, ...]) -> None:
+        """Accept ``tokens`` and fill the next mask (in a mask thread)."""
+        self.started = time.monotonic()
+        backend = self.grammar.backend
+        try:
+            if tokens and not self.matcher.accept_tokens(tokens):
+                self.failure = (f"grammar backend {backend.name!r} refused token(s) {list(tokens)}, which its own "
+                                "mask allowed")
+            elif self.matcher.is_terminated():
+                self.terminated = True
+            else:
+                backend.fill_bitmasks([self.matcher], self.mask, [0])
+                if not bool(self.mask.any()):
+                    self.failure = f"grammar backend {backend.name!r} allows no token at all for " \
+                                   f"{self.grammar.spec.describe()}"
+        except Exception as exc:  # noqa: BLE001 - a backend bug fails its request only
+            self.failure = f"grammar backend {backend.name!r} failed to advance {self.grammar.spec.describe()}: " \
+                           f"{type(exc).__name__}: {exc}"
+        self.seconds = time.monotonic() - self.started
+
+
 class StructuredOutputManager:
     """Grammar backends for one engine, created on first use; compiled grammars, cached by
-    ``(backend, spec)``; the token bitmask of each step.
+    ``(backend, spec)``; the mask work of each constrained sequence.
 
     :param plugins: where backends are looked up (``registry.grammar_backends``).
     :param config: the engine's :class:`~modelrunner.config.StructuredOutputsConfig`.
@@ -73,20 +324,26 @@ class StructuredOutputManager:
     def __init__(self, plugins: Any, config: Any, context: GrammarContext) -> None:
         self.plugins = plugins
         self.config = config
-        """Backend choice, whitespace default, compile threads."""
+        """Backend choice, whitespace default, threads, bounds."""
         self.context = context
         """What backends know of the model."""
         self._backends: dict[str, GrammarBackend] = {}
         self._cache: collections.OrderedDict[tuple[str, GrammarSpec], CompiledGrammar] = collections.OrderedDict()
-        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        self._cache_bytes = 0
+        self._pool = _CompilePool(config.compile_threads, config.max_queued_compiles, self._compile)
+        self._mask_pools: dict[bool, _DaemonPool] = {}
         self._lock = threading.Lock()
         self._bitmask = torch.zeros(0, bitmask_words(context.vocab_size), dtype=torch.int32)
         self.num_compiled = 0
         """Grammars compiled so far."""
         self.num_cache_hits = 0
         """Requests whose grammar was already compiled (or compiling)."""
+        self.num_evicted = 0
+        """Compiled grammars dropped from the cache to stay within ``cache_bytes``."""
         self.compile_seconds = 0.0
         """Time spent compiling, summed over the compile threads."""
+        self.num_mask_timeouts = 0
+        """Requests failed because one mask took longer than ``mask_timeout_s``."""
         if config.backend != "auto":
             self._class(config.backend)
 
@@ -116,7 +373,7 @@ class StructuredOutputManager:
                 found.append((cls.auto_order, name))
         return [name for _, name in sorted(found)]
 
-    # -- requests ------------------------------------------------------------------------------
+    # -- compiling -----------------------------------------------------------------------------
 
     def prepare(self, params: Any) -> CompiledGrammar:
         """Check one request's :class:`~modelrunner.sampling.StructuredOutputsParams` against the
@@ -125,7 +382,8 @@ class StructuredOutputManager:
         this way before handing it to the engine's loop; the add then finds it in the cache).
 
         :raises StructuredOutputError: no tokenizer, or the backend(s) refuse a feature (the message
-            names it), or its earlier compilation failed.
+            names it), or its earlier compilation failed; :class:`GrammarPoolBusy` when it would have
+            to wait behind ``max_queued_compiles`` others.
         """
         if self.context.tokenizer is None:
             raise StructuredOutputError("structured_outputs needs the model's tokenizer; this checkpoint has none",
@@ -152,7 +410,7 @@ class StructuredOutputManager:
             except StructuredOutputError as e:
                 refusals.append(e)
                 continue
-            if cached is not None:  # compiled and failed: its check passes but it cannot compile
+            if cached is not None and not cached.future.cancelled():  # compiled and failed: it cannot compile
                 refusals.append(StructuredOutputError(cached.error or "", feature=spec.kind, backend=name))
                 continue
             return self._submit(name, backend, spec)
@@ -162,16 +420,11 @@ class StructuredOutputManager:
                                     feature=refusals[0].feature, backend=refusals[0].backend)
 
     def _submit(self, name: str, backend: GrammarBackend, spec: GrammarSpec) -> CompiledGrammar:
+        compiled = CompiledGrammar(backend, spec, concurrent.futures.Future())
+        self._pool.submit(compiled)
         with self._lock:
-            if self._pool is None:
-                self._pool = concurrent.futures.ThreadPoolExecutor(self.config.compile_threads,
-                                                                   thread_name_prefix="grammar-compile")
-            future: concurrent.futures.Future = concurrent.futures.Future()
-            compiled = CompiledGrammar(backend, spec, future)
             self._cache[(name, spec)] = compiled
-            while len(self._cache) > CACHE_SIZE:
-                self._cache.popitem(last=False)
-        self._pool.submit(self._compile, compiled)
+            self._evict()
         return compiled
 
     def _compile(self, compiled: CompiledGrammar) -> None:
@@ -181,24 +434,189 @@ class StructuredOutputManager:
         except BaseException as e:  # noqa: BLE001 - reported to the requests waiting for it
             compiled.future.set_exception(e)
         else:
+            compiled.size = self._estimate_bytes(compiled, result)
             compiled.future.set_result(result)
         compiled.seconds = time.perf_counter() - start
         with self._lock:
             self.num_compiled += 1
             self.compile_seconds += compiled.seconds
+            if self._cache.get((compiled.backend.name, compiled.spec)) is compiled:
+                self._cache_bytes += compiled.size
+            self._evict()
 
     @staticmethod
-    def wait(grammars: Sequence[CompiledGrammar], timeout: float) -> None:
+    def _estimate_bytes(compiled: CompiledGrammar, result: Any) -> int:
+        """What ``result`` takes in memory: the backend's ``compiled_size(result)`` when it has one,
+        xgrammar's ``memory_size_bytes``, else :data:`FALLBACK_GRAMMAR_BYTES` (at least 64 bytes per
+        character of the constraint)."""
+        size = getattr(compiled.backend, "compiled_size", None)
+        if callable(size):
+            try:
+                return max(0, int(size(result)))
+            except Exception:  # noqa: BLE001 - a broken estimate falls back to ours
+                pass
+        reported = getattr(result, "memory_size_bytes", None)
+        if isinstance(reported, int) and reported >= 0:
+            return reported
+        return max(FALLBACK_GRAMMAR_BYTES, 64 * len(compiled.spec.value))
+
+    def _evict(self) -> None:
+        """Drop the least recently used compiled grammars past ``cache_bytes`` or :data:`CACHE_SIZE` (the
+        newest stays, whatever its size; those still compiling are kept). Call with the lock held."""
+        for key in list(self._cache):
+            if self._cache_bytes <= self.config.cache_bytes and len(self._cache) <= CACHE_SIZE:
+                return
+            if len(self._cache) == 1:
+                return
+            compiled = self._cache[key]
+            if not compiled.ready:
+                continue
+            del self._cache[key]
+            self._cache_bytes -= compiled.size
+            self.num_evicted += 1
+
+    def overdue(self, compiled: CompiledGrammar) -> StructuredOutputError | None:
+        """Why requests must stop waiting for ``compiled``: it waited ``compile_timeout_s`` for a thread
+        (:class:`GrammarPoolBusy`), or has compiled that long; None while it may go on."""
+        if compiled.ready:
+            return None
+        limit = self.config.compile_timeout_s
+        started, now = compiled.started, time.monotonic()
+        if started is None and now - compiled.submitted > limit:
+            self._pool.cancel(compiled)
+            return GrammarPoolBusy(f"{compiled.spec.describe()} waited {now - compiled.submitted:.1f} s for a compile "
+                                   f"thread (structured_outputs_compile_timeout_s {limit:g}): {self._pool.describe()}",
+                                   feature=compiled.spec.kind, backend=compiled.backend.name)
+        if started is not None and now - started > limit:
+            return StructuredOutputError(
+                f"grammar backend {compiled.backend.name!r} did not compile {compiled.spec.describe()} within "
+                f"{limit:g} s of starting (structured_outputs_compile_timeout_s); simplify it",
+                feature=compiled.spec.kind, backend=compiled.backend.name)
+        return None
+
+    def wait_compiled(self, compiled: CompiledGrammar) -> None:
+        """Block until ``compiled`` compiled (call it off the engine's and the server's event loop).
+
+        :raises GrammarPoolBusy: it waited ``compile_timeout_s`` for a compile thread.
+        :raises StructuredOutputError: it failed to compile, or took ``compile_timeout_s`` from its start.
+        """
+        limit = self.config.compile_timeout_s
+        while not compiled.ready:
+            problem = self.overdue(compiled)
+            if problem is not None:
+                raise problem
+            since = compiled.started if compiled.started is not None else compiled.submitted
+            left = since + limit - time.monotonic()
+            concurrent.futures.wait([compiled.future], timeout=min(max(left, 0.0) + 0.01, 0.25))
+        if compiled.error is not None:
+            exc = None if compiled.future.cancelled() else compiled.future.exception()
+            known = isinstance(exc, StructuredOutputError)
+            raise StructuredOutputError(compiled.error, feature=exc.feature if known else None,
+                                        backend=exc.backend if known else compiled.backend.name)
+
+    def wait(self, grammars: Sequence[CompiledGrammar], timeout: float) -> None:
         """Block until one of ``grammars`` finished compiling, or ``timeout`` seconds passed."""
         concurrent.futures.wait([g.future for g in grammars], timeout=timeout,
                                 return_when=concurrent.futures.FIRST_COMPLETED)
 
-    # -- the step ------------------------------------------------------------------------------
+    # -- masks ---------------------------------------------------------------------------------
+
+    def start(self, compiled: CompiledGrammar) -> GrammarCursor:
+        """A cursor at the start of ``compiled`` (compiling must be done), its first mask being computed.
+
+        :raises Exception: the backend could not start a matcher.
+        """
+        cursor = GrammarCursor(compiled, compiled.new_matcher(), self._bitmask.shape[1])
+        self.advance(cursor, ())
+        return cursor
+
+    def fork(self, cursor: GrammarCursor) -> GrammarCursor:
+        """A cursor for a sibling completion forked before ``cursor`` accepted any token: a fresh
+        matcher (the same state) and a copy of the ready first mask."""
+        twin = GrammarCursor(cursor.grammar, cursor.grammar.new_matcher(), self._bitmask.shape[1])
+        twin.mask.copy_(cursor.mask)
+        twin.slow, twin.seconds = cursor.slow, cursor.seconds
+        return twin
+
+    def advance(self, cursor: GrammarCursor, tokens: Iterable[int]) -> None:
+        """Have a mask thread accept ``tokens`` (the sequence's newly appended ones) and fill the next
+        mask; the cursor is not :attr:`~GrammarCursor.ready` until it did."""
+        tokens = tuple(int(t) for t in tokens)
+        pool = self._mask_pool(cursor.slow)
+        cursor.submitted, cursor.started = time.monotonic(), None
+        cursor.job = pool.submit(cursor._advance, tokens)
+
+    def _mask_pool(self, slow: bool) -> _DaemonPool:
+        with self._lock:
+            pool = self._mask_pools.get(slow)
+            if pool is None:
+                pool = self._mask_pools[slow] = _DaemonPool(self.config.mask_threads,
+                                                            f"grammar-mask{'-slow' if slow else ''}")
+            return pool
+
+    def collect(self, cursors: Sequence[GrammarCursor], idle: bool) -> list[tuple[GrammarCursor, str]]:
+        """Before a step: wait up to :data:`STEP_MASK_WAIT_S` for the masks of fast grammars (with
+        ``idle`` — nothing else could run — up to :data:`IDLE_WAIT_S` for any one mask), take in the
+        jobs that finished, and say which cursors' requests must fail: a backend failure, or a mask
+        that took longer than ``mask_timeout_s``. Cursors still not :attr:`~GrammarCursor.ready`
+        sit the step out."""
+        pending = [c for c in cursors if c.job is not None]
+        if pending:
+            fast = [c.job for c in pending if not c.slow]
+            if fast:
+                concurrent.futures.wait(fast, timeout=STEP_MASK_WAIT_S)
+            if idle and all(c.job is not None and not c.job.done() for c in pending):
+                concurrent.futures.wait([c.job for c in pending], timeout=IDLE_WAIT_S,
+                                        return_when=concurrent.futures.FIRST_COMPLETED)
+        failed: list[tuple[GrammarCursor, str]] = []
+        now = time.monotonic()
+        limit = self.config.mask_timeout_s
+        for cursor in pending:
+            job = cursor.job
+            if job.done():
+                cursor.job = None
+                cursor.slow = cursor.seconds > SLOW_MASK_S
+                if cursor.failure is not None:
+                    failed.append((cursor, cursor.failure))
+                continue
+            started = cursor.started
+            if started is not None and now - started > SLOW_MASK_S:
+                cursor.slow = True  # still computing: the next steps do not wait for it
+            describe = cursor.grammar.spec.describe()
+            backend = cursor.grammar.backend.name
+            if started is not None and now - started > limit:
+                self.num_mask_timeouts += 1
+                failed.append((cursor, f"grammar backend {backend!r} took more than {limit:g} s to compute the "
+                                       f"next token's mask for {describe} (structured_outputs_mask_timeout_s); "
+                                       "the request is stopped"))
+            elif started is None and now - cursor.submitted > limit:
+                self.num_mask_timeouts += 1
+                failed.append((cursor, f"{describe} waited more than {limit:g} s for a mask thread: they are busy "
+                                       f"with slow grammars (structured_outputs_mask_threads "
+                                       f"{self.config.mask_threads}); the request is stopped"))
+        return failed
+
+    def apply_masks(self, logits: torch.Tensor, cursors: Sequence[GrammarCursor | None]) -> None:
+        """Mask, in place, every logits row whose cursor is not None to its ready mask."""
+        rows = [r for r, c in enumerate(cursors) if c is not None]
+        if not rows:
+            return
+        bitmask = self._rows(len(cursors), logits.shape[1])
+        for r in rows:
+            bitmask[r] = cursors[r].mask[0]
+        apply_bitmask(logits, bitmask, rows)
+
+    def _rows(self, count: int, width: int) -> torch.Tensor:
+        words = bitmask_words(width)
+        if self._bitmask.shape[0] < count or self._bitmask.shape[1] != words:
+            self._bitmask = torch.zeros(max(count, 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
+        return self._bitmask[:count]
 
     def apply_bitmasks(self, logits: torch.Tensor, matchers: Sequence[GrammarMatcher | None],
                        grammars: Sequence[CompiledGrammar | None]) -> None:
         """Mask, in place, every logits row whose matcher is not None to the tokens its grammar allows
-        next: one bitmask for the whole batch, each backend filling its rows in one call.
+        next, filling the masks now (speculative decoding's positions after the first): one bitmask
+        for the whole batch, each backend filling its rows in one call.
 
         :raises GrammarFailed: a backend raised, or left a row allowing nothing (naming the backend
             and the rows).
@@ -206,10 +624,7 @@ class StructuredOutputManager:
         rows = [r for r, m in enumerate(matchers) if m is not None]
         if not rows:
             return
-        words = bitmask_words(logits.shape[1])
-        if self._bitmask.shape[0] < len(matchers) or self._bitmask.shape[1] != words:
-            self._bitmask = torch.zeros(max(len(matchers), 2 * self._bitmask.shape[0]), words, dtype=torch.int32)
-        bitmask = self._bitmask[:len(matchers)]  # row r masks logits row r; free rows are left alone
+        bitmask = self._rows(len(matchers), logits.shape[1])  # row r masks logits row r; free rows are left alone
         bitmask[rows] = 0
         by_backend: dict[int, tuple[GrammarBackend, list[GrammarMatcher], list[int]]] = {}
         for r in rows:
@@ -230,11 +645,16 @@ class StructuredOutputManager:
                                 f"{grammars[r].spec.describe()}")
         apply_bitmask(logits, bitmask, rows)
 
+    # -- reporting -------------------------------------------------------------------------------
+
     def stats(self) -> dict[str, Any]:
-        """Grammars compiled, cache hits and entries, total compile seconds, backends in use."""
+        """Grammars compiled, cache hits, entries, estimated bytes and evictions, total compile seconds,
+        the compile pool's load, mask timeouts, backends in use."""
         return {"num_compiled": self.num_compiled, "num_cache_hits": self.num_cache_hits,
-                "cached_grammars": len(self._cache), "compile_seconds": round(self.compile_seconds, 4),
-                "backends": sorted(self._backends)}
+                "cached_grammars": len(self._cache), "cached_bytes": self._cache_bytes,
+                "num_evicted": self.num_evicted, "compile_seconds": round(self.compile_seconds, 4),
+                "compiling": self._pool.compiling, "compile_queued": self._pool.queued,
+                "num_mask_timeouts": self.num_mask_timeouts, "backends": sorted(self._backends)}
 
     @property
     def used(self) -> bool:
@@ -242,10 +662,13 @@ class StructuredOutputManager:
         return bool(self._backends)
 
     def shutdown(self) -> None:
-        """Stop the compile threads (compilations under way finish first)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+        """Stop the compile and mask threads (work under way finishes first)."""
+        self._pool.shutdown()
+        with self._lock:
+            pools, self._mask_pools = list(self._mask_pools.values()), {}
+        for pool in pools:
+            pool.shutdown()
 
 
-__all__ = ["CACHE_SIZE", "CompiledGrammar", "GrammarFailed", "StructuredOutputManager"]
+__all__ = ["CACHE_SIZE", "CompiledGrammar", "GrammarCursor", "GrammarFailed", "GrammarPoolBusy",
+           "StructuredOutputManager"]
