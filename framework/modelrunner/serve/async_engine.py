@@ -44,6 +44,11 @@ class EngineStopped(Exception):
     """The engine loop stopped after a fatal error, or is shut down; the message says why."""
 
 
+class AdapterRetired(Exception):
+    """The request named a LoRA adapter that was unloaded (and perhaps loaded again from another path)
+    before the request reached the engine; the message names the adapter."""
+
+
 class PromptRejected(ValueError):
     """The engine refused one of a request's prompts (its ``ValueError``); ``index`` says which."""
 
@@ -76,6 +81,17 @@ class AsyncEngine:
         """Where :attr:`max_in_flight` comes from, for messages."""
         self.in_flight = 0
         """Engine requests admitted and not yet finished (or given up by their handler)."""
+        self._retired_loras: set[int] = set()
+
+    def retire_lora(self, lora_request: Any) -> None:
+        """From now on refuse requests that run ``lora_request`` (its adapter is being unloaded): called
+        on the event loop right before the removal is queued, so every request queued after the
+        removal is refused and every one queued before it keeps the adapter busy."""
+        self._retired_loras.add(lora_request.lora_int_id)
+
+    def restore_lora(self, lora_request: Any) -> None:
+        """Undo :meth:`retire_lora` (the unload was refused: the adapter serves on)."""
+        self._retired_loras.discard(lora_request.lora_int_id)
 
     def check_alive(self) -> None:
         """:raises EngineStopped: the loop stopped (after a fatal error, or shut down)."""
@@ -96,8 +112,13 @@ class AsyncEngine:
         :raises Overloaded: admitting them now would exceed :attr:`max_in_flight`.
         :raises PromptRejected: the engine refused a prompt (the others are aborted then).
         :raises EngineStopped: the engine is not running.
+        :raises AdapterRetired: ``lora_request``'s adapter was unloaded since the handler looked it up.
         """
         self.check_alive()
+        if lora_request is not None and lora_request.lora_int_id in self._retired_loras:
+            raise AdapterRetired(f"the LoRA adapter {lora_request.lora_name!r} this request named (read from "
+                                 f"{lora_request.lora_path!r}) was unloaded before the request started; send it "
+                                 f"again to run whatever {lora_request.lora_name!r} names now")
         if len(prompts) > self.max_in_flight:
             raise NeverFits(f"{len(prompts)} prompts can never be admitted at once; accepted: at most "
                             f"{self.max_in_flight} prompts per request ({self.limits})")

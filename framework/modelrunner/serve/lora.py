@@ -3,6 +3,13 @@
 
 A request's ``model`` selects an adapter by name. Unloading an adapter that unfinished requests use is
 refused (400) until they finish; an adapter's name may be loaded again afterwards, with any path.
+
+Loading a name already served (or being loaded) from another path is refused (400); from the same path
+it succeeds without reading the adapter again, also while the first load is still reading it. Each
+load gets an id of its own, never reused: a request that named an adapter which was then unloaded
+(and perhaps loaded again from elsewhere) before the request reached the engine is refused (409),
+never run with the adapter it no longer names. The refusal is decided where the engine's commands
+are queued, in one order with the unload's own command, so no request slips between them.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ class ServedAdapters:
 
     def __init__(self) -> None:
         self._by_name: dict[str, LoRARequest] = {}
+        self._loading: dict[str, tuple[LoRARequest, asyncio.Future]] = {}
         self._ids = itertools.count(1)
         self._lock = threading.Lock()
 
@@ -53,28 +61,66 @@ class ServedAdapters:
         return list(self._by_name.values())
 
     async def load(self, engine: Any, name: Any, path: Any, reserved: tuple[str, ...]) -> LoRARequest:
-        """Read a new adapter in the engine loop's thread and serve it as ``name``.
+        """Read a new adapter in the engine loop's thread and serve it as ``name`` (the adapter already
+        served, or being read, as ``name`` when ``path`` is the same).
 
         :param engine: the server's :class:`~.async_engine.AsyncEngine`.
-        :raises APIError: 400 for a bad body, a name in use, or an adapter the engine refuses.
+        :raises APIError: 400 for a bad body, a name served (or being loaded) from another path or the
+            base model's, or an adapter the engine refuses.
         """
         if not isinstance(name, str) or not name or not isinstance(path, str) or not path:
             raise bad_request("lora_name and lora_path must be non-empty strings", param="lora_name")
         with self._lock:
-            if name in self._by_name or name in reserved:
-                raise bad_request(f"the model name {name!r} is already served; unload it first or choose another",
+            if name in reserved:
+                raise bad_request(f"the model name {name!r} is already served (the base model's); choose another",
                                   param="lora_name", code="invalid_value")
-            request = LoRARequest(name, next(self._ids), path)
+            served = self._by_name.get(name)
+            pending = self._loading.get(name)
+            if served is None and pending is None:
+                request = LoRARequest(name, next(self._ids), path)
+                loading = self._loading[name] = (request, asyncio.get_running_loop().create_future())
+        if served is not None or pending is not None:
+            known = served if served is not None else pending[0]
+            if known.lora_path != path:
+                state = "already served" if served is not None else "already being loaded"
+                raise bad_request(f"the model name {name!r} is {state} from {known.lora_path!r}, not {path!r}; "
+                                  "unload it first or choose another name", param="lora_name",
+                                  code="invalid_value")
+            if served is not None:
+                return served
+            await asyncio.shield(pending[1])  # the first load's outcome (its error, re-raised) is ours
+            return pending[0]
         try:
             await asyncio.wrap_future(engine.loop.add_lora(request))
         except ValueError as e:
-            raise bad_request(str(e), param="lora_path") from None
+            error = bad_request(str(e), param="lora_path")
+            self._loaded(name, loading, error)
+            raise error from None
+        except BaseException as e:
+            self._loaded(name, loading, e)
+            raise
         with self._lock:
             self._by_name[name] = request
+        self._loaded(name, loading, None)
         return request
 
+    def _loaded(self, name: str, loading: tuple[LoRARequest, asyncio.Future], error: BaseException | None) -> None:
+        """The load of ``name`` ended: wake the identical loads that wait for it."""
+        with self._lock:
+            if self._loading.get(name) is loading:
+                del self._loading[name]
+        future = loading[1]
+        if not future.done():
+            if error is None:
+                future.set_result(None)
+            else:
+                future.set_exception(error)
+                future.exception()  # retrieved: nobody may be waiting
+
     async def unload(self, engine: Any, name: Any) -> None:
-        """Stop serving ``name`` and forget its weights.
+        """Stop serving ``name`` and forget its weights. From the moment this is called, requests that
+        named the adapter and have not reached the engine yet are refused (409), until the unload is
+        itself refused (the adapter then serves again).
 
         :raises APIError: 404 for a name not served, 400 while unfinished requests use it.
         """
@@ -83,9 +129,15 @@ class ServedAdapters:
             raise APIError(404, f"no LoRA adapter named {name!r} is loaded; loaded: "
                                 f"{', '.join(map(repr, self._by_name)) or 'none'}", param="lora_name",
                            code="model_not_found")
+        engine.retire_lora(request)  # queued before the removal: nothing naming it is added after it
         try:
             await asyncio.wrap_future(engine.loop.remove_lora(request.lora_int_id))
         except ValueError as e:
+            engine.restore_lora(request)
             raise bad_request(str(e), param="lora_name") from None
+        except BaseException:
+            engine.restore_lora(request)
+            raise
         with self._lock:
-            self._by_name.pop(name, None)
+            if self._by_name.get(name) is request:
+                del self._by_name[name]

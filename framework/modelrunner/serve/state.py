@@ -14,8 +14,8 @@ import attrs
 from ..engine.loop import LoopSnapshot
 from ..executor import WorkerFailedError
 from ..sampling.params import SamplingParams
-from .async_engine import (RETRY_AFTER_S, AsyncEngine, EngineStopped, Generation, NeverFits, Overloaded,
-                           PromptRejected)
+from .async_engine import (RETRY_AFTER_S, AdapterRetired, AsyncEngine, EngineStopped, Generation, NeverFits,
+                           Overloaded, PromptRejected)
 from .errors import APIError, bad_request, leading_field
 from .lora import ServedAdapters
 from .metrics import ServerMetrics
@@ -180,7 +180,8 @@ class ServerState:
         :param stream: the handler reads every step (False: only the final outputs).
         :param lora_request: the adapter to run with (:meth:`check_model_name`'s answer).
         :raises APIError: 400 for a prompt the engine refuses or more prompts than it can ever hold,
-            503 (with Retry-After) when overloaded, 500 when the engine is dead (503 when a worker died).
+            503 (with Retry-After) when overloaded, 500 when the engine is dead (503 when a worker died),
+            409 when the LoRA adapter ``lora_request`` was unloaded since it was looked up.
         """
         engine = self.engine
         assert engine is not None  # require_model() came first
@@ -194,6 +195,8 @@ class ServerState:
             raise self._engine_dead(e) from None
         except PromptRejected as e:
             raise engine_refusal(e, prompt_param, len(prompts)) from None
+        except AdapterRetired as e:
+            raise APIError(409, str(e), param="model", code="adapter_unloaded") from None
 
 
 def engine_refusal(error: PromptRejected, prompt_param: str, count: int) -> APIError:
