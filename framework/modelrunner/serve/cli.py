@@ -75,7 +75,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     cors.add_argument("--allowed-headers", type=string_list, default=["*"], metavar="JSON_LIST",
                       help='request headers allowed cross-origin (default ["*"])')
     cors.add_argument("--allow-credentials", action="store_true",
-                      help="let browsers send cookies and HTTP authentication cross-origin (default off)")
+                      help="let browsers send cookies and HTTP authentication cross-origin (default off; needs "
+                           "--allowed-origins listing the origins: refused with '*')")
     p.add_argument("--speculative-config", type=speculative_config, default=None, metavar="JSON",
                    help='speculative decoding, as vLLM takes it: \'{"method": "ngram", "num_speculative_tokens": 4, '
                         '"prompt_lookup_max": 4}\' (see docs/guide/speculative.md)')

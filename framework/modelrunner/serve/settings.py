@@ -120,7 +120,8 @@ class ServeSettings:
     allowed_headers: tuple[str, ...] = attrs.field(default=("*",), converter=tuple, validator=_string_list)
     """CORS: request headers allowed from those origins (``*``: any)."""
     allow_credentials: bool = False
-    """CORS: let browsers send cookies and HTTP authentication with cross-origin requests."""
+    """CORS: let browsers send cookies and HTTP authentication with cross-origin requests; refused with
+    the any-origin ``*`` (it would let every website read a logged-in user's answers): list the origins."""
     enable_auto_tool_choice: bool = False
     """Serve ``tool_choice="auto"`` (and requests with tools but no ``tool_choice``): the model's text
     is parsed for calls by :attr:`tool_call_parser`, which it needs (vLLM's flag)."""
@@ -143,6 +144,12 @@ class ServeSettings:
         clash = sorted({name for name, _ in self.lora_modules} & set(self.model_names))
         if clash:
             raise ValueError(f"lora-modules name {clash[0]!r} is also the base model's served name; rename one")
+        if self.allow_credentials and "*" in self.allowed_origins:
+            raise ValueError("--allow-credentials with --allowed-origins '[\"*\"]' (the default) would let every "
+                             "website read the answers of a user whose browser holds a cookie or login for this "
+                             "server; name the origins your pages are served from, e.g. --allowed-origins "
+                             "'[\"https://app.example\"]', or leave --allow-credentials off (an API key in the "
+                             "Authorization header needs no credentials mode)")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
             raise ValueError("enable-auto-tool-choice needs --tool-call-parser NAME (e.g. hermes, llama3_json, "
                              "mistral; `modelrunner plugins` lists the installed ones)")
