@@ -6,8 +6,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from .settings import (DEFAULT_GRACE_PERIOD_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_STREAM_BUFFER,
-                       DEFAULT_MAX_WAITING_REQUESTS, LOG_LEVELS)
+from .settings import (DEFAULT_GRACE_PERIOD_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_INPUT_ITEMS,
+                       DEFAULT_MAX_STREAM_BUFFER, DEFAULT_MAX_WAITING_REQUESTS, LOG_LEVELS)
 
 if TYPE_CHECKING:
     from .settings import ServeSettings
@@ -41,6 +41,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         f"(default {DEFAULT_MAX_WAITING_REQUESTS})")
     p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help=f"largest request body; larger ones get 413 (default {DEFAULT_MAX_BODY_BYTES})")
+    p.add_argument("--max-input-items", type=int, default=DEFAULT_MAX_INPUT_ITEMS, metavar="N",
+                   help="most items in a /v1/responses input; more get 400 before anything is tokenized "
+                        f"(default {DEFAULT_MAX_INPUT_ITEMS})")
     p.add_argument("--max-stream-buffer", type=int, default=DEFAULT_MAX_STREAM_BUFFER, metavar="N",
                    help="outputs per prompt a streaming client may leave unread before its request is aborted "
                         f"(default {DEFAULT_MAX_STREAM_BUFFER})")
@@ -195,7 +198,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
         model=args.model, config=config, host=args.host, port=args.port,
         api_key=api_key_from(args.api_key),
         served_model_names=tuple(args.served_model_name or ()), max_waiting_requests=args.max_waiting_requests,
-        max_body_bytes=args.max_body_bytes, max_stream_buffer=args.max_stream_buffer,
+        max_body_bytes=args.max_body_bytes, max_input_items=args.max_input_items,
+        max_stream_buffer=args.max_stream_buffer,
         grace_period_s=args.grace_period, chat_template=template,
         trust_request_chat_template=args.trust_request_chat_template, log_level=args.log_level,
         allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,

@@ -28,6 +28,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import attrs
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -36,8 +37,10 @@ from ..errors import StructuredOutputError
 from ..sampling.structured import StructuredOutputsParams, as_structured_outputs
 from .async_engine import Generation
 from .chat import ChatOptions, ParsedMessages, parse_messages, render
-from .errors import APIError, bad_request
-from .protocol import OpenAIRequest, parse_body
+from .errors import APIError, bad_request, from_validation_errors
+from .input_bounds import check_input_bounds
+from .json_body import load_json
+from .protocol import OpenAIRequest
 from .responses import new_id, now
 from .sampling import build_sampling_params, check_room
 from ..tool_parser import ToolCall
@@ -184,7 +187,9 @@ async def create_response(request: Request, state: ServerState) -> Response:
 
     :raises APIError: 400 for a bad request, 503 when loading/overloaded, 500 when the engine failed.
     """
-    body = await parse_body(request, ResponsesRequest)
+    raw = await request.body()
+    large = len(raw) > OFF_LOOP_BYTES
+    body = await run_in_threadpool(parse_request, raw) if large else parse_request(raw)
     served = state.require_model()
     adapter = state.check_model_name(body.model)
     body.check_unsupported()
@@ -194,10 +199,8 @@ async def create_response(request: Request, state: ServerState) -> Response:
     max_tokens = body.max_output_tokens if body.max_output_tokens is not None else served.defaults.get("max_tokens")
     params = build_sampling_params(body, defaults=served.defaults, max_tokens=(max_tokens, "max_output_tokens"),
                                    logprobs=(None, "top_logprobs"))
-    parsed = parse_messages(input_messages(body.input), served.image_token, param="input")
-    if body.instructions is not None:
-        parsed = ParsedMessages([{"role": "system", "content": body.instructions}, *parsed.conversation],
-                                parsed.image_urls)
+    parsed = await run_in_threadpool(conversation_of, body, served.tokenizer, served.max_model_len,
+                                     state.settings.max_input_items, served.image_token)
     constraint, field = text_format(body.text), "text.format"
     if body.structured_outputs is not None:  # vLLM's extra: regex, choice, grammar … as on chat
         if constraint is not None:
@@ -242,6 +245,38 @@ async def create_response(request: Request, state: ServerState) -> Response:
     usage = _usage(len(output.prompt_token_ids), len(completion.token_ids), output.num_cached_tokens)
     items, _ = job.output(completion.text, status)
     return JSONResponse(job.response(status, items, usage, incomplete=incomplete))
+
+
+OFF_LOOP_BYTES = 64 << 10
+"""Bodies larger than this are parsed and checked in a worker thread, not on the event loop that
+serves every other request's stream."""
+
+
+def parse_request(raw: bytes) -> ResponsesRequest:
+    """The body as a :class:`ResponsesRequest` (call it off the event loop for a large body).
+
+    :raises APIError: 400 naming the field (see :func:`~.protocol.parse_body`).
+    """
+    data = load_json(raw)
+    try:
+        return ResponsesRequest.model_validate(data)
+    except ValidationError as e:
+        raise from_validation_errors(e.errors(), ResponsesRequest.model_fields) from None
+
+
+def conversation_of(body: ResponsesRequest, tokenizer: Any, max_model_len: int, max_items: int,
+                    image_token: str | None) -> ParsedMessages:
+    """``instructions`` and ``input`` as checked chat messages, after the bounds that need no tokenizer
+    (:func:`~.input_bounds.check_input_bounds`); call it off the event loop (50,000 items take seconds).
+
+    :raises APIError: 400 naming the item or field at fault, or the bound it exceeds.
+    """
+    check_input_bounds(body.input, body.instructions, tokenizer, max_model_len, max_items)
+    parsed = parse_messages(input_messages(body.input), image_token, param="input")
+    if body.instructions is not None:
+        parsed = ParsedMessages([{"role": "system", "content": body.instructions}, *parsed.conversation],
+                                parsed.image_urls)
+    return parsed
 
 
 def chat_tools(body: ResponsesRequest) -> SimpleNamespace:

@@ -13,6 +13,9 @@ DEFAULT_MAX_BODY_BYTES = 32 << 20
 DEFAULT_MAX_STREAM_BUFFER = 1024
 """Outputs (engine steps) per prompt that may wait for a streaming client to read them; a client
 further behind has stopped reading, and its request is aborted (a few MiB at most per stream)."""
+DEFAULT_MAX_INPUT_ITEMS = 10_000
+"""Most items in a ``/v1/responses`` request's ``input`` (each renders to at least one token, and
+checking them costs time before the model runs)."""
 DEFAULT_GRACE_PERIOD_S = 20.0
 """How long in-flight requests may run on after SIGTERM/SIGINT (below Kubernetes' 30 s default)."""
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -102,6 +105,8 @@ class ServeSettings:
     """Requests that may wait beyond what the engine runs at once; more get 503 with Retry-After."""
     max_body_bytes: int = attrs.field(default=DEFAULT_MAX_BODY_BYTES, validator=_positive_int)
     """Largest request body; a larger one gets 413."""
+    max_input_items: int = attrs.field(default=DEFAULT_MAX_INPUT_ITEMS, validator=_positive_int)
+    """Most items in a ``/v1/responses`` ``input``; more get 400 before anything is tokenized."""
     max_stream_buffer: int = attrs.field(default=DEFAULT_MAX_STREAM_BUFFER, validator=_positive_int)
     """Outputs per prompt a streaming client may leave unread; past that its request is aborted
     (its KV blocks freed) and the stream ends with ``finish_reason: "abort"``."""
