@@ -225,3 +225,14 @@ POISON = [49001, 49002, 49003]
 def pythonpath_with(path: Path) -> str:
     """``PYTHONPATH`` with ``path`` first."""
     return os.pathsep.join(p for p in (str(path), os.environ.get("PYTHONPATH", "")) if p)
+
+
+@pytest.fixture(scope="session")
+def misbehaving_plugin_path(tmp_path_factory) -> Path:
+    """A directory for ``PYTHONPATH`` holding the ``serve-test-misbehaving`` plugin distribution: a slow
+    grammar backend and a proposer that blocks, proposes endlessly or mutates (see misbehaving_plugin.py)."""
+    from plugin_dists import make_distribution
+
+    source = (Path(__file__).parent / "misbehaving_plugin.py").read_text()
+    return make_distribution(tmp_path_factory.mktemp("misbehaving"), "serve-test-misbehaving",
+                             "serve_test_misbehaving", "serve_test_misbehaving", source)

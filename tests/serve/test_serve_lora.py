@@ -6,15 +6,17 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
+import httpx
 import openai
 import pytest
 
 from modelrunner import LLM, LoRARequest, SamplingParams
 from peft_adapters import save_peft_adapter
 
-from .conftest import TINY_CONFIG, TINY_ENV, TINY_LLM_CONFIG, ServerProcess
+from .conftest import TINY_CONFIG, TINY_ENV, TINY_LLM_CONFIG, ServerProcess, pythonpath_with
 
 PROMPT = "Once upon a time"
 LORA_FLAGS = ["--enable-lora", "--max-loras", "2", "--max-lora-rank", "8"]
@@ -27,10 +29,12 @@ def adapters(serve_llama_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(serve_llama_dir, adapters):
+def server(serve_llama_dir, adapters, misbehaving_plugin_path):
+    """With the slow grammar backend on its path: a request can be made to wait before it starts."""
     json_form = json.dumps({"name": "beta", "path": str(adapters[1])})
     proc = ServerProcess(["--model", str(serve_llama_dir), *TINY_CONFIG, *LORA_FLAGS, "--allow-runtime-lora-updating",
-                          "--lora-modules", f"alpha={adapters[0]}", json_form], env=TINY_ENV)
+                          "--lora-modules", f"alpha={adapters[0]}", json_form],
+                         env={**TINY_ENV, "PYTHONPATH": pythonpath_with(misbehaving_plugin_path)})
     with proc.serving() as ready:
         yield ready
 
@@ -99,6 +103,47 @@ def test_load_and_unload_at_run_time(server, adapters, offline, tmp_path):
     with pytest.raises(openai.NotFoundError):
         _complete(client, "gamma")
     assert _complete(client, "alpha") == offline[1]  # the others keep serving
+
+
+def test_concurrent_loads_of_one_name_agree_on_one_path(server, adapters):
+    async def load(path) -> tuple[str, httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            return str(path), await client.post(server.url + "/v1/load_lora_adapter",
+                                                json={"lora_name": "race", "lora_path": str(path)})
+
+    async def race() -> list[tuple[str, httpx.Response]]:
+        return await asyncio.gather(*(load(adapters[i % 2]) for i in range(6)))
+
+    replies = asyncio.run(race())
+    served = {path for path, reply in replies if reply.status_code == 200}
+    assert len(served) == 1, [(path, reply.text) for path, reply in replies]  # the same path loads once, for all
+    for path, reply in replies:
+        if path not in served:
+            assert reply.status_code == 400, reply.text
+            assert f"'race' is already being loaded from {next(iter(served))!r}" in reply.json()["error"]["message"] \
+                or "'race' is already served from" in reply.json()["error"]["message"]
+    assert server.client().models.retrieve("race").root == served.pop()
+    assert server.post("/v1/unload_lora_adapter", {"lora_name": "race"}).status_code == 200
+
+
+def test_a_request_naming_an_adapter_unloaded_while_it_waited_is_refused(server, adapters, offline):
+    assert server.post("/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": str(adapters[0])}).status_code == 200
+    body = {"model": "swap", "prompt": PROMPT, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+            "guided_grammar": "compile_s=1.5 swap", "guided_decoding_backend": "slow"}
+    result: list[httpx.Response] = []
+    waiting = threading.Thread(target=lambda: result.append(server.post("/v1/completions", body)))
+    waiting.start()
+    time.sleep(0.5)  # it waits for its grammar to compile: not in the engine yet
+    assert server.post("/v1/unload_lora_adapter", {"lora_name": "swap"}).status_code == 200
+    assert server.post("/v1/load_lora_adapter", {"lora_name": "swap", "lora_path": str(adapters[1])}).status_code == 200
+    waiting.join(30)
+    reply = result[0]
+    assert reply.status_code == 409, reply.text  # never the old weights
+    error = reply.json()["error"]
+    assert error["param"] == "model" and "'swap' this request named" in error["message"]
+    assert "was unloaded before the request started" in error["message"]
+    assert _complete(server.client(), "swap") == offline[2]  # the adapter the name serves now
+    assert server.post("/v1/unload_lora_adapter", {"lora_name": "swap"}).status_code == 200
 
 
 def test_with_data_parallel_replicas_every_replica_serves_the_adapters(serve_llama_dir, adapters, offline):
