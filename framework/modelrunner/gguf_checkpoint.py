@@ -1,7 +1,8 @@
 """A GGUF file read as a checkpoint, in place: config, tokenizer and tensors from the file itself.
 
-The metadata is parsed by :mod:`~modelrunner.gguf_metadata`, the tensor table by transformers' GGUF
-reader (no tensor data is touched); the tensors are memory-mapped views.
+The metadata and the tensor table are parsed by :mod:`~modelrunner.gguf_metadata` (no tensor data is
+touched); each tensor is read from the file when the loader asks for it, so loading never holds
+more than the model's own storage and one tensor of the file.
 :meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face names, undoing llama.cpp's layout changes (its row permutation of Llama's query/key projections):
 float tensors as float tensors, quantized ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`,
 which a quantization method keeps as stored and any other layer dequantizes exactly.
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from .errors import ModelSourceError
-from .gguf_metadata import read_metadata
+from .gguf_metadata import read_metadata, read_tensor_table
 from .quantization.blocks import FLOAT_TYPES, GGML_BLOCK, GGMLBlocks, ggml_type_name
 
 logger = logging.getLogger(__name__)
@@ -117,6 +118,19 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
+def _read_at(handle: Any, offset: int, size: int) -> torch.Tensor:
+    """``size`` bytes of the open file ``handle`` from ``offset``, as a uint8 tensor of their own."""
+    buffer = bytearray(size)
+    view, got = memoryview(buffer), 0
+    handle.seek(offset)
+    while got < size:
+        n = handle.readinto(view[got:])
+        if not n:
+            raise ModelSourceError(f"{handle.name}: the file ended while reading it (was it truncated meanwhile?)")
+        got += n
+    return torch.frombuffer(buffer, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+
 class GGUFCheckpoint:
     """One ``.gguf`` file: its metadata, config, tokenizer and tensors.
 
@@ -126,8 +140,6 @@ class GGUFCheckpoint:
     """
 
     def __init__(self, path: str | Path) -> None:
-        from transformers.integrations.gguf.reader import GgufHeader
-
         self.path = Path(path)
         """The file."""
         size = self.path.stat().st_size
@@ -135,7 +147,7 @@ class GGUFCheckpoint:
             raise ModelSourceError(f"{self.path}: the file is empty, not a GGUF checkpoint")
         try:
             self.metadata = read_metadata(self.path)
-            self.header = GgufHeader.from_file(str(self.path))
+            self.header = read_tensor_table(self.path)
         except Exception as e:  # struct, numpy and ValueError from a damaged header
             self._refuse_unsupported(_tensor_types(self.path))
             raise ModelSourceError(f"{self.path}: not a readable GGUF file ({type(e).__name__}: {e})") from e
@@ -145,9 +157,8 @@ class GGUFCheckpoint:
             if end > size:
                 raise ModelSourceError(f"{self.path}: tensor {info.name!r} ({ggml_type_name(info.ggml_type)}) ends at "
                                        f"byte {end:,} but the file has {size:,} bytes: the file is truncated")
-        self.architecture = self.header.architecture
+        self.architecture = self.metadata.get("general.architecture")
         """The file's ``general.architecture`` (``llama``, ``qwen2`` …)."""
-        self._blob: np.ndarray | None = None
 
     def _refuse_unsupported(self, tensors: Any) -> None:
         for name, ggml_type in tensors:
@@ -248,12 +259,6 @@ class GGUFCheckpoint:
 
     # -- tensors -----------------------------------------------------------------------------------
 
-    def _mapped(self) -> np.ndarray:
-        if self._blob is None:
-            # Copy-on-write: tensors are views of the file, writable (torch wants that) without copying it.
-            self._blob = np.memmap(self.path, mode="c", dtype=np.uint8)
-        return self._blob
-
     def weight_types(self) -> dict[str, int]:
         """Hugging Face tensor name → ggml type, for the tensors the model uses."""
         return {name: info.ggml_type for info in self.header.tensors if (name := hf_name(info.name))}
@@ -264,19 +269,23 @@ class GGUFCheckpoint:
 
         :raises ModelSourceError: a tensor name the architecture does not have.
         """
-        blob = self._mapped()
         config = self.metadata
         arch = self.architecture
         heads = config.get(f"{arch}.attention.head_count")
         kv_heads = config.get(f"{arch}.attention.head_count_kv", heads)
+        with open(self.path, "rb", buffering=0) as handle:
+            yield from self._read_weights(handle, arch, heads, kv_heads)
+
+    def _read_weights(self, handle: Any, arch: str, heads: Any, kv_heads: Any) -> Iterator[tuple[str, Any]]:
         for info in self.header.tensors:
             name = hf_name(info.name)
             if name is None:
                 if "rope" in info.name:
                     continue  # precomputed rotary tables: the model computes its own
                 raise ModelSourceError(f"{self.path}: tensor {info.name!r} has no place in a {arch} model")
-            start = self.header.data_start + info.offset
-            raw = torch.from_numpy(np.asarray(blob[start:start + info.nbytes]))
+            # Each tensor read on its own (not a view of a mapping of the file): once the loader has
+            # converted it into the model's storage, its bytes are freed.
+            raw = _read_at(handle, self.header.data_start + info.offset, info.nbytes)
             if info.ggml_type in FLOAT_TYPES:
                 tensor: Any = raw.view(FLOAT_TYPES[info.ggml_type]).reshape(info.shape)
             else:
@@ -289,8 +298,7 @@ class GGUFCheckpoint:
             yield name, tensor
 
     def close(self) -> None:
-        """Unmap the file (after loading: the model holds its own copy); a later read maps it again."""
-        self._blob = None
+        """Nothing is kept open between reads (each :meth:`iter_weights` opens the file itself)."""
 
     def __iter__(self) -> Iterator[tuple[str, Any]]:
         return self.iter_weights()

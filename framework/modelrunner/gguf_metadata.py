@@ -1,9 +1,10 @@
-"""A GGUF file's metadata section, read fast enough for a cold start.
+"""A GGUF file's metadata section and tensor table, read fast enough for a cold start.
 
 transformers' reader slices a numpy memory map once per string: reading SmolLM2's vocabulary and
 merge table (99,000 strings) costs it about half a second. This reader slices an :mod:`mmap`, whose
-slices are plain ``bytes``, and reads the same values in a tenth of that. Tensor tables are still
-read by transformers' :class:`~transformers.integrations.gguf.reader.GgufHeader`.
+slices are plain ``bytes``, and reads the same values in a tenth of that. The tensor table
+(:func:`read_tensor_table`) is read here too, for every ggml type the ``gguf`` package knows
+(transformers' reader refuses some, such as Q5_0).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import mmap
 import struct
 from collections.abc import Container
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 _SCALAR = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
@@ -43,6 +44,71 @@ def read_metadata(path: str | Path, string_arrays: Container[str] = ()) -> dict[
             (kind,) = struct.unpack_from("<I", blob, pos)
             metadata[key], pos = _value(blob, pos + 4, kind, key in string_arrays, path, key)
         return metadata
+
+
+class TensorInfo(NamedTuple):
+    """One entry of a GGUF file's tensor table."""
+
+    name: str
+    """The tensor's name in the file (``blk.0.attn_q.weight``)."""
+    shape: tuple[int, ...]
+    """Its logical shape, outermost first (``[rows, cols]`` for a matrix: ggml's dimensions reversed)."""
+    ggml_type: int
+    """Its ggml type id (0 = F32, 12 = Q4_K …)."""
+    offset: int
+    """Where its data starts, relative to the data section."""
+    nbytes: int
+    """How many bytes its data takes (-1 for a type the ``gguf`` package does not know)."""
+
+
+class TensorTable(NamedTuple):
+    """A GGUF file's tensors and where their data section starts."""
+
+    tensors: list[TensorInfo]
+    """The tensors, in file order."""
+    data_start: int
+    """Absolute offset of the data section (aligned to ``general.alignment``)."""
+
+
+def read_tensor_table(path: str | Path) -> TensorTable:
+    """The tensor table of the GGUF file at ``path`` (metadata values skipped, not decoded).
+
+    :raises ValueError: not a GGUF v2/v3 file, or a damaged table.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    sizes = {int(t): size for t, size in GGML_QUANT_SIZES.items()}
+    with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as blob:
+        if blob[:4] != b"GGUF":
+            raise ValueError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
+        version, count, keys = struct.unpack_from("<IQQ", blob, 4)
+        if version not in _VERSIONS:
+            raise ValueError(f"{path} is GGUF v{version}; readable: v{' and v'.join(map(str, _VERSIONS))}")
+        pos, alignment = 24, 32
+        for _ in range(keys):
+            key, pos = _string(blob, pos)
+            (kind,) = struct.unpack_from("<I", blob, pos)
+            value, pos = _value(blob, pos + 4, kind, False, path, key)
+            if key == "general.alignment":
+                alignment = int(value)
+        tensors = []
+        for _ in range(count):
+            name, pos = _string(blob, pos)
+            (dims,) = struct.unpack_from("<I", blob, pos)
+            if dims > 8:
+                raise ValueError(f"{path}: tensor {name!r} claims {dims} dimensions")
+            shape = struct.unpack_from(f"<{dims}Q", blob, pos + 4)
+            ggml_type, offset = struct.unpack_from("<IQ", blob, pos + 4 + 8 * dims)
+            pos += 4 + 8 * dims + 12
+            elements = 1
+            for d in shape:
+                elements *= d
+            per_block, block_bytes = sizes.get(ggml_type, (0, 0))
+            nbytes = elements // per_block * block_bytes if per_block and elements % per_block == 0 else -1
+            tensors.append(TensorInfo(name, tuple(reversed(shape)), ggml_type, offset, nbytes))
+        if alignment <= 0 or alignment & (alignment - 1):
+            raise ValueError(f"{path}: general.alignment is {alignment}, not a power of two")
+        return TensorTable(tensors, -(-pos // alignment) * alignment)
 
 
 def _string(blob: mmap.mmap, pos: int) -> tuple[str, int]:

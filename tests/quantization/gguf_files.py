@@ -15,28 +15,15 @@ from modelrunner.conformance.gguf import add_tokenizer, tokenizer_fields, write_
 from modelrunner.source import resolve_source
 
 
-def write_llama_gguf(model, path: Path, types: dict[str, T] | None = None, default: T = T.Q8_0) -> Path:
+def write_llama_gguf(model, path: Path, types: dict[str, T] | None = None, default: T = T.Q8_0, **kwargs) -> Path:
     """Write transformers Llama ``model`` to ``path`` as llama.cpp would, with SmolLM2's tokenizer.
 
     :param types: GGUF tensor-name substring → ggml type (first match wins), for 2-D weights;
-        others take ``default``. Norms are always F32; Q4_K tensors get random well-formed blocks
-        (gguf-py cannot quantize K-quants).
+        others take ``default``. Norms are always F32; the K-quants and IQ4 get random well-formed
+        blocks (gguf-py cannot quantize them: :func:`~modelrunner.conformance.gguf.random_blocks`).
     """
     state = ((k, v.detach().float().numpy()) for k, v in model.state_dict().items())
-    return write_gguf(model.config, state, path, types or {}, default, metadata=_copy_tokenizer,
-                      encode=lambda name, array, kind: random_q4_k(*array.shape) if kind == T.Q4_K else None)
-
-
-def random_q4_k(rows: int, cols: int, seed: int = 0) -> np.ndarray:
-    """Q4_K blocks (256 elements in 144 bytes: fp16 ``d`` and ``dmin``, 12 bytes of 6-bit scales and
-    mins, 128 bytes of nibbles) with small scales and random contents: values of a weight's size."""
-    if cols % 256:
-        raise ValueError(f"Q4_K needs columns in multiples of 256, got {cols}")
-    rng = np.random.default_rng(seed)
-    blocks = rng.integers(0, 256, size=(rows, cols // 256, 144), dtype=np.uint8)
-    blocks[..., 0:2] = np.frombuffer(np.float16(0.002).tobytes(), dtype=np.uint8)
-    blocks[..., 2:4] = np.frombuffer(np.float16(0.001).tobytes(), dtype=np.uint8)
-    return blocks.reshape(rows, -1)
+    return write_gguf(model.config, state, path, types or {}, default, metadata=_copy_tokenizer, **kwargs)
 
 
 def _copy_tokenizer(writer: gguf.GGUFWriter) -> None:

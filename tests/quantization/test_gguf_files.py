@@ -1,5 +1,6 @@
-"""GGUF files read in place: every block type against transformers reading the same file, K-quants
-dequantized with one log line, and damaged files refused with the file, tensor and type named —
+"""GGUF files read in place: every block type against transformers reading the same file, every
+common format kept as stored and equal to the file dequantized by the ``gguf`` package, one INFO line
+saying what stayed as stored, and damaged files refused with the file, tensor and type named —
 nothing half-written left in the cache."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import os
 import pickle
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as T
@@ -35,7 +37,8 @@ def _transformers_logits(path: Path, ids: list[int]) -> torch.Tensor:
     ({}, {"int8 from Q8_0/g32 symmetric": 10}),  # embedding, LM head, 2 × (qkv, o, gate/up, down)
     ({"attn": T.Q4_0, "ffn": T.Q4_1}, {"int8 from Q8_0/g32 symmetric": 2, "int4 from Q4_0/g32": 4,
                                       "int4 from Q4_1/g32": 4}),
-    ({"ffn_up": T.F16, "attn_v": T.Q4_0}, {"int8 from Q8_0/g32 symmetric": 6}),  # mixed q/k/v and gate/up: float
+    # q/k/v in two formats share one storage in their common form; gate/up with a float member: float.
+    ({"ffn_up": T.F16, "attn_v": T.Q4_0}, {"int8 from Q8_0/g32 symmetric": 6, "int8 from Q4_0+Q8_0/g32": 2}),
 ])
 def test_blocks_run_as_stored_and_match_transformers_reading_the_same_file(tmp_path, layout, kept):
     path = write_llama_gguf(tiny_llama(tie=False), tmp_path / "tiny.gguf", types=layout)
@@ -86,18 +89,50 @@ def test_a_llama_files_config_equals_transformers_llama_config(values):
     assert pickle.loads(pickle.dumps(config)).to_dict() == config.to_dict()  # worker processes get it so
 
 
-def test_k_quants_are_dequantized_at_load_with_one_log_line(tmp_path, caplog):
-    path = write_llama_gguf(tiny_llama(intermediate=256, tie=True), tmp_path / "k.gguf", types={"ffn_down": T.Q4_K})
-    with caplog.at_level(logging.WARNING, logger="modelrunner"):
-        llm = LLM(str(path), **KW)
-    lines = [r.getMessage() for r in caplog.records if "dequantizing" in r.getMessage()]
-    assert lines == ["gguf: dequantizing 2 Q4_K tensor(s) at load (no kernel runs them as stored)"]
-    assert (llm.runner.forward(IDS) - _transformers_logits(path, IDS)).abs().max().item() < 1e-4
+# Every format the kernel keeps, in three files (K-quants need rows of 256): each tensor class in another
+# format, so q/k/v and gate/up mix formats (one storage in their common form) as llama.cpp's mixes do.
+FORMAT_FILES = [
+    {"attn_q": T.Q4_K, "attn_k": T.Q4_K, "attn_v": T.Q6_K, "attn_output": T.Q5_K, "ffn_gate": T.Q2_K,
+     "ffn_up": T.Q3_K, "ffn_down": T.Q6_K, "token_embd": T.IQ4_NL, "output": T.IQ4_XS},
+    {"attn_q": T.Q5_0, "attn_k": T.Q5_1, "attn_v": T.Q5_0, "attn_output": T.Q4_0, "ffn_gate": T.Q4_1,
+     "ffn_up": T.Q4_1, "ffn_down": T.Q5_1, "token_embd": T.Q6_K, "output": T.Q4_K},
+    {"attn": T.Q4_K, "ffn": T.Q4_K, "token_embd": T.Q6_K},  # Q4_K_M's two formats, tied embeddings
+]
+
+
+@pytest.mark.parametrize("types", FORMAT_FILES, ids=["k-quants", "legacy", "q4_k_m"])
+def test_every_format_runs_as_stored_and_equals_the_file_dequantized(tmp_path, types, caplog):
+    from modelrunner.quantization.blocks import ggml_type_name
+
+    tie = "output" not in types
+    path = write_llama_gguf(tiny_llama(hidden=256, intermediate=512, tie=tie), tmp_path / "f.gguf", types=types)
+    with caplog.at_level(logging.INFO, logger="modelrunner"):
+        stored = LLM(str(path), quantization_options={"activations": "float"}, **KW)
+    tensors = stored.runner.stats()["quantization"]["tensors"]
+    expected: dict[str, int] = {}
+    for kind in types.values():  # per layer, the tensors of each class (2 layers; embedding, head once)
+        expected[ggml_type_name(kind)] = 0
+    assert set(tensors["as_stored"]) == set(expected) and tensors["dequantized"] == {}
+    assert sum(tensors["as_stored"].values()) == 2 * 7 + 1 + (not tie)
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("gguf: ")] == [
+        "gguf: " + ", ".join(f"{n} {k}" for k, n in sorted(tensors["as_stored"].items())) + " as stored"]
+    dense = LLM(str(path), quantization="none", **KW)  # the gguf package's dequantization, float32
+    want = dense.runner.forward(IDS)
+    got = stored.runner.forward(IDS)
+    assert (got - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+    from modelrunner import SamplingParams
+
+    greedy = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    assert [o.outputs[0].token_ids for o in stored.generate(["Hello", "The sky"], greedy, use_tqdm=False)] == \
+        [o.outputs[0].token_ids for o in dense.generate(["Hello", "The sky"], greedy, use_tqdm=False)]
 
 
 def test_a_tensor_type_no_reader_supports_is_named(tmp_path):
-    path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "tq.gguf", types={"blk.1.ffn_down": T.TQ1_0})
-    with pytest.raises(ModelSourceError, match=rf"{path}: tensor 'blk.1.ffn_down.weight' has ggml type TQ1_0 \(34\), "
+    # Q8_K is llama.cpp's format of activations: no file stores weights in it, nothing reads it.
+    path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "q8k.gguf", types={"blk.1.ffn_down": T.Q8_K},
+                            encode=lambda name, array, kind: np.zeros(
+                                (array.shape[0], array.shape[1] // 256 * 292), dtype=np.uint8) if kind == T.Q8_K else None)
+    with pytest.raises(ModelSourceError, match=rf"{path}: tensor 'blk.1.ffn_down.weight' has ggml type Q8_K \(15\), "
                                                r"which no installed reader supports \(supported: .*Q4_K.*\)"):
         LLM(str(path), **KW)
 

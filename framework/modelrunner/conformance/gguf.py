@@ -54,7 +54,7 @@ def write_gguf(config: Any, tensors: Iterable[tuple[str, np.ndarray]], path: str
     :param default: the ggml type of the other 2-D weights (default Q8_0); 1-D tensors are always F32.
     :param metadata: called with the ``GGUFWriter`` to add more metadata (a tokenizer).
     :param encode: ``(name, array, ggml type)`` → the raw blocks of a type gguf-py cannot quantize
-        (None: let gguf-py quantize it).
+        (None: let gguf-py quantize it; where it cannot — the K-quants, IQ4 — :func:`random_blocks`).
     """
     import gguf
     from gguf import GGMLQuantizationType as T
@@ -97,13 +97,47 @@ def write_gguf(config: Any, tensors: Iterable[tuple[str, np.ndarray]], path: str
         elif kind == T.F16:
             writer.add_tensor(name, array.astype(np.float16))
         else:
-            writer.add_tensor(name, gguf.quants.quantize(array, kind), raw_dtype=kind)
+            try:
+                blocks = gguf.quants.quantize(array, kind)
+            except NotImplementedError:
+                blocks = random_blocks(kind, *array.shape, seed=sum(name.encode()))
+            writer.add_tensor(name, blocks, raw_dtype=kind)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     partial.replace(path)
     return path
+
+
+_SCALE_OF = {10: (0.005, 0.005), 11: (0.002,), 12: (0.0003, 0.001), 13: (0.00015, 0.001), 14: (0.00005,),
+             20: (0.002,), 23: (0.00005,)}
+"""Q2_K … IQ4_XS: float16 scale(s) that keep a random block's weights within about ±0.3."""
+
+
+def random_blocks(ggml_type: int, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    """Well-formed blocks of ``ggml_type`` (any format the kernel keeps as stored) with random contents
+    and small scales — a weight's magnitudes — as uint8 ``[rows, bytes per row]``: for the formats
+    gguf-py cannot quantize (the K-quants, IQ4_NL, IQ4_XS), so files of every format can be written.
+
+    :raises ValueError: ``cols`` not a multiple of the format's block, or a format without a planar form.
+    """
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from ..quantization.ggml_formats import HALF_FIELDS
+
+    if ggml_type not in HALF_FIELDS:
+        raise ValueError(f"no random blocks for ggml type {ggml_type}")
+    per_block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    if cols % per_block:
+        raise ValueError(f"{GGMLQuantizationType(ggml_type).name} needs columns in multiples of {per_block}, got {cols}")
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(rows, cols // per_block, block_bytes), dtype=np.uint8)
+    scales = _SCALE_OF.get(ggml_type, (0.02, 0.01))
+    for offset, scale in zip(HALF_FIELDS[ggml_type], scales * 2):
+        half = (scale * rng.uniform(0.5, 1.5, size=blocks.shape[:2])).astype(np.float16)
+        blocks[..., offset:offset + 2] = half.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return blocks.reshape(rows, -1)
 
 
 def tokenizer_fields(path: str | Path) -> dict[str, Any]:

@@ -4,29 +4,42 @@
 float shape (``[rows, cols]``) and narrows like a tensor along rows and along whole blocks of
 columns, so the layers' weight loaders (:func:`modelrunner.layers.linear.place`) shard it for tensor
 parallelism exactly as they shard floats. A layer that keeps it quantized converts it to the
-planar layout of :mod:`.planar` (:meth:`GGMLBlocks.to_planar`: the same bytes, regrouped); any other
-gets it dequantized (:meth:`GGMLBlocks.dequantize`) — its scales travel with it, so that is exact.
+planar layout of :mod:`.planar` (:meth:`GGMLBlocks.to_planar`, :mod:`.ggml_formats`: every common
+format, without loss); any other gets it dequantized (:meth:`GGMLBlocks.dequantize`) — its scales
+travel with it, so that is exact.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers.integrations.gguf.dequant import GGML_BLOCK, GGML_NAME, dequantize
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-"""ggml type ids of the formats kept quantized (the others are dequantized at load)."""
-PLANAR_TYPES = {Q4_0: 4, Q4_1: 4, Q8_0: 8}
-"""ggml type → bits of the planar layout it converts to without loss."""
+from .ggml_formats import PLANAR_FORMS, Q4_0, Q4_1, Q8_0, to_planar
+
+PLANAR_TYPES = {ggml_type: form.bits for ggml_type, form in PLANAR_FORMS.items()}
+"""ggml type → bits of the planar layout it converts to without loss (the formats kept as stored)."""
 FLOAT_TYPES = {0: torch.float32, 1: torch.float16, 30: torch.bfloat16}
 """ggml type ids of plain float tensors."""
+
+
+_NOT_READABLE = {9, 15, 41}
+"""Q8_1 and Q8_K (llama.cpp's formats of activations, never of weights) and Q1_0: no dequantizer."""
+
+
+def _block_sizes() -> dict[int, tuple[int, int]]:
+    from gguf import GGML_QUANT_SIZES
+
+    return {int(t): size for t, size in GGML_QUANT_SIZES.items() if size[0] > 1 and int(t) not in _NOT_READABLE}
+
+
+GGML_BLOCK: dict[int, tuple[int, int]] = _block_sizes()
+"""ggml type id → ``(values, bytes)`` per block, for every block format the ``gguf`` package can
+dequantize (those without a planar form are dequantized at load)."""
 
 
 def ggml_type_name(ggml_type: int) -> str:
     """``Q4_1``, ``Q6_K``, ``F32`` … for messages."""
     if ggml_type in FLOAT_TYPES:
         return str(FLOAT_TYPES[ggml_type]).removeprefix("torch.").replace("float", "F")
-    if ggml_type in GGML_NAME:
-        return GGML_NAME[ggml_type]
     try:
         from gguf import GGMLQuantizationType
 
@@ -58,6 +71,11 @@ class GGMLBlocks:
         self.name = name
 
     @property
+    def nbytes(self) -> int:
+        """Bytes stored."""
+        return self.data.numel()
+
+    @property
     def type_name(self) -> str:
         """The block format's name."""
         return ggml_type_name(self.ggml_type)
@@ -84,25 +102,37 @@ class GGMLBlocks:
         return GGMLBlocks(self.data.index_select(0, index), self.ggml_type, self.shape, self.name)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """The float ``[rows, cols]`` tensor these blocks encode."""
-        return dequantize(self.data.contiguous().reshape(-1), self.ggml_type, torch.float32).reshape(self.shape).to(dtype)
+        """The float ``[rows, cols]`` tensor these blocks encode, by the ``gguf`` package's dequantizer
+        (ggml's arithmetic in float32; independent of the planar conversion, so it is the reference
+        the kept formats are checked against), a slice of rows at a time."""
+        from gguf import GGMLQuantizationType, quants
+
+        kind = GGMLQuantizationType(self.ggml_type)
+        out = torch.empty(self.shape, dtype=dtype)
+        for start, part in self.row_chunks():
+            values = quants.dequantize(part.data.contiguous().numpy(), kind)
+            out[start:start + part.shape[0]] = torch.from_numpy(values).reshape(part.shape)
+        return out
+
+    def row_chunks(self, max_bytes: int = 8 << 20):
+        """``(first row, blocks of those rows)`` in slices of about ``max_bytes`` of stored data, so a
+        conversion's temporaries stay small whatever the tensor's size."""
+        rows = self.shape[0]
+        step = max(1, max_bytes // max(1, self.data.shape[1]))
+        for start in range(0, rows, step):
+            yield start, self.narrow(0, start, min(step, rows - start))
 
     def to_planar(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        """``(qweight, scales, mins)`` in the planar layout (:mod:`.planar`), group size 32, no loss.
+        """``(qweight, scales, mins)`` in the planar layout (:mod:`.planar`), no loss (the form each
+        format takes: :data:`~.ggml_formats.PLANAR_FORMS`).
 
-        :raises ValueError: a format that has no planar form (only Q4_0, Q4_1 and Q8_0 do).
+        :raises ValueError: a format that has no planar form.
         """
+        if self.ggml_type not in PLANAR_FORMS:
+            kept = ", ".join(ggml_type_name(t) for t in PLANAR_FORMS)
+            raise ValueError(f"tensor {self.name!r}: {self.type_name} has no planar form (kept as stored: {kept})")
         rows = self.shape[0]
-        blocks = self.data.contiguous().view(rows, -1, self.block_bytes)
-        d = blocks[..., 0:2].contiguous().view(torch.float16).squeeze(-1)
-        if self.ggml_type == Q4_1:
-            m = blocks[..., 2:4].contiguous().view(torch.float16).squeeze(-1)
-            return blocks[..., 4:20].reshape(rows, -1).contiguous(), d.contiguous(), m.contiguous()
-        if self.ggml_type == Q4_0:
-            return blocks[..., 2:18].reshape(rows, -1).contiguous(), d.contiguous(), (d * -8).contiguous()
-        if self.ggml_type == Q8_0:
-            return blocks[..., 2:34].reshape(rows, -1).contiguous().view(torch.int8), d.contiguous(), None
-        raise ValueError(f"tensor {self.name!r}: {self.type_name} has no planar form (keep Q4_0, Q4_1 or Q8_0)")
+        return to_planar(self.data.contiguous().view(rows, -1, self.block_bytes), self.ggml_type)
 
     def __repr__(self) -> str:
         return f"GGMLBlocks({self.name!r}, {self.type_name}, shape={list(self.shape)})"

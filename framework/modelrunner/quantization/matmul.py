@@ -28,11 +28,11 @@ PLANAR = "planar"
 
 
 class WeightFormat(NamedTuple):
-    """A quantization scheme as kernels claim it: ``int4:g32:mins``.
+    """A quantization scheme as kernels claim it: ``int4:g32:mins`` (``int8:g16:sym:f32`` with float32 scales).
 
-    The values are planar (see :mod:`.planar`): ``bits`` per value, one float16 scale (and min, with
-    ``has_mins``) per ``group_size`` consecutive values of a row. (A named tuple, not an attrs class:
-    it is built inside traced code, and dynamo handles tuples.)
+    The values are planar (see :mod:`.planar`): ``bits`` per value, one scale (and min, with
+    ``has_mins``) per ``group_size`` consecutive values of a row, of dtype ``scale_dtype``. (A named
+    tuple, not an attrs class: it is built inside traced code, and dynamo handles tuples.)
     """
 
     bits: int
@@ -43,14 +43,19 @@ class WeightFormat(NamedTuple):
     """Whether groups have minimums (asymmetric)."""
     per_row: bool = False
     """One scale per output row (per-channel int8)."""
+    scale_dtype: str = "float16"
+    """``float16``, or ``float32`` where a file's scales are products that float16 cannot hold exactly
+    (a K-quant's super-block scale times a sub-block's integer scale)."""
 
     def __str__(self) -> str:
-        return f"int{self.bits}:g{self.group_size}:{'mins' if self.has_mins else 'sym'}"
+        wide = ":f32" if self.scale_dtype == "float32" else ""
+        return f"int{self.bits}:g{self.group_size}:{'mins' if self.has_mins else 'sym'}{wide}"
 
     @classmethod
     def of(cls, scheme: Any) -> WeightFormat:
         """The format of a :class:`~.planar.PlanarScheme`."""
-        return cls(scheme.bits, scheme.group_size, scheme.has_mins, scheme.per_row)
+        return cls(scheme.bits, scheme.group_size, scheme.has_mins, scheme.per_row,
+                   str(getattr(scheme, "scale_dtype", torch.float16)).removeprefix("torch."))
 
 
 class QuantizedWeight(NamedTuple):
@@ -59,9 +64,9 @@ class QuantizedWeight(NamedTuple):
     data: torch.Tensor
     """The quantized values (planar: uint8 ``[rows, cols / 2]`` for 4 bits, int8 ``[rows, cols]`` for 8)."""
     scales: torch.Tensor
-    """float16 ``[rows, cols / group_size]`` (planar)."""
+    """``[rows, cols / group_size]`` (planar), of the format's ``scale_dtype``."""
     mins: torch.Tensor | None
-    """float16 like ``scales``, or None (symmetric)."""
+    """Like ``scales``, or None (symmetric)."""
     format: WeightFormat
     """How the values encode the weight."""
     rows: int
@@ -113,13 +118,20 @@ class MatmulKernel:
     superseded_by: ClassVar[tuple[str, ...]] = ()
     """Kernels that compute the same numbers faster at every row count: where one of them can run,
     this one is not timed."""
+    scale_dtypes: ClassVar[tuple[str, ...]] = ("float16",)
+    """The :attr:`WeightFormat.scale_dtype` values it reads (add ``float32`` for K-quant files' scales)."""
+    min_group: ClassVar[int] = 32
+    """The smallest group it runs (16 for Q6_K, Q2_K and Q3_K files); groups are multiples of it."""
 
     @classmethod
     def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
-        """Whether it can run ``format`` on ``device`` here (the default: any planar format — 4 or 8
-        bits — on :attr:`devices`). Checked before every timing, so it may look at the CPU or whether
-        a native build loaded; it must not raise."""
-        return format.bits in (4, 8) and (cls.devices is None or torch.device(device).type in cls.devices)
+        """Whether it can run ``format`` on ``device`` here (the default: a planar format — 4 or 8
+        bits — whose scale dtype is in :attr:`scale_dtypes` and whose groups are multiples of
+        :attr:`min_group`, on :attr:`devices`). Checked before every timing, so it may look at the CPU
+        or whether a native build loaded; it must not raise."""
+        return (format.bits in (4, 8) and format.scale_dtype in cls.scale_dtypes
+                and (format.per_row or format.group_size % cls.min_group == 0)
+                and (cls.devices is None or torch.device(device).type in cls.devices))
 
     @classmethod
     def activation_kind(cls) -> str:
@@ -175,6 +187,8 @@ class ReferenceKernel(MatmulKernel):
     name = "reference"
     devices = None
     fallback = True
+    scale_dtypes = ("float16", "float32")
+    min_group = 16
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """``x`` times the dequantized weight."""

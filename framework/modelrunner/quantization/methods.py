@@ -13,10 +13,11 @@ from torch import nn
 from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from ..layers.fused_moe import FusedMoE
 from .base import QuantizationMethod, quantizable_layers
-from .blocks import FLOAT_TYPES, PLANAR_TYPES, Q4_0, Q8_0, ggml_type_name
+from .blocks import FLOAT_TYPES, ggml_type_name
 from .experts import QuantizedExperts
+from .ggml_formats import PLANAR_FORMS, Q4_0
 from .kernels import KernelSelector
-from .planar import PlanarScheme
+from .planar import PlanarScheme, common_form
 
 logger = logging.getLogger(__name__)
 
@@ -122,9 +123,13 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
 
 
 class GGUFMethod(_PlanarMethod):
-    """``gguf``: a GGUF file's Q4_0, Q4_1 and Q8_0 tensors run as stored (their bytes regrouped into
-    the planar layout, no loss); other types (K-quants, …) are dequantized at load, with one log
-    line naming them. Chosen automatically for ``.gguf`` files.
+    """``gguf``: a GGUF file's quantized tensors run as stored — every common format (Q4_0, Q4_1, Q5_0,
+    Q5_1, Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) regrouped into the planar layout without loss
+    (:mod:`.ggml_formats`). A fused layer (q/k/v, gate/up) whose members the file stores in
+    different formats keeps one storage in the narrowest form that holds each exactly (e.g. Q4_K with
+    Q6_K: 8-bit values, groups of 16). Other types (IQ2/IQ3 …) are dequantized at load. What stays
+    as stored and what was dequantized is logged at INFO and shown by ``stats()``.
+    Chosen automatically for ``.gguf`` files.
 
     Options: ``activations`` — ``float`` (default, exact: float32 activations, the file's weights
     exactly), ``int8`` (activations quantized per 32-element block, as llama.cpp does), ``bf16``
@@ -137,6 +142,12 @@ class GGUFMethod(_PlanarMethod):
     name = "gguf"
     conformance_tolerance = 1e-4  # the file's own weights, exactly
 
+    def __init__(self, options: dict[str, Any] | None = None, cache_dir: Any = None) -> None:
+        super().__init__(options, cache_dir)
+        self.tensor_formats: dict[str, Counter[str]] = {"as_stored": Counter(), "dequantized": Counter()}
+        """ggml format → how many of the model's tensors stay in it (``as_stored``) and how many were
+        dequantized to the engine's dtype (``dequantized``), for the last model prepared."""
+
     def check_source(self, source: Any) -> None:
         """Only a GGUF file read in place has blocks to keep."""
         if getattr(source, "gguf", None) is None:
@@ -144,31 +155,45 @@ class GGUFMethod(_PlanarMethod):
                              "to quantize a float checkpoint)")
 
     def prepare(self, model: nn.Module, source: Any) -> None:
-        """Keep every layer whose checkpoint tensors are all one planar block type as blocks."""
+        """Keep every layer whose checkpoint tensors all have planar forms as stored (a fused layer of
+        several formats in their common form)."""
         self.check_source(source)
         types = source.gguf.weight_types()
         schemes: dict[str, PlanarScheme] = {}
+        kept: Counter[str] = Counter()
         dequantized: Counter[str] = Counter()
         for name, layer in quantizable_layers(model):
             names = _checkpoint_names(model, name)
-            found = {types.get(n) for n in names}
+            found = [types.get(n) for n in names]
             if None in found:
                 continue  # not in this file (e.g. another stage's layer), or a tied head
-            if len(found) == 1 and (kind := found.pop()) in PLANAR_TYPES:
-                bits = PLANAR_TYPES[kind]
-                schemes[name] = PlanarScheme(bits, 32, has_mins=kind != Q8_0, kernels=self.kernels,
-                                             source_type=ggml_type_name(kind))
-            elif all(types[n] in PLANAR_TYPES for n in names):
-                # One packed layer (q/k/v, gate/up) stored in different block types: one storage can't hold both.
-                dequantized[f"mixed {'+'.join(sorted({ggml_type_name(types[n]) for n in names}))}"] += len(names)
+            if all(t in PLANAR_FORMS for t in found):
+                form = common_form([PLANAR_FORMS[t] for t in found])
+                kinds = "+".join(sorted({ggml_type_name(t) for t in found}))
+                schemes[name] = PlanarScheme(form.bits, form.group_size, has_mins=form.has_mins, kernels=self.kernels,
+                                             source_type=kinds, scale_dtype=form.scale_dtype)
+                kept.update(ggml_type_name(t) for t in found)
             else:
-                for n in names:
-                    if types[n] not in PLANAR_TYPES and types[n] not in FLOAT_TYPES:
-                        dequantized[ggml_type_name(types[n])] += 1
-        if dequantized:
-            logger.warning("gguf: dequantizing %s at load (no kernel runs them as stored)",
-                           ", ".join(f"{count} {kind} tensor(s)" for kind, count in sorted(dequantized.items())))
+                dequantized.update(ggml_type_name(t) for t in found if t not in FLOAT_TYPES)
+        self.tensor_formats = {"as_stored": kept, "dequantized": dequantized}
+        if kept or dequantized:
+            dtype = str(_float_dtype(model)).removeprefix("torch.")
+            logger.info("gguf: %s as stored%s", ", ".join(f"{n} {k}" for k, n in sorted(kept.items())) or "nothing",
+                        f"; dequantized to {dtype}: " + ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
+                        if dequantized else "")
         _prepare_layers(self, model, schemes)
+
+    def stats(self, model: nn.Module) -> dict[str, Any]:
+        """Also ``tensors``: per ggml format, how many tensors stay as stored and how many were dequantized."""
+        return {**super().stats(model), "tensors": {k: dict(sorted(v.items())) for k, v in self.tensor_formats.items()}}
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype a dequantized weight of ``model`` gets (its first float parameter's, still on meta)."""
+    for param in model.parameters():
+        if param.is_floating_point():
+            return param.dtype
+    return torch.float32
 
 
 class _LoadTimeMethod(_PlanarMethod):

@@ -15,7 +15,37 @@ import torch
 from torch import nn
 
 from .blocks import GGMLBlocks
+from .ggml_formats import PLANAR_FORMS, PlanarForm
 from .planar_layout import dequantize_planar, pack_int4, quantize_planar, unpack_int4
+
+
+def widen(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, have: PlanarForm, want: PlanarForm
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A planar triple of form ``have`` in form ``want``, which holds it without loss (at least as many
+    bits, a group that divides ``have``'s, mins where ``have`` has them, scales at least as wide): so
+    one storage can hold a fused layer whose members a file stores in different formats.
+
+    :raises ValueError: ``want`` cannot hold ``have`` exactly.
+    """
+    if (want.bits < have.bits or have.group_size % want.group_size or (have.has_mins and not want.has_mins)
+            or (want.scale_dtype == torch.float16 and have.scale_dtype != torch.float16)):
+        raise ValueError(f"planar form {want} cannot hold {have} without loss")
+    if have.bits == 4 and want.bits == 8:
+        q = unpack_int4(q).to(torch.int8)
+    repeat = have.group_size // want.group_size
+    if repeat > 1:
+        scales = scales.repeat_interleave(repeat, dim=1)
+        mins = None if mins is None else mins.repeat_interleave(repeat, dim=1)
+    if want.has_mins and mins is None:
+        mins = torch.zeros_like(scales)
+    return q, scales.to(want.scale_dtype), None if mins is None else mins.to(want.scale_dtype)
+
+
+def common_form(forms: list[PlanarForm]) -> PlanarForm:
+    """The narrowest planar form that holds each of ``forms`` without loss (:func:`widen`)."""
+    wide = any(f.scale_dtype != torch.float16 for f in forms) or len({f.scale_dtype for f in forms}) > 1
+    return PlanarForm(max(f.bits for f in forms), min(f.group_size for f in forms), any(f.has_mins for f in forms),
+                      torch.float32 if wide else torch.float16)
 
 
 class PlanarScheme:
@@ -28,10 +58,13 @@ class PlanarScheme:
     :param quantize_floats: when float tensors reach the loader, quantize them (``int4``/``int8``);
         False: only GGUF blocks are accepted.
     :param symmetric: 8-bit quantization without minimums.
+    :param source_type: what the checkpoint stores (``Q4_K``, ``Q4_K+Q6_K``, ``float``), for stats.
+    :param scale_dtype: the dtype of ``scales`` and ``mins`` (float32 for K-quant files, whose scales
+        are products float16 cannot hold).
     """
 
     def __init__(self, bits: int, group_size: int, has_mins: bool, kernels: Any, quantize_floats: bool = False,
-                 symmetric: bool = True, source_type: str = "") -> None:
+                 symmetric: bool = True, source_type: str = "", scale_dtype: torch.dtype = torch.float16) -> None:
         self.bits = bits
         """Bits per stored value."""
         self.group_size = group_size
@@ -48,6 +81,13 @@ class PlanarScheme:
         """What the weights were stored as (``Q4_1``, ``float``) — shown in stats."""
         self.per_row = group_size == 0
         """One scale per output row (``group_size`` 0: the group is the whole row, per-channel int8)."""
+        self.scale_dtype = scale_dtype
+        """The dtype of the stored scales and mins."""
+
+    @property
+    def form(self) -> PlanarForm:
+        """Its planar form (bits, group, mins, scale dtype)."""
+        return PlanarForm(self.bits, self.group_size, self.has_mins, self.scale_dtype)
 
     # -- storage -----------------------------------------------------------------------------------
 
@@ -58,7 +98,7 @@ class PlanarScheme:
         if self.group_size == 0:
             self.per_row = True
         group = cols if self.per_row else self.group_size
-        if cols % group or (self.bits == 4 and cols % 32):
+        if cols % group or (self.bits == 4 and cols % 32) or group % 16:
             tp = getattr(layer, "tp_size", 1)
             share = f" (its share of {cols * tp} under tensor parallelism of {tp})" if tp > 1 else ""
             raise ValueError(f"{type(layer).__name__} has {cols} input features{share}, not a multiple of the "
@@ -76,7 +116,7 @@ class PlanarScheme:
         setattr(layer, prefix, qweight)
         for suffix, present in (("scales", True), ("mins", self.has_mins)):
             if present:
-                extra = nn.Parameter(torch.empty(*lead, rows, cols // group, dtype=torch.float16, device="meta"),
+                extra = nn.Parameter(torch.empty(*lead, rows, cols // group, dtype=self.scale_dtype, device="meta"),
                                      requires_grad=False)
                 extra.keep_dtype = True
                 extra.loaded_with = prefix
@@ -95,8 +135,8 @@ class PlanarScheme:
         def load(param: torch.Tensor, tensor: Any, dst: Any, src: tuple[int, int, int] | None = None) -> None:
             """Quantize (or regroup) ``tensor`` — narrowed by ``src`` ``(dim, start, length)`` after its
             groups are formed — into the part of the storage ``dst`` selects: ``(start, length)`` rows, a
-            function from a storage tensor to its destination view, or None (all of it)."""
-            q, scales, mins = self._quantized_part(tensor, src)
+            function from a storage tensor to its destination view, or None (all of it). GGUF blocks
+            are converted a slice of rows at a time, straight into the storage."""
             if dst is None:
                 select = lambda t: t
             elif callable(dst):
@@ -104,14 +144,32 @@ class PlanarScheme:
             else:
                 select = lambda t: t.narrow(0, *dst)
             stored_mins = getattr(layer, f"{prefix}_mins")
-            if stored_mins is not None and mins is None:
-                raise ValueError(f"{self} expects minimums, the checkpoint tensor has none")
-            with torch.no_grad():
-                select(param.data).copy_(q)
-                select(getattr(layer, f"{prefix}_scales").data).copy_(scales)
-                if stored_mins is not None:
-                    select(stored_mins.data).copy_(mins)
+            targets = (select(param.data), select(getattr(layer, f"{prefix}_scales").data),
+                       None if stored_mins is None else select(stored_mins.data))
+            if isinstance(tensor, GGMLBlocks):
+                blocks = tensor if src is None else tensor.narrow(*src)
+                for start, part in blocks.row_chunks():
+                    self._store(targets, start, self._blocks_part(part), part.name)
+                return
+            self._store(targets, 0, self._quantized_part(tensor, src), getattr(tensor, "name", "?"))
         return load
+
+    def _store(self, targets: tuple, start: int, triple: tuple, name: str) -> None:
+        q, scales, mins = triple
+        if targets[2] is not None and mins is None:
+            raise ValueError(f"{self} expects minimums, the checkpoint tensor {name!r} has none")
+        with torch.no_grad():
+            for target, part in zip(targets, (q, scales, mins)):
+                if target is not None:
+                    target.narrow(0, start, part.shape[0]).copy_(part)
+
+    def _blocks_part(self, blocks: GGMLBlocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``blocks`` in this scheme's planar form (widened where the file stores a narrower one)."""
+        have = PLANAR_FORMS.get(blocks.ggml_type)
+        if have is None:
+            raise ValueError(f"quantized storage ({self}) cannot take {blocks.type_name} tensor {blocks.name!r}")
+        q, scales, mins = blocks.to_planar()
+        return widen(q, scales, mins, have, self.form) if have != self.form else (q, scales, mins)
 
     def _quantized_part(self, tensor: Any, src: tuple[int, int, int] | None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -119,7 +177,7 @@ class PlanarScheme:
         float tensors quantized whole, then narrowed along whole groups (a per-row scale stays the
         whole row's)."""
         if isinstance(tensor, GGMLBlocks):
-            return (tensor if src is None else tensor.narrow(*src)).to_planar()
+            return self._blocks_part(tensor if src is None else tensor.narrow(*src))
         if not (self.quantize_floats and isinstance(tensor, torch.Tensor) and tensor.is_floating_point()):
             kind = tensor.type_name if isinstance(tensor, GGMLBlocks) else str(getattr(tensor, "dtype", type(tensor)))
             raise ValueError(f"quantized storage ({self}) cannot take a {kind} tensor")
@@ -204,7 +262,9 @@ class PlanarScheme:
 
     def __repr__(self) -> str:
         kind = f"int{self.bits}" + ("" if self.source_type in ("", "float") else f" from {self.source_type}")
-        return f"{kind}/g{self.group_size}{'' if self.has_mins else ' symmetric'}"
+        wide = " f32 scales" if self.scale_dtype == torch.float32 else ""
+        return f"{kind}/g{self.group_size}{'' if self.has_mins else ' symmetric'}{wide}"
 
 
-__all__ = ["PlanarScheme", "dequantize_planar", "pack_int4", "quantize_planar", "unpack_int4"]
+__all__ = ["PlanarScheme", "common_form", "dequantize_planar", "pack_int4", "quantize_planar", "unpack_int4",
+           "widen"]
