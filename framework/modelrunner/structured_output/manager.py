@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import concurrent.futures
 import logging
+import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
@@ -47,9 +48,21 @@ STEP_MASK_WAIT_S = 0.02
 """Longest a step waits for fast grammars' masks before running without the sequences still waiting."""
 IDLE_WAIT_S = 0.05
 """With nothing else to run, how long a step waits for a compilation or a mask before returning."""
+BACKGROUND_NICENESS = 10
+"""Niceness (Linux, per thread) of the compile threads and the slow grammars' mask threads: on a
+machine with few cores their work would otherwise take cores from the engine's forward, which every
+request waits for; niced, it runs in what the forward leaves."""
 FALLBACK_GRAMMAR_BYTES = 1 << 20
 """The memory assumed for a compiled grammar whose backend reports none (at least 64 bytes per
 character of its constraint)."""
+
+
+def _yield_to_the_engine() -> None:
+    """Lower the calling thread's priority by :data:`BACKGROUND_NICENESS` where the OS allows it."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+    except (AttributeError, OSError):  # not Linux, or not permitted: run at the usual priority
+        pass
 
 
 class GrammarFailed(Exception):
@@ -178,6 +191,7 @@ class _CompilePool:
                     return found
 
     def _work(self, small_only: bool) -> None:
+        _yield_to_the_engine()
         while True:
             compiled = self._next(small_only)
             if compiled is None:
@@ -204,9 +218,11 @@ class _DaemonPool:
     """``threads`` daemon threads running submitted calls in order: a grammar stuck in a backend's
     native code must not keep the process from exiting, as a ``ThreadPoolExecutor``'s threads would."""
 
-    def __init__(self, threads: int, name: str) -> None:
+    def __init__(self, threads: int, name: str, background: bool = False) -> None:
         self.threads = threads
         self.name = name
+        self.background = background
+        """Its threads run at a lower priority (:func:`_yield_to_the_engine`)."""
         self._jobs: collections.deque[tuple[concurrent.futures.Future, Any, tuple]] = collections.deque()
         self._cond = threading.Condition()
         self._started = 0
@@ -225,6 +241,8 @@ class _DaemonPool:
         return future
 
     def _work(self) -> None:
+        if self.background:
+            _yield_to_the_engine()
         while True:
             with self._cond:
                 self._idle += 1
@@ -551,7 +569,7 @@ class StructuredOutputManager:
             pool = self._mask_pools.get(slow)
             if pool is None:
                 pool = self._mask_pools[slow] = _DaemonPool(self.config.mask_threads,
-                                                            f"grammar-mask{'-slow' if slow else ''}")
+                                                            f"grammar-mask{'-slow' if slow else ''}", background=slow)
             return pool
 
     def collect(self, cursors: Sequence[GrammarCursor], idle: bool) -> list[tuple[GrammarCursor, str]]:
