@@ -154,3 +154,28 @@ def test_a_grammar_and_a_mask_that_exclude_everything_fail_that_request_only(llm
     assert outs[0].outputs[0].finish_reason == "error"
     assert "structured_outputs grammar" in outs[0].error
     assert outs[1].outputs[0].finish_reason == "length"
+
+
+def test_the_compiled_grammar_cache_is_bounded_by_xgrammars_own_sizes(llm):
+    """Each compiled grammar counts what xgrammar reports it takes; past ``cache_bytes`` the least
+    recently used go (issue 52 item 4)."""
+    import attrs
+
+    from modelrunner.structured_output.manager import StructuredOutputManager
+
+    engine = llm.engine
+    config = attrs.evolve(engine.config.structured_outputs, backend="xgrammar", cache_bytes=200 << 10)
+    manager = StructuredOutputManager(engine.executor.plugins, config, engine.structured_outputs.context)
+    try:
+        sizes = []
+        for i in range(4):
+            enum = {"type": "object", "properties": {"v": {"enum": [f"v{i}-{j}" for j in range(1000)]}}}
+            compiled = manager.prepare(SamplingParams(structured_outputs={"json": enum}).structured_outputs)
+            manager.wait_compiled(compiled)
+            sizes.append(compiled.size)
+            assert compiled.size == compiled.future.result().memory_size_bytes > 50 << 10
+        stats = manager.stats()
+        assert stats["cached_bytes"] <= 200 << 10 and stats["num_evicted"] >= 2, (stats, sizes)
+        assert stats["cached_grammars"] == 4 - stats["num_evicted"]
+    finally:
+        manager.shutdown()

@@ -447,20 +447,25 @@ class StructuredOutputManager:
 
     def _compile(self, compiled: CompiledGrammar) -> None:
         start = time.perf_counter()
+        error: BaseException | None = None
+        result = None
         try:
             result = compiled.backend.compile(compiled.spec)
-        except BaseException as e:  # noqa: BLE001 - reported to the requests waiting for it
-            compiled.future.set_exception(e)
-        else:
             compiled.size = self._estimate_bytes(compiled, result)
-            compiled.future.set_result(result)
+        except BaseException as e:  # noqa: BLE001 - reported to the requests waiting for it
+            error = e
         compiled.seconds = time.perf_counter() - start
-        with self._lock:
+        with self._lock:  # accounted before anyone waiting sees it done
             self.num_compiled += 1
             self.compile_seconds += compiled.seconds
             if self._cache.get((compiled.backend.name, compiled.spec)) is compiled:
                 self._cache_bytes += compiled.size
             self._evict()
+        if error is None:
+            compiled.future.set_result(result)
+        else:
+            compiled.future.set_exception(error)
+        del result, error
 
     @staticmethod
     def _estimate_bytes(compiled: CompiledGrammar, result: Any) -> int:
