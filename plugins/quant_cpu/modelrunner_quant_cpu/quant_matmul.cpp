@@ -882,7 +882,7 @@ struct PackedRows {
   std::vector<__m256i> data;
   std::vector<float> scales, mins;
 
-  template <int kBits>
+  template <int kBits, typename S>
   void pack(const QuantWeight& w, int64_t n0) {
     const int64_t blocks = w.cols / kBlock, rows = std::min(kPackRows, w.rows - n0);
     data.resize(static_cast<size_t>(blocks * 16));
@@ -905,11 +905,6 @@ struct PackedRows {
         transpose8x8_epi32(r);
         for (int kk = 0; kk < 8; ++kk) data[static_cast<size_t>((b * 8 + kk) * 2 + half)] = r[kk];
       }
-    w.wide ? pack_grids<float>(w, n0, rows) : pack_grids<at::Half>(w, n0, rows);
-  }
-
-  template <typename S>
-  void pack_grids(const QuantWeight& w, int64_t n0, int64_t rows) {
     const S* ws = w.scales_as<S>();
     const S* wm = w.mins_as<S>();
     for (int64_t n = 0; n < rows; ++n)
@@ -1190,14 +1185,14 @@ void q8_rows(const QuantWeight& w, const QuantizedInput& in, int64_t M, float* y
 }
 
 // q8 with the packed kernel: each tile of 16 weight rows is repacked once, then every row of x
-// passes over it (the repacked tile, 16 * K bytes, stays in L1).
-template <int kBits>
+// passes over it (the repacked tile, 16 * K bytes, stays in L1). S: the scales' type.
+template <int kBits, typename S>
 void q8_packed_rows(const QuantWeight& w, const QuantizedInput& in, int64_t M, float* y, int64_t n0, int64_t n1) {
 #ifdef MRQ_AVX2
   PackedRows pr;
   const int64_t count = (M + kPackMaxRows - 1) / kPackMaxRows;
   for (int64_t n = n0; n < n1; n += kPackRows) {
-    pr.pack<kBits>(w, n);
+    pr.pack<kBits, S>(w, n);
     for (int64_t i = 0, m0 = 0; i < count; ++i) {
       const int64_t mt = (M - m0 + (count - i) - 1) / (count - i);
       with_mt(mt, [&]<int MT>() {
@@ -2308,8 +2303,10 @@ at::Tensor qlinear_q8(const at::Tensor& x, const at::Tensor& qweight, const at::
   const QuantizedInput in = quantize_input(x.const_data_ptr<float>(), M, w, packed && bits == 8, pairs);
   float* yp = y.data_ptr<float>();
   parallel_rows(w.rows, 16, static_cast<double>(w.cols * M), [&](int64_t n0, int64_t n1) {
-    if (packed)
-      bits == 4 ? q8_packed_rows<4>(w, in, M, yp, n0, n1) : q8_packed_rows<8>(w, in, M, yp, n0, n1);
+    if (packed && w.wide)
+      bits == 4 ? q8_packed_rows<4, float>(w, in, M, yp, n0, n1) : q8_packed_rows<8, float>(w, in, M, yp, n0, n1);
+    else if (packed)
+      bits == 4 ? q8_packed_rows<4, at::Half>(w, in, M, yp, n0, n1) : q8_packed_rows<8, at::Half>(w, in, M, yp, n0, n1);
     else
       bits == 4 ? q8_rows<4>(w, in, M, yp, n0, n1) : q8_rows<8>(w, in, M, yp, n0, n1);
   });
