@@ -3,7 +3,9 @@
 
 A call past the bound cannot be stopped (its thread is left behind, a daemon); the caller gets
 :class:`ProposerTimeoutError` naming the proposer and the setting, and must not call the proposer
-again (it may still be running). Calls carry the caller's grad/inference mode and CUDA device.
+again (it may still be running). Calls carry the caller's grad/inference mode and CUDA device. What
+a call raises reaches the caller as an ``Exception`` (a ``KeyboardInterrupt`` the proposer raised
+itself becomes a ``RuntimeError``), so a real Ctrl-C while the caller waits is the only one it sees.
 """
 
 from __future__ import annotations
@@ -86,8 +88,11 @@ class BoundedCalls:
                     torch.cuda.set_device(cuda_device)
                 with torch.inference_mode(inference), torch.set_grad_enabled(grad):
                     result = fn()
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller, whatever it is
+            except Exception as exc:  # noqa: BLE001 - handed to the caller
                 future.set_exception(exc)
+            except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt, GeneratorExit ... from the proposer
+                # itself: no signal is delivered to this thread, so it must not reach the caller as one
+                future.set_exception(RuntimeError(f"raised {type(exc).__name__}: {exc}"))
             else:
                 future.set_result(result)
             del fn, future
