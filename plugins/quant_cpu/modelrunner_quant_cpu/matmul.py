@@ -157,7 +157,7 @@ class CPUP16(_P16Kernel):
 
 
 class CPUP16Exact(_P16Kernel):
-    """``cpu_p16_exact``: ``cpu_exact``'s arithmetic on the p16 layout (AVX-512)."""
+    """``cpu_p16_exact``: ``cpu_exact``'s arithmetic on the p16 layout (AVX2 and AVX-512)."""
 
     name = "cpu_p16_exact"
     kind = "exact"

@@ -1256,7 +1256,7 @@ void exact_gemm(const QuantWeight& w, const at::Tensor& x, at::Tensor& y) {
 //   4-bit: data[tile][block][p = 0..3][row 0..15][4 bytes] = bytes 4p..4p+3 of the row's block
 //          (low nibbles: elements 4p..4p+3; high nibbles: elements 16+4p..16+4p+3);
 //   8-bit: data[tile][block][kk = 0..7][row][4 bytes] = q + 128 (unsigned) of elements 4kk..4kk+3;
-//   scales, mins: [tile][group][16] float16.
+//   scales, mins: [tile][group][16], float16 or float32 as the planar ones (groups of 16: two per block).
 // The tensors keep the planar shapes ([N16, K*bits/8] and [N16, groups]): the same bytes, reordered.
 
 constexpr int64_t kP16 = 16;
