@@ -332,7 +332,7 @@ void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K,
     }
   }
 #else
-  // Plain loops (no FMA in this build's target: nothing to contract).
+  // Plain loops (x86-64's baseline has no FMA to contract them into: float32 products stay rounded).
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const int64_t g = b * kBlock / group, g_hi = kHalf ? g + 1 : g;  // elements 0..15, 16..31
     const float sc = s[g], mn = kMins ? m[g] : 0.f, sc_hi = s[g_hi], mn_hi = kMins ? m[g_hi] : 0.f;
