@@ -9,7 +9,11 @@ against modelrunner's own float32 path, every number measured in this run.
 - cold start: ``LLM(model="smollm2")`` to its first token in a fresh process with an empty
   ``MODELRUNNER_CACHE_DIR`` (no converted files, no kernel timings; the quant-cpu C++ extension,
   built once per install, is already built);
-- the weight-read bandwidth each single-stream decode reaches, against this machine's streaming rate.
+- the weight-read bandwidth each single-stream decode reaches, against this machine's streaming rate;
+- real-size files (issue 51): a Llama-3.2-1B-shaped Q4_K_M written by llama.cpp's own quantizer
+  (``bench/shaped_gguf.py``, random weights, cached under the cache directory), or ``--file``: each
+  peer in a process of its own (``bench/gguf_peer.py``), load seconds, peak RSS, single-stream decode
+  and a 256-token prompt, ours ÷ llama.cpp.
 
 llama.cpp runs through ``llama-cpp-python`` (``make bench`` installs it; it builds from source), both
 with the same number of threads (2 unless ``--threads``). Repetitions alternate between the peers
@@ -39,6 +43,8 @@ import torch  # noqa: E402
 
 TARGETS = {"decode": 1.0, "prompt": 1.3, "batch gguf": 1.0, "batch int8": 1.3, "cold start s": 3.0}
 """The issue's targets: ratios (≥) and the cold start (seconds, ≤)."""
+REAL_TARGETS = {"peak RSS": (1.3, "≤"), "load s": (3.0, "≤"), "decode": (1.0, "≥"), "prompt 256": (1.0, "≥")}
+"""Issue 51's targets on the real-size file, ours ÷ llama.cpp."""
 
 
 def stream_rate(threads: int, megabytes: int = 512, rounds: int = 7) -> float:
@@ -176,13 +182,114 @@ def cold_start(threads: int) -> tuple[float, float, float]:
     return imported, loaded, first
 
 
+class Peer:
+    """A ``bench/gguf_peer.py`` process: one engine on one file, its own memory."""
+
+    def __init__(self, kind: str, path: str, threads: int) -> None:
+        here = os.path.dirname(os.path.abspath(__file__))
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        self.proc = subprocess.Popen([sys.executable, os.path.join(here, "gguf_peer.py"), kind, path, str(threads)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.loaded = self._answer()
+
+    def _answer(self) -> dict[str, Any]:
+        import json
+
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the peer process exited ({self.proc.wait()}); its stderr above says why")
+        return json.loads(line)
+
+    def ask(self, **command: Any) -> dict[str, Any]:
+        import json
+
+        self.proc.stdin.write(json.dumps(command) + "\n")
+        self.proc.stdin.flush()
+        return self._answer()
+
+    def close(self) -> None:
+        try:
+            self.ask(op="quit")
+        except (OSError, RuntimeError, ValueError):
+            pass
+        self.proc.wait(30)
+
+
+def shaped_file(shape: str, ftype: str) -> str:
+    """The cached ``shape`` file in ``ftype``, written by llama.cpp's quantizer the first time (minutes)."""
+    from modelrunner.cache_dir import cache_root
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    sys.path.insert(0, here)
+    from shaped_gguf import write_shaped
+
+    path = cache_root() / "bench" / f"{shape}-{ftype.lower()}.gguf"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"writing {path} (random weights, llama.cpp's quantizer; once) ...", flush=True)
+        partial = path.with_name(path.name + ".partial")
+        write_shaped(shape, ftype, str(partial))
+        partial.replace(path)
+    return str(path)
+
+
+def real_size(path: str, threads: int, rounds: int, quick: bool) -> dict[str, float]:
+    """Issue 51's comparison on ``path``: ours and llama.cpp each in a process of its own."""
+    new_tokens, prompt_len = (16, 64) if quick else (64, 256)
+    print(f"\n== real-size file: {path} ({os.path.getsize(path) / 2**20:.0f} MiB)")
+    ours = Peer("ours", path, threads)
+    peer = Peer("llama.cpp", path, threads)
+    try:
+        info = ours.loaded
+        print(f"   ours: dtype {info.get('dtype')}, tensors {info.get('tensors')}, weights {info.get('weight_mb', 0):.0f} MiB")
+        print(f"   ours kernels: {info.get('kernels')}")
+        vocab = 32000
+        short = random_prompts(vocab, 1, 8, seed=1)[0]
+        prompts = iter(random_prompts(vocab, 4 * rounds, prompt_len, seed=2))
+        decode = alternate({"ours": lambda: ours.ask(op="decode", prompt=short, tokens=new_tokens)["rate"],
+                            "llama.cpp": lambda: peer.ask(op="decode", prompt=short, tokens=new_tokens)["rate"]}, rounds)
+        prompt = alternate({"ours": lambda: ours.ask(op="prompt", prompt=next(prompts))["rate"],
+                            "llama.cpp": lambda: peer.ask(op="prompt", prompt=next(prompts))["rate"]}, rounds)
+        end = ours.ask(op="rss")
+        print(f"   ours decode graphs: {end['graphs']}")
+        rss = {"ours": end["peak_mb"], "llama.cpp": peer.ask(op="rss")["peak_mb"]}
+    finally:
+        ours.close()
+        peer.close()
+    rows = {"load s": (ours.loaded["load_s"], peer.loaded["load_s"]),
+            "peak RSS": (rss["ours"], rss["llama.cpp"]),
+            "decode": (statistics.median(decode["ours"]), statistics.median(decode["llama.cpp"])),
+            "prompt 256": (statistics.median(prompt["ours"]), statistics.median(prompt["llama.cpp"]))}
+    print(f"   {'':<11} {'ours':>9} {'llama.cpp':>10}  ratio")
+    results = {}
+    for name, (a, b) in rows.items():
+        target, sense = REAL_TARGETS[name]
+        ratio = a / b
+        met = ratio <= target if sense == "≤" else ratio >= target
+        unit = {"load s": "s", "peak RSS": "MiB"}.get(name, "tok/s")
+        print(f"   {name:<11} {a:9.1f} {b:10.1f}  {ratio:.2f}×  ({unit}; target {sense} {target:.1f}×: "
+              f"{'met' if met else 'MISSED'})")
+        results[name] = ratio
+    for name, values in (("decode", decode), ("prompt 256", prompt)):
+        print(f"   {name} rounds: ours {[round(v, 1) for v in values['ours']]}, "
+              f"llama.cpp {[round(v, 1) for v in values['llama.cpp']]}")
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few tokens and rounds, to check that it runs")
     parser.add_argument("--threads", type=int, default=2, help="threads for both peers (default 2)")
     parser.add_argument("--rounds", type=int, default=None, help="repetitions per measurement")
+    parser.add_argument("--file", help="the real-size comparison on this GGUF file (and nothing else)")
+    parser.add_argument("--shape", default="llama-3.2-1b", help="the real-size file's shape (bench/shaped_gguf.py)")
+    parser.add_argument("--ftype", default="Q4_K_M", help="the real-size file's llama.cpp file type")
+    parser.add_argument("--no-real-size", action="store_true", help="skip the real-size comparison")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.file:
+        real_size(args.file, args.threads, args.rounds or (2 if args.quick else 5), args.quick)
+        return 0
     quick = args.quick
     rounds = args.rounds or (2 if quick else 5)
     new_single, prompt_len = (16, 64) if quick else (128, 256)
@@ -259,6 +366,14 @@ def main(argv: list[str] | None = None) -> int:
     print(ratio_line("batch gguf", results["batch gguf"]))
     print(f"   batch gguf with activations=auto: {statistics.median(values['gguf auto']) / base:.2f}×")
     print(ratio_line("batch int8", results["batch int8"]))
+
+    if not args.no_real_size:
+        try:
+            path = shaped_file(args.shape, args.ftype)
+        except ImportError:
+            print("\nllama-cpp-python is not installed (`make bench` installs it): skipping the real-size comparison")
+        else:
+            real_size(path, args.threads, rounds, quick)
 
     print("\n== cold start: LLM(model='smollm2') to its first token, fresh process, empty cache directory")
     imported, loaded, first = cold_start(args.threads)

@@ -89,9 +89,9 @@ def write_f16(shape: str, out: str, layers: int | None = None, seed: int = 0) ->
         config.num_hidden_layers = layers
     tokenizer = tokenizer_fields(resolve_source("smollm2").path)
     extra = config.vocab_size - len(tokenizer["tokenizer.ggml.tokens"])
-    tokenizer["tokenizer.ggml.tokens"] = [*tokenizer["tokenizer.ggml.tokens"],
-                                          *(f"<|reserved_{i}|>" for i in range(extra))]
-    tokenizer["tokenizer.ggml.token_type"] = [*tokenizer["tokenizer.ggml.token_type"], *([3] * extra)]
+    # Ordinary (type 1) tokens, as most of Llama 3's 128,256 are; only its last 256 are special.
+    tokenizer["tokenizer.ggml.tokens"] = [*tokenizer["tokenizer.ggml.tokens"], *(f"<pad{i}>" for i in range(extra))]
+    tokenizer["tokenizer.ggml.token_type"] = [*tokenizer["tokenizer.ggml.token_type"], *([1] * extra)]
     hidden, inter, kv = config.hidden_size, config.intermediate_size, config.num_key_value_heads
     head_dim = hidden // config.num_attention_heads
     tensors = [("model.embed_tokens.weight", (config.vocab_size, hidden))]
