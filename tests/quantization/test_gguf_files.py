@@ -127,6 +127,20 @@ def test_every_format_runs_as_stored_and_equals_the_file_dequantized(tmp_path, t
         [o.outputs[0].token_ids for o in dense.generate(["Hello", "The sky"], greedy, use_tqdm=False)]
 
 
+def test_blocks_kept_as_the_file_stores_them_run_through_a_kernel_that_reads_them(tmp_path):
+    # The reference kernel reads every format's blocks: pinned, each single-format layer keeps the file's
+    # bytes (GGMLScheme); the mixed q/k/v of a Q4_K_M-like file keeps its planar common form.
+    path = write_llama_gguf(tiny_llama(hidden=256, intermediate=512), tmp_path / "k.gguf",
+                            types={"attn_v": T.Q6_K, "attn": T.Q4_K, "ffn_down": T.Q6_K, "ffn": T.Q4_K,
+                                   "token_embd": T.Q6_K})
+    stored = LLM(str(path), quantization_options={"kernel": "reference"}, **KW)
+    formats = stored.runner.stats()["quantization"]["formats"]
+    assert formats == {"Q4_K as stored": 4, "Q6_K as stored": 4, "int8 from Q4_K+Q6_K/g16 f32 scales": 2}, formats  # tied head counted
+    dense = LLM(str(path), quantization="none", **KW)
+    want = dense.runner.forward(IDS)
+    assert (stored.runner.forward(IDS) - want).abs().max().item() <= 1e-4 * want.abs().max().item()
+
+
 def test_a_tensor_type_no_reader_supports_is_named(tmp_path):
     # Q8_K is llama.cpp's format of activations: no file stores weights in it, nothing reads it.
     path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "q8k.gguf", types={"blk.1.ffn_down": T.Q8_K},

@@ -42,6 +42,7 @@ def build_and_load(factory: Callable[[], nn.Module], source: Any, device: torch.
         model = factory()
     method = getattr(source, "quantization", None)
     if method is not None:
+        method.device = torch.device(device)
         method.prepare(model, source)  # on meta: quantized storage replaces the float weights it covers
     materialize(model, device, dtype)
     own_weights = weights is None

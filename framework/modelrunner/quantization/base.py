@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
+import torch
 from torch import nn
 
 from ..errors import did_you_mean
@@ -75,6 +76,9 @@ class QuantizationMethod(abc.ABC):
         """Where measurements are kept."""
         self.layers: dict[str, Any] = {}
         """Layer name → its scheme, for the layers this method covers in the last model prepared."""
+        self.device = torch.device("cpu")
+        """The device the model is loaded on (set before :meth:`prepare`), for choosing storage that
+        the kernels of that device run."""
 
     def check_source(self, source: Any) -> None:
         """Refuse a checkpoint this method cannot run (e.g. ``gguf`` needs a ``.gguf`` file).

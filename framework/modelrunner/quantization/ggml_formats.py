@@ -214,4 +214,22 @@ def to_planar(blocks: torch.Tensor, ggml_type: int
             None if mins is None else mins.to(form.scale_dtype).contiguous())
 
 
-__all__ = ["HALF_FIELDS", "IQ4_VALUES", "PLANAR_FORMS", "PlanarForm", "convert", "to_planar"]
+def block_bytes(ggml_type: int) -> tuple[int, int]:
+    """``(values, bytes)`` of one block of ``ggml_type``."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    return GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+
+
+def dequantize_blocks(data: torch.Tensor, ggml_type: int, cols: int, dtype: torch.dtype = torch.float32
+                      ) -> torch.Tensor:
+    """Rows of ggml blocks (uint8 ``[rows, bytes per row]``, as a file stores them) → float ``[rows, cols]``."""
+    from .planar_layout import dequantize_planar
+
+    form = PLANAR_FORMS[ggml_type]
+    rows = data.shape[0]
+    q, scales, mins = to_planar(data.reshape(rows, -1, block_bytes(ggml_type)[1]), ggml_type)
+    return dequantize_planar(q, scales, mins, form.group_size, form.bits, dtype).reshape(rows, cols)
+
+
+__all__ = ["HALF_FIELDS", "block_bytes", "dequantize_blocks", "IQ4_VALUES", "PLANAR_FORMS", "PlanarForm", "convert", "to_planar"]

@@ -332,9 +332,10 @@ class KernelSelector:
 
     @staticmethod
     def key(scheme: Any, layer: Any, bucket: str) -> str:
-        """``int4:g32:mins:960x576:decode`` — what a choice depends on."""
+        """``int4:g32:mins:960x576:decode`` (``ggml:Q4_K:…`` for blocks kept as stored) — what a choice
+        depends on."""
         rows, cols = layer.weight.logical_shape
-        return f"int{scheme.bits}:g{scheme.group_size}:{'mins' if scheme.has_mins else 'sym'}:{rows}x{cols}:{bucket}"
+        return f"{WeightFormat.of(scheme)}:{rows}x{cols}:{bucket}"
 
     def prepare(self, scheme: Any, layer: Any) -> None:
         """Choose the kernels of ``layer`` for both buckets now (timing them unless cached), and give

@@ -136,7 +136,8 @@ class TorchInt4Pack(MatmulKernel):
     def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
         """4-bit groups with mins (every 4-bit format our methods make) of a size the op takes, on a CPU
         whose packing this kernel reads back."""
-        return (format.bits == 4 and format.has_mins and not format.per_row and format.group_size in INT4PACK_GROUPS
+        return (not format.ggml_type and format.bits == 4 and format.has_mins and not format.per_row
+                and format.group_size in INT4PACK_GROUPS
                 and torch.device(device).type == "cpu" and int4pack_order() is not None)
 
     @classmethod
@@ -204,7 +205,8 @@ class TorchInt8Pack(MatmulKernel):
     @classmethod
     def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
         """Per-row symmetric int8 on the CPU (groups within a row, as GGUF's Q8_0, are not the op's)."""
-        if not (format.bits == 8 and format.per_row and not format.has_mins and torch.device(device).type == "cpu"):
+        if not (not format.ggml_type and format.bits == 8 and format.per_row and not format.has_mins
+                and torch.device(device).type == "cpu"):
             return False
         try:
             return torch.ops.aten._weight_int8pack_mm is not None
@@ -238,7 +240,7 @@ class OneDNNBF16(MatmulKernel):
     @classmethod
     def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
         """Any planar 4- or 8-bit format on the CPU (bf16 runs everywhere: emulated without the flags)."""
-        return format.bits in (4, 8) and torch.device(device).type == "cpu"
+        return not format.ggml_type and format.bits in (4, 8) and torch.device(device).type == "cpu"
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """``x`` in bfloat16 times each chunk of rows dequantized to bfloat16."""

@@ -46,8 +46,17 @@ class WeightFormat(NamedTuple):
     scale_dtype: str = "float16"
     """``float16``, or ``float32`` where a file's scales are products that float16 cannot hold exactly
     (a K-quant's super-block scale times a sub-block's integer scale)."""
+    ggml_type: int = 0
+    """Nonzero: the weight is kept as the GGUF file stores it — ggml blocks of this type id (12 = Q4_K,
+    14 = Q6_K …), ``data`` uint8 ``[rows, bytes per row]``, no ``scales``/``mins`` (they are inside the
+    blocks) — for kernels that read ggml's own formats (:attr:`MatmulKernel.ggml_types`). ``bits``,
+    ``group_size`` and ``has_mins`` then describe the format's planar form."""
 
     def __str__(self) -> str:
+        if self.ggml_type:
+            from .blocks import ggml_type_name
+
+            return f"ggml:{ggml_type_name(self.ggml_type)}"
         wide = ":f32" if self.scale_dtype == "float32" else ""
         return f"int{self.bits}:g{self.group_size}:{'mins' if self.has_mins else 'sym'}{wide}"
 
@@ -55,7 +64,8 @@ class WeightFormat(NamedTuple):
     def of(cls, scheme: Any) -> WeightFormat:
         """The format of a :class:`~.planar.PlanarScheme`."""
         return cls(scheme.bits, scheme.group_size, scheme.has_mins, scheme.per_row,
-                   str(getattr(scheme, "scale_dtype", torch.float16)).removeprefix("torch."))
+                   str(getattr(scheme, "scale_dtype", torch.float16)).removeprefix("torch."),
+                   getattr(scheme, "ggml_type", 0))
 
 
 class QuantizedWeight(NamedTuple):
@@ -122,6 +132,8 @@ class MatmulKernel:
     """The :attr:`WeightFormat.scale_dtype` values it reads (add ``float32`` for K-quant files' scales)."""
     min_group: ClassVar[int] = 32
     """The smallest group it runs (16 for Q6_K, Q2_K and Q3_K files); groups are multiples of it."""
+    ggml_types: ClassVar[tuple[int, ...]] = ()
+    """ggml type ids whose blocks it reads as stored (:attr:`WeightFormat.ggml_type`); empty: planar only."""
 
     @classmethod
     def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
@@ -129,6 +141,9 @@ class MatmulKernel:
         bits — whose scale dtype is in :attr:`scale_dtypes` and whose groups are multiples of
         :attr:`min_group`, on :attr:`devices`). Checked before every timing, so it may look at the CPU
         or whether a native build loaded; it must not raise."""
+        if format.ggml_type:
+            return format.ggml_type in cls.ggml_types and (
+                cls.devices is None or torch.device(device).type in cls.devices)
         return (format.bits in (4, 8) and format.scale_dtype in cls.scale_dtypes
                 and (format.per_row or format.group_size % cls.min_group == 0)
                 and (cls.devices is None or torch.device(device).type in cls.devices))
@@ -189,10 +204,16 @@ class ReferenceKernel(MatmulKernel):
     fallback = True
     scale_dtypes = ("float16", "float32")
     min_group = 16
+    ggml_types = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # every format of .ggml_formats
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """``x`` times the dequantized weight."""
-        return F.linear(x.float(), dequantize_planar(*weight.storage, weight.format.group_size, weight.format.bits))
+        fmt = weight.format
+        if fmt.ggml_type:
+            from .ggml_formats import dequantize_blocks
+
+            return F.linear(x.float(), dequantize_blocks(weight.data, fmt.ggml_type, weight.cols))
+        return F.linear(x.float(), dequantize_planar(*weight.storage, fmt.group_size, fmt.bits))
 
 
 class Int8RowwiseKernel(MatmulKernel):

@@ -16,7 +16,9 @@ from .base import QuantizationMethod, quantizable_layers
 from .blocks import FLOAT_TYPES, ggml_type_name
 from .experts import QuantizedExperts
 from .ggml_formats import PLANAR_FORMS, Q4_0
+from .ggml_scheme import GGMLScheme
 from .kernels import KernelSelector
+from .matmul import WeightFormat
 from .planar import PlanarScheme, common_form
 
 logger = logging.getLogger(__name__)
@@ -123,8 +125,11 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
 
 
 class GGUFMethod(_PlanarMethod):
-    """``gguf``: a GGUF file's quantized tensors run as stored — every common format (Q4_0, Q4_1, Q5_0,
-    Q5_1, Q8_0, Q2_K … Q6_K, IQ4_NL, IQ4_XS) regrouped into the planar layout without loss
+    """``gguf``: a GGUF file's quantized tensors run as stored. Where a registered kernel reads a
+    format's blocks itself on the model's device (:attr:`~.matmul.MatmulKernel.ggml_types`: the
+    quant-cpu plugin's ``cpu_ggml`` for the K-quants) a layer keeps the file's bytes
+    (:class:`~.ggml_scheme.GGMLScheme`); otherwise every common format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+    Q2_K … Q6_K, IQ4_NL, IQ4_XS) is regrouped into the planar layout without loss
     (:mod:`.ggml_formats`). A fused layer (q/k/v, gate/up) whose members the file stores in
     different formats keeps one storage in the narrowest form that holds each exactly (e.g. Q4_K with
     Q6_K: 8-bit values, groups of 16). Other types (IQ2/IQ3 …) are dequantized at load. What stays
@@ -167,7 +172,10 @@ class GGUFMethod(_PlanarMethod):
             found = [types.get(n) for n in names]
             if None in found:
                 continue  # not in this file (e.g. another stage's layer), or a tied head
-            if all(t in PLANAR_FORMS for t in found):
+            if len(set(found)) == 1 and self._reads_blocks(found[0]):
+                schemes[name] = GGMLScheme(found[0], self.kernels)
+                kept.update(ggml_type_name(t) for t in found)
+            elif all(t in PLANAR_FORMS for t in found):
                 form = common_form([PLANAR_FORMS[t] for t in found])
                 kinds = "+".join(sorted({ggml_type_name(t) for t in found}))
                 schemes[name] = PlanarScheme(form.bits, form.group_size, has_mins=form.has_mins, kernels=self.kernels,
@@ -182,6 +190,17 @@ class GGUFMethod(_PlanarMethod):
                         f"; dequantized to {dtype}: " + ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
                         if dequantized else "")
         _prepare_layers(self, model, schemes)
+
+    def _reads_blocks(self, ggml_type: int) -> bool:
+        """Whether a kernel other than the reference reads ``ggml_type``'s blocks on the model's device
+        (a pinned ``kernel`` decides alone)."""
+        if ggml_type not in PLANAR_FORMS:
+            return False
+        fmt = WeightFormat(*PLANAR_FORMS[ggml_type][:3], ggml_type=ggml_type)
+        candidates = self.kernels.candidates
+        if self.kernels.kernel is not None:
+            return candidates[self.kernels.kernel].supports(fmt, self.device)
+        return any(k.timed and not k.fallback and k.supports(fmt, self.device) for k in candidates.values())
 
     def stats(self, model: nn.Module) -> dict[str, Any]:
         """Also ``tensors``: per ggml format, how many tensors stay as stored and how many were dequantized."""
