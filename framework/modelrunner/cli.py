@@ -95,6 +95,9 @@ def _generate(args: argparse.Namespace) -> int:
     check_unicode("the prompt", args.prompt)
     images = _open_images(args.image)
     llm = LLM(model=args.model, **config_overrides(args.set))
+    summary = llm.stats().get("quantization", {}).get("summary")
+    if summary:  # what a GGUF file's tensors became (as stored, or dequantized to what)
+        print(f"modelrunner: {args.model}: {summary}", file=sys.stderr, flush=True)
     request: Any = {"prompt": args.prompt}
     if args.chat:
         request = llm.chat_prompt([{"role": "user", "content": args.prompt}])

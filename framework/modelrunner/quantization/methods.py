@@ -152,6 +152,8 @@ class GGUFMethod(_PlanarMethod):
         self.tensor_formats: dict[str, Counter[str]] = {"as_stored": Counter(), "dequantized": Counter()}
         """ggml format → how many of the model's tensors stay in it (``as_stored``) and how many were
         dequantized to the engine's dtype (``dequantized``), for the last model prepared."""
+        self.dequantized_dtype = "float32"
+        """The dtype dequantized tensors got (the engine's)."""
 
     def check_source(self, source: Any) -> None:
         """Only a GGUF file read in place has blocks to keep."""
@@ -184,12 +186,19 @@ class GGUFMethod(_PlanarMethod):
             else:
                 dequantized.update(ggml_type_name(t) for t in found if t not in FLOAT_TYPES)
         self.tensor_formats = {"as_stored": kept, "dequantized": dequantized}
+        self.dequantized_dtype = str(_float_dtype(model)).removeprefix("torch.")
         if kept or dequantized:
-            dtype = str(_float_dtype(model)).removeprefix("torch.")
-            logger.info("gguf: %s as stored%s", ", ".join(f"{n} {k}" for k, n in sorted(kept.items())) or "nothing",
-                        f"; dequantized to {dtype}: " + ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
-                        if dequantized else "")
+            logger.info("gguf: %s", self.summary())
         _prepare_layers(self, model, schemes)
+
+    def summary(self) -> str:
+        """``96 Q4_K, 17 Q6_K as stored; dequantized to float32: 2 IQ2_XS`` — the last model's tensors."""
+        kept, dequantized = self.tensor_formats["as_stored"], self.tensor_formats["dequantized"]
+        text = (", ".join(f"{n} {k}" for k, n in sorted(kept.items())) or "nothing") + " as stored"
+        if dequantized:
+            text += f"; dequantized to {self.dequantized_dtype}: " + \
+                ", ".join(f"{n} {k}" for k, n in sorted(dequantized.items()))
+        return text
 
     def _reads_blocks(self, ggml_type: int) -> bool:
         """Whether a kernel other than the reference reads ``ggml_type``'s blocks on the model's device
@@ -204,7 +213,8 @@ class GGUFMethod(_PlanarMethod):
 
     def stats(self, model: nn.Module) -> dict[str, Any]:
         """Also ``tensors``: per ggml format, how many tensors stay as stored and how many were dequantized."""
-        return {**super().stats(model), "tensors": {k: dict(sorted(v.items())) for k, v in self.tensor_formats.items()}}
+        return {**super().stats(model), "tensors": {k: dict(sorted(v.items())) for k, v in self.tensor_formats.items()},
+                "summary": self.summary()}
 
 
 def _float_dtype(model: nn.Module) -> torch.dtype:

@@ -114,6 +114,9 @@ class ModelOwner(threading.Thread):
                           file=sys.stderr, flush=True)
             else:
                 model = ServedModel.from_llm(llm)
+                summary = llm.runner.stats().get("quantization", {}).get("summary")
+                if summary:
+                    print(f"modelrunner: {settings.model_name}: {summary}", file=sys.stderr, flush=True)
                 state.adapters.start(llm.engine.add_lora, settings.lora_modules)
                 loop = EngineLoop(llm.engine).start()
                 max_running = llm.engine.config.scheduler.max_num_seqs
