@@ -71,15 +71,33 @@ SHAPES = {
 """Architectures' shapes (Meta's Llama 3.x configs; rope scaling left out: the weights are random)."""
 
 
-def write_f16(shape: str, out: str, layers: int | None = None, seed: int = 0) -> None:
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's rule for which layers' ``attn_v`` and ``ffn_down`` a Q4_K_M file stores in Q6_K."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, layers: int, tied: bool) -> int:
+    """The ggml type llama.cpp's Q4_K_M gives tensor ``name`` (``blk.3.attn_v.weight``)."""
+    from gguf import GGMLQuantizationType as T
+
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return T.Q6_K
+    if name.endswith(("attn_v.weight", "ffn_down.weight")):
+        return T.Q6_K if use_more_bits(int(name.split(".")[1]), layers) else T.Q4_K
+    return T.Q4_K
+
+
+def write_f16(shape: str, out: str, layers: int | None = None, seed: int = 0, random_q4_k_m: bool = False) -> None:
     """An F16 Llama GGUF of ``SHAPES[shape]`` (``layers`` overrides the depth) with random weights,
     written one tensor at a time (never the whole model in memory), with SmolLM2's tokenizer padded
-    to the vocabulary with reserved tokens."""
+    to the vocabulary with ordinary tokens. ``random_q4_k_m``: instead of F16, random well-formed
+    Q4_K / Q6_K blocks with Q4_K_M's choice of types (:func:`q4_k_m_type`) — for shapes whose F16
+    file would not fit (an 8B is 16 GB) or take too long to quantize."""
     import gguf
     import numpy as np
     from transformers import LlamaConfig
 
-    from modelrunner.conformance.gguf import add_tokenizer, gguf_name, tokenizer_fields
+    from modelrunner.conformance.gguf import add_tokenizer, gguf_name, random_blocks, tokenizer_fields
     from modelrunner.source import resolve_source
 
     values = dict(SHAPES[shape])
@@ -117,18 +135,29 @@ def write_f16(shape: str, out: str, layers: int | None = None, seed: int = 0) ->
     writer.add_layer_norm_rms_eps(config.rms_norm_eps)
     writer.add_vocab_size(config.vocab_size)
     writer.add_rope_dimension_count(head_dim)
-    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_Q4_K_M if random_q4_k_m else gguf.LlamaFileType.MOSTLY_F16)
     add_tokenizer(writer, tokenizer)
+    tied, count = config.tie_word_embeddings, config.num_hidden_layers
     for name, dims in tensors:
+        if len(dims) == 2 and random_q4_k_m:
+            kind = q4_k_m_type(gguf_name(name), count, tied)
+            per_block, block_bytes = gguf.GGML_QUANT_SIZES[kind]
+            writer.add_tensor_info(gguf_name(name), (dims[0], dims[1] // per_block * block_bytes), np.dtype(np.uint8),
+                                   dims[0] * dims[1] // per_block * block_bytes, raw_dtype=kind)
+            continue
         dtype = np.float32 if len(dims) == 1 else np.float16
         writer.add_tensor_info(gguf_name(name), dims, np.dtype(dtype), int(np.prod(dims)) * np.dtype(dtype).itemsize)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_ti_data_to_file()
     rng = np.random.default_rng(seed)
-    for name, dims in tensors:
+    for index, (name, dims) in enumerate(tensors):
         if len(dims) == 1:
             writer.write_tensor_data(np.ones(dims, dtype=np.float32))
+            continue
+        if random_q4_k_m:
+            kind = q4_k_m_type(gguf_name(name), count, tied)
+            writer.write_tensor_data(random_blocks(kind, dims[0], dims[1], seed=index))
             continue
         data = np.empty(dims, dtype=np.float16)
         for start in range(0, dims[0], 4096):  # in slices: float32 temporaries of ~32 MB at most
@@ -159,9 +188,14 @@ def quantize(f16: str, out: str, ftype: str, threads: int = 2) -> None:
 
 
 def write_shaped(shape: str, ftype: str, out: str, layers: int | None = None, threads: int = 2) -> None:
-    """The ``shape`` model in ``ftype``, as llama.cpp writes it, at ``out`` (via a temporary F16 file)."""
+    """The ``shape`` model in ``ftype``, as llama.cpp writes it, at ``out`` (via a temporary F16 file);
+    ftype ``random-Q4_K_M``: random blocks of Q4_K_M's types, written directly (no F16, no quantizer)."""
     import os
     import tempfile
+
+    if ftype.lower() == "random-q4_k_m":
+        write_f16(shape, out, layers, random_q4_k_m=True)
+        return
 
     with tempfile.TemporaryDirectory(prefix="shaped-gguf-", dir=os.path.dirname(os.path.abspath(out))) as tmp:
         f16 = os.path.join(tmp, "f16.gguf")
@@ -178,7 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--meta", help="the config and tokenizer saved by --save-meta")
     parser.add_argument("--save-meta", metavar="PATH", help="save the default model's config and tokenizer to PATH")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="write a real-size model of these shapes")
-    parser.add_argument("--ftype", default="Q4_K_M", help="llama.cpp's file type for --shape (default Q4_K_M)")
+    parser.add_argument("--ftype", default="Q4_K_M", help="llama.cpp's file type for --shape (default Q4_K_M; "
+                        "random-Q4_K_M: random blocks of its types, no quantizer, for an 8B)")
     parser.add_argument("--layers", type=int, help="fewer layers than the shape has (a fast test's depth)")
     args = parser.parse_args(argv)
     if args.shape:
