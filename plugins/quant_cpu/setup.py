@@ -13,6 +13,11 @@ except ImportError as e:  # an isolated build environment: install without the k
                   stacklevel=1)
     setup()
 else:
-    # VNNI has int8 kernels of its own; AVX-512 and AVX2 each have theirs.
-    setup(**setup_kwargs([NativeLibrary("modelrunner_quant_cpu", "modelrunner_quant_cpu/quant_matmul.cpp", "quant_matmul",
-                                        ("avx512_vnni", "avx512", "avx2", "generic"))]))
+    # VNNI has int8 kernels of its own; AVX-512 and AVX2 each have theirs. The ggml-block kernels
+    # differ from AVX-512 down only, but are built for every variant the other library has, so that
+    # MODELRUNNER_NATIVE_VARIANT picks both the same way.
+    variants = ("avx512_vnni", "avx512", "avx2", "generic")
+    setup(**setup_kwargs([
+        NativeLibrary("modelrunner_quant_cpu", "modelrunner_quant_cpu/quant_matmul.cpp", "quant_matmul", variants),
+        NativeLibrary("modelrunner_quant_cpu", "modelrunner_quant_cpu/ggml_matmul.cpp", "ggml_matmul", variants),
+    ]))
