@@ -1,5 +1,5 @@
 """modelrunner plugin: CPU matmul kernels for weight-quantized linear layers (4-bit and 8-bit weights
-with grouped float16 or float32 scales and optional mins).
+with grouped float16 or float32 scales and optional mins; GGUF files' ggml blocks as stored).
 
 Its ``register`` hook declares the kernels as matmul kernels (:mod:`.matmul`): the kernel's
 quantization methods time them against the other registered kernels that claim a layer's format,
@@ -14,17 +14,24 @@ from typing import Any
 from modelrunner.hookspecs import hookimpl
 
 from .kernel import (
+    GGML_TYPES,
     P16_KERNELS,
     P16_ROWS,
     KernelUnavailable,
     available,
     bind_gated_mlp_p16,
+    bind_ggml_qlinear,
     bind_qlinear,
     bind_qlinear_p16,
     bind_qlinear_p16_exact,
     bind_qlinear_p16_split,
     dequantize,
+    ggml_available,
+    ggml_dequantize,
+    ggml_qlinear,
+    ggml_supported,
     load,
+    load_ggml,
     p16_exact_supported,
     p16_split_supported,
     p16_supported,
@@ -52,18 +59,25 @@ def register(registry: Any) -> None:
     registry.matmul_kernels(*MATMUL_KERNELS)
 
 __all__ = [
+    "GGML_TYPES",
     "MATMUL_KERNELS",
     "P16_KERNELS",
     "P16_ROWS",
     "KernelUnavailable",
     "available",
     "bind_gated_mlp_p16",
+    "bind_ggml_qlinear",
     "bind_qlinear",
     "bind_qlinear_p16",
     "bind_qlinear_p16_exact",
     "bind_qlinear_p16_split",
     "dequantize",
+    "ggml_available",
+    "ggml_dequantize",
+    "ggml_qlinear",
+    "ggml_supported",
     "load",
+    "load_ggml",
     "p16_exact_supported",
     "p16_split_supported",
     "p16_supported",

@@ -1,8 +1,9 @@
 """The C++ kernels: compiled when the plugin installs (``setup.py``, one build per instruction-set
 variant), loaded on first use as the torch operators
 ``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16, qlinear_p16_exact,
-qlinear_p16_split, gated_mlp_p16}`` (callable from eager code and from torch.compile graphs, through
-their fake implementations)."""
+qlinear_p16_split, gated_mlp_p16}`` and, from a library of their own (``ggml_matmul.cpp``),
+``modelrunner_quant_cpu::{ggml_qlinear, ggml_dequantize, ggml_supported}`` (callable from eager code
+and from torch.compile graphs, through their fake implementations)."""
 
 from __future__ import annotations
 
@@ -291,6 +292,112 @@ def bind_gated_mlp_p16(gate_up: P16Part, down: P16Part, kernel: str = "q8") -> C
 
     def run(x: torch.Tensor) -> torch.Tensor:
         return op(x, *args)
+
+    return run
+
+
+GGML_TYPES = {6: ("Q5_0", 32, 22), 8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+              14: ("Q6_K", 256, 210)}
+"""The ggml block formats ``ggml_matmul.cpp`` reads as a GGUF file stores them: type id → (name,
+values per block, bytes per block)."""
+
+GGML_GEMM_ROWS = 24
+""":func:`ggml_qlinear`: from more rows of ``x`` than this, tiles of the weight are dequantized and
+multiplied by MKL (``at::mm``) instead of unpacked in registers. Measured on Sapphire Rapids, 2
+threads, Q4_K: the register kernel is ahead up to ~20 rows where K = 2048 (most of a Llama layer's
+weights) and ~40 where K = 8192 (its down projection)."""
+
+
+@functools.cache
+def load_ggml() -> str:
+    """Load the installed build of the ggml-block kernels (``ggml_matmul.cpp``) this CPU runs best.
+
+    :returns: the instruction-set variant loaded.
+    :raises KernelUnavailable: no such build is installed; the message says how to rebuild it.
+    """
+    try:
+        variant = load_library(Path(__file__).parent, "ggml_matmul", VARIANTS, "the ggml-block kernels")
+    except NativeBuildError as e:
+        raise KernelUnavailable(str(e)) from e
+    torch.library.register_fake("modelrunner_quant_cpu::ggml_qlinear")(_fake_ggml_qlinear)
+    torch.library.register_fake("modelrunner_quant_cpu::ggml_dequantize")(_fake_ggml_dequantize)
+    return variant
+
+
+@functools.cache
+def ggml_available() -> bool:
+    """Whether the ggml-block kernels are installed and load here; warns once with the reason when not."""
+    try:
+        load_ggml()
+    except KernelUnavailable as e:
+        warnings.warn(f"the quant-cpu ggml-block kernels are unavailable: {e}", stacklevel=2)
+        return False
+    return True
+
+
+@functools.cache
+def ggml_supported(ggml_type: int) -> bool:
+    """Whether the loaded build multiplies blocks of ``ggml_type`` (False where none loads)."""
+    return ggml_available() and bool(torch.ops.modelrunner_quant_cpu.ggml_supported(ggml_type))
+
+
+def _fake_ggml_qlinear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, gemm_rows: int) -> torch.Tensor:
+    return x.new_empty((x.shape[0], blocks.shape[0]), dtype=torch.float32)
+
+
+def _fake_ggml_dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    _, values, size = GGML_TYPES[ggml_type]
+    return blocks.new_empty((blocks.shape[0], blocks.shape[1] // size * values), dtype=torch.float32)
+
+
+def ggml_dequantize(blocks: torch.Tensor, ggml_type: int) -> torch.Tensor:
+    """ggml's dequantization of blocks as a GGUF file stores them: float32 ``[N, K]``, bit for bit
+    ``gguf.quants.dequantize``'s values.
+
+    :param blocks: uint8 ``[N, K / values per block * block bytes]``, contiguous: each row the file's
+        blocks of one weight row, unchanged.
+    :param ggml_type: one of :data:`GGML_TYPES` (the loaded build's: :func:`ggml_supported`).
+    :raises ValueError: a type, dtype or shape the kernels do not take (the message names it).
+    """
+    if not torch.compiler.is_compiling():
+        load_ggml()
+    return torch.ops.modelrunner_quant_cpu.ggml_dequantize(blocks, ggml_type)
+
+
+def ggml_qlinear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, gemm_rows: int | None = None) -> torch.Tensor:
+    """``x @ ggml_dequantize(blocks, ggml_type).T`` in float32, ``[M, N]``, reading the blocks as
+    stored: the float32 matmul with ggml's weights, up to summation order.
+
+    :param x: float32 ``[M, K]``, contiguous (leading dimensions ``[..., K]`` are flattened and
+        restored); K is a multiple of the format's block (256 for the K-quants, 32 for Q8_0 and Q5_0).
+    :param blocks: see :func:`ggml_dequantize`.
+    :param gemm_rows: the largest ``M`` that runs the fused kernel (each weight byte read once, the
+        values unpacked in registers); more rows dequantize tiles for MKL. None: :data:`GGML_GEMM_ROWS`.
+    :raises ValueError: a bad type, dtype, shape or a non-contiguous tensor (the message names it).
+    """
+    if not torch.compiler.is_compiling():
+        load_ggml()
+    shape = x.shape
+    flatten = x.dim() != 2 and x.dim() >= 1 and x.is_contiguous()
+    if flatten:
+        x = x.view(-1, shape[-1])
+    y = torch.ops.modelrunner_quant_cpu.ggml_qlinear(x, blocks, ggml_type,
+                                                     GGML_GEMM_ROWS if gemm_rows is None else gemm_rows)
+    return y.view(*shape[:-1], y.shape[-1]) if flatten else y
+
+
+def bind_ggml_qlinear(blocks: torch.Tensor, ggml_type: int, cols: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`ggml_qlinear` of one weight of ``cols`` input features as a callable of ``x`` (float32
+    ``[M, cols]``, contiguous), with the weight's checks done once.
+
+    :raises ValueError: the blocks are not ``cols`` values per row of a type this build runs.
+    """
+    load_ggml()
+    op = torch.ops.modelrunner_quant_cpu.ggml_qlinear
+    op(torch.zeros(1, cols), blocks[:1], ggml_type, GGML_GEMM_ROWS)  # the operator's checks, on one row
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x, blocks, ggml_type, GGML_GEMM_ROWS)
 
     return run
 

@@ -10,8 +10,11 @@ kernel's quantization methods time against the others that claim a layer's forma
 - ``cpu_p16_split``: as exact as ``cpu_p16_exact`` through VNNI dot products (each block of the
   activations split into three int8 digits), 2x ``cpu_p16_exact`` at one row on SmolLM2's LM head,
   slower at 64 rows (AVX-512 VNNI).
+- ``cpu_ggml``: ``cpu_exact``'s arithmetic on ggml's own blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0) as a
+  GGUF file stores them, where the weight is kept so (:attr:`WeightFormat.ggml_type`); every build.
 
-Every kernel needs the build loaded (:func:`~.kernel.available`) and a CPU tensor; the p16 ones also
+Every kernel needs the build loaded (:func:`~.kernel.available`; ``cpu_ggml``: its own,
+:func:`~.kernel.ggml_available`) and a CPU tensor; the p16 ones also
 the p16 kernel for the weight's bits. All read float16 or float32 scales (``scale_dtypes``); the exact
 ones (``cpu_exact``, ``cpu_p16_exact``) take groups of 16 (GGUF's Q6_K, Q3_K, Q2_K) or of a multiple of
 32, the int8-activation ones (``cpu_q8``, ``cpu_p16``, ``cpu_p16_split``) multiples of 32 (``min_group``).
@@ -185,7 +188,38 @@ class CPUP16Split(_P16Kernel):
         return native.bind_qlinear_p16_split
 
 
-MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split)
+class CPUGGML(MatmulKernel):
+    """``cpu_ggml``: a weight kept as the GGUF file stores it (:attr:`WeightFormat.ggml_type`: ggml's
+    blocks, ``data`` uint8 ``[rows, bytes per row]``), read in place by :func:`~.kernel.ggml_qlinear`
+    — float32 activations times ggml's dequantized weights, the float matmul up to summation order.
+    It reads 4.5 bits per weight of a Q4_K file and 6.6 of a Q6_K one, where their planar forms take
+    6 and 10."""
+
+    name = "cpu_ggml"
+    devices = ("cpu",)
+    ggml_types = tuple(native.GGML_TYPES)
+    """Every build (scalar code included) runs all of them; :meth:`supports` asks the loaded one."""
+
+    @classmethod
+    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
+        """ggml formats only, where the build loaded here runs the type."""
+        return bool(format.ggml_type) and super().supports(format, device) and native.ggml_supported(format.ggml_type)
+
+    @classmethod
+    def build_id(cls) -> str:
+        """The plugin's version and source hash."""
+        return build_id()
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """:func:`~.kernel.ggml_qlinear` of the blocks."""
+        return native.ggml_qlinear(x, weight.data, weight.format.ggml_type)
+
+    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:func:`~.kernel.bind_ggml_qlinear`: the blocks checked against ``cols`` once."""
+        return native.bind_ggml_qlinear(weight.data, weight.format.ggml_type, weight.cols)
+
+
+MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split, CPUGGML)
 """The kernels the plugin registers, in the order the kernel's selector lists them."""
 
-__all__ = ["MATMUL_KERNELS", "CPUExact", "CPUP16", "CPUP16Exact", "CPUP16Split", "CPUQ8", "build_id"]
+__all__ = ["MATMUL_KERNELS", "CPUExact", "CPUGGML", "CPUP16", "CPUP16Exact", "CPUP16Split", "CPUQ8", "build_id"]
