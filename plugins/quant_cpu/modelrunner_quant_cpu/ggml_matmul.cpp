@@ -545,10 +545,7 @@ void dequantize_rows(const GgmlWeight& w, int64_t n0, int64_t n1, float* out) {
 // Small M: MT rows of x times one weight row over all of K, in registers. Each chunk of the weight
 // row becomes floats once, for the MT rows of x.
 
-#ifndef MRG_MAX_ROWS
-#define MRG_MAX_ROWS 4
-#endif
-constexpr int kMaxRows = MRG_MAX_ROWS;
+constexpr int kMaxRows = 4;  // 8 measured slower at 8 to 48 rows of x (AVX-512): registers run short
 
 // Partial sums per row of x: enough independent multiply-add chains to hide their latency.
 constexpr int partial_sums(int mt) { return mt >= 4 ? 1 : 4 / mt; }
@@ -604,15 +601,7 @@ void with_rows(int64_t mt, Visit&& visit) {
     case 1: visit.template operator()<1>(); break;
     case 2: visit.template operator()<2>(); break;
     case 3: visit.template operator()<3>(); break;
-#if MRG_MAX_ROWS > 4
-    case 4: visit.template operator()<4>(); break;
-    case 5: visit.template operator()<5>(); break;
-    case 6: visit.template operator()<6>(); break;
-    case 7: visit.template operator()<7>(); break;
-    default: visit.template operator()<8>(); break;
-#else
     default: visit.template operator()<4>(); break;
-#endif
   }
 }
 
