@@ -85,10 +85,11 @@ def _kernel_classes() -> None:
         SiluAndMul,
     )
     from modelrunner.models.decoder import DecoderAttention, DecoderLayer, GatedMLP
+    from modelrunner.quantization.ggml_scheme import GGMLScheme
     from modelrunner.quantization.planar import PlanarScheme
 
     for cls in (SiluAndMul, Attention, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, RMSNorm,
-                RotaryEmbedding, PlanarScheme, DecoderAttention, DecoderLayer, GatedMLP):
+                RotaryEmbedding, PlanarScheme, GGMLScheme, DecoderAttention, DecoderLayer, GatedMLP):
         register_graph_safe(cls)
 
 
