@@ -122,6 +122,13 @@ class GGMLBlocks:
         for start in range(0, rows, step):
             yield start, self.narrow(0, start, min(step, rows - start))
 
+    def convert(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """:func:`~.ggml_formats.convert`: the planar form's values unpacked (one per byte), scales and
+        mins as computed (float32)."""
+        from .ggml_formats import convert
+
+        return convert(self.data.contiguous().view(self.shape[0], -1, self.block_bytes), self.ggml_type)
+
     def to_planar(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(qweight, scales, mins)`` in the planar layout (:mod:`.planar`), no loss (the form each
         format takes: :data:`~.ggml_formats.PLANAR_FORMS`).

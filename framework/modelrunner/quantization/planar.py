@@ -168,8 +168,12 @@ class PlanarScheme:
         have = PLANAR_FORMS.get(blocks.ggml_type)
         if have is None:
             raise ValueError(f"quantized storage ({self}) cannot take {blocks.type_name} tensor {blocks.name!r}")
-        q, scales, mins = blocks.to_planar()
-        return widen(q, scales, mins, have, self.form) if have != self.form else (q, scales, mins)
+        if have == self.form:
+            return blocks.to_planar()
+        if have.bits == 4 and self.bits == 8:  # the values unpacked as they are converted, not packed and unpacked
+            q, scales, mins = blocks.convert()
+            return widen(q.to(torch.int8), scales, mins, have._replace(bits=8), self.form)
+        return widen(*blocks.to_planar(), have, self.form)
 
     def _quantized_part(self, tensor: Any, src: tuple[int, int, int] | None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
