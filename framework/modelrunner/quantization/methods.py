@@ -15,7 +15,7 @@ from ..layers.fused_moe import FusedMoE
 from .base import QuantizationMethod, quantizable_layers
 from .blocks import FLOAT_TYPES, ggml_type_name
 from .experts import QuantizedExperts
-from .ggml_formats import PLANAR_FORMS, Q4_0
+from .ggml_formats import PLANAR_FORMS, Q4_0, block_bytes
 from .ggml_scheme import GGMLScheme
 from .kernels import KernelSelector
 from .matmul import WeightFormat
@@ -201,11 +201,18 @@ class GGUFMethod(_PlanarMethod):
         return text
 
     def _reads_blocks(self, ggml_type: int) -> bool:
-        """Whether a kernel other than the reference reads ``ggml_type``'s blocks on the model's device
-        (a pinned ``kernel`` decides alone)."""
+        """Whether to keep ``ggml_type``'s blocks as the file stores them: a kernel other than the
+        reference reads them on the model's device (a pinned ``kernel`` decides alone), and they are
+        smaller than their planar form (Q5_0 and the K-quants; Q4_0, Q4_1 and Q8_0 are the same bytes
+        either way, and planar storage has more kernels)."""
         if ggml_type not in PLANAR_FORMS:
             return False
-        fmt = WeightFormat(*PLANAR_FORMS[ggml_type][:3], ggml_type=ggml_type)
+        form = PLANAR_FORMS[ggml_type]
+        values, nbytes = block_bytes(ggml_type)
+        scale_bytes = form.scale_dtype.itemsize * (2 if form.has_mins else 1)
+        if self.kernels.kernel is None and nbytes / values >= form.bits / 8 + scale_bytes / form.group_size:
+            return False
+        fmt = WeightFormat(*form[:3], ggml_type=ggml_type)
         candidates = self.kernels.candidates
         if self.kernels.kernel is not None:
             return candidates[self.kernels.kernel].supports(fmt, self.device)
