@@ -14,12 +14,14 @@ from typing import Any
 from modelrunner.hookspecs import hookimpl
 
 from .kernel import (
+    GGML_BF16_GEMM_ROWS,
     GGML_TYPES,
     P16_KERNELS,
     P16_ROWS,
     KernelUnavailable,
     available,
     bind_gated_mlp_p16,
+    bind_ggml_linear_bf16,
     bind_ggml_qlinear,
     bind_qlinear,
     bind_qlinear_p16,
@@ -28,6 +30,7 @@ from .kernel import (
     dequantize,
     ggml_available,
     ggml_dequantize,
+    ggml_linear_bf16,
     ggml_qlinear,
     ggml_supported,
     load,
@@ -59,6 +62,7 @@ def register(registry: Any) -> None:
     registry.matmul_kernels(*MATMUL_KERNELS)
 
 __all__ = [
+    "GGML_BF16_GEMM_ROWS",
     "GGML_TYPES",
     "MATMUL_KERNELS",
     "P16_KERNELS",
@@ -66,6 +70,7 @@ __all__ = [
     "KernelUnavailable",
     "available",
     "bind_gated_mlp_p16",
+    "bind_ggml_linear_bf16",
     "bind_ggml_qlinear",
     "bind_qlinear",
     "bind_qlinear_p16",
@@ -74,6 +79,7 @@ __all__ = [
     "dequantize",
     "ggml_available",
     "ggml_dequantize",
+    "ggml_linear_bf16",
     "ggml_qlinear",
     "ggml_supported",
     "load",

@@ -23,10 +23,17 @@
 // Small M (<= gemm_rows): that, every weight byte read once per call. Larger M: tiles of rows
 // dequantized to float32 and multiplied by MKL/oneDNN (at::mm).
 //
+// ggml_linear_bf16 is the same in bfloat16: x bfloat16, each weight ggml's float32 value rounded to
+// bfloat16 (as torch rounds it), the result bfloat16. Small M: the weights rounded in registers and
+// multiplied into float32 copies of x's rows (exact products, float32 sums). Larger M: tiles of rows
+// dequantized straight to bfloat16 and multiplied by at::mm, which oneDNN runs on AMX or AVX512-BF16
+// where the CPU has them (on Sapphire Rapids, 2 threads, 64-256 rows: 2.2-4.3x the float32 tiles).
+//
 // Registered in the plugin's operator namespace (modelrunner_quant_cpu::ggml_*); built once per
 // instruction-set variant like quant_matmul.cpp (AVX-512, AVX2 + FMA + F16C, or portable scalar code).
 
 #include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -157,6 +164,54 @@ struct Lanes {
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// bfloat16 (ggml_linear_bf16): round_bf16 rounds each float to bfloat16's 8 significant bits, to
+// nearest, ties to even, as torch rounds (c10::BFloat16), and leaves it a float. No build's flags
+// include AVX512-BF16 (whose vcvtneps2bf16 would do it), so it rounds in float arithmetic: adding
+// m = ±2^(e + 16), e the exponent of v and the sign its own, leaves in the sum v's bits down to
+// 2^(e - 7), bfloat16's last one, rounded to nearest even by the addition itself; subtracting m is
+// exact. Five instructions with the sign of a zero put back, where the integer way (add 0x7fff and
+// the last bit kept) takes seven with its test for NaN; NaN and infinity pass through. Exact for
+// every normal float below 2^112 (m stays finite): ggml's weights, products of float16 scales and
+// small integers, are. store_bf16 stores the bfloat16 bits of rounded floats (their high halves).
+
+#if defined(MRG_AVX512)
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v), sign = _mm512_set1_epi32(static_cast<int>(0x80000000));
+  const __m512i exponent = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xff800000)));
+  const __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(exponent, _mm512_set1_epi32(16 << 23)));
+  const __m512i rounded = _mm512_castps_si512(_mm512_sub_ps(_mm512_add_ps(v, m), m));
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(rounded, bits, sign, 0xf8));  // rounded | (bits & sign)
+}
+// One word permute (vpmovdw would take two shuffles, and a shift before them).
+inline void store_bf16(uint16_t* p, __m512 rounded) {
+  const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                        25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i words = _mm512_permutexvar_epi16(high, _mm512_castps_si512(rounded));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(words));
+}
+#elif defined(MRG_AVX2)
+inline __m256 round_bf16(__m256 v) {
+  const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(static_cast<int>(0xff800000)));
+  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(16 << 23)));
+  return _mm256_or_ps(_mm256_sub_ps(_mm256_add_ps(v, m), m), _mm256_and_ps(v, _mm256_set1_ps(-0.f)));
+}
+inline void store_bf16(uint16_t* p, __m256 rounded) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  // packus packs within 128-bit lanes, words [0..3, 0..3 | 4..7, 4..7]: quadwords 0 and 2 are in order.
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
+}
+#else
+inline Lanes::V round_bf16(Lanes::V v) {
+  for (int i = 0; i < 8; ++i) v.f[i] = static_cast<float>(c10::BFloat16(v.f[i]));
+  return v;
+}
+inline void store_bf16(uint16_t* p, const Lanes::V& rounded) {
+  for (int i = 0; i < 8; ++i) p[i] = c10::BFloat16(rounded.f[i]).x;  // exact: the value is a bfloat16
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
 // The formats. Each reads up to 256 values of a row at a time (one K-quant block; eight Q8_0 or Q5_0
 // blocks) and hands them out as vectors of floats, ggml's dequantized weights: vectors(blocks, count,
 // visit) calls visit(i, w) for the values i * Lanes::kWidth onward of `count` blocks.
@@ -281,8 +336,17 @@ struct Q4K {
   template <typename Visit>
   static void vectors(const uint8_t* b, int64_t count, Visit&& visit) {
 #ifdef MRG_AVX512
-    // Each sub-block's 16 possible weights, scale * i - min, in one register: the nibbles index it
-    // (a permute reads the low 4 bits of each lane), one instruction per 16 weights.
+    table_vectors<false>(b, visit);
+#else
+    unpacked_vectors<Q4K>(b, count, visit);
+#endif
+  }
+#ifdef MRG_AVX512
+  // Each sub-block's 16 possible weights, scale * i - min, in one register: the nibbles index it
+  // (a permute reads the low 4 bits of each lane), one instruction per 16 weights. kRoundBF16: the
+  // 16 weights rounded to bfloat16 (RoundedBF16<Q4K>), once per sub-block rather than per vector.
+  template <bool kRoundBF16, typename Visit>
+  static void table_vectors(const uint8_t* b, Visit&& visit) {
     alignas(64) float scale_min[16];
     k_scales_interleaved(b, scale_min);
     const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -290,8 +354,9 @@ struct Q4K {
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const float* sm = scale_min + 4 * j;
-      const __m512 low = _mm512_fmsub_ps(iota, Lanes::broadcast(sm), Lanes::broadcast(sm + 1));
-      const __m512 high = _mm512_fmsub_ps(iota, Lanes::broadcast(sm + 2), Lanes::broadcast(sm + 3));
+      __m512 low = _mm512_fmsub_ps(iota, Lanes::broadcast(sm), Lanes::broadcast(sm + 1));
+      __m512 high = _mm512_fmsub_ps(iota, Lanes::broadcast(sm + 2), Lanes::broadcast(sm + 3));
+      if constexpr (kRoundBF16) low = round_bf16(low), high = round_bf16(high);
 #pragma GCC unroll 2
       for (int h = 0; h < 2; ++h) {
         const __m512i bytes =
@@ -300,10 +365,8 @@ struct Q4K {
         visit(4 * j + 2 + h, _mm512_permutexvar_ps(_mm512_srli_epi32(bytes, 4), high));
       }
     }
-#else
-    unpacked_vectors<Q4K>(b, count, visit);
-#endif
   }
+#endif
 };
 
 struct Q5K {
@@ -488,8 +551,9 @@ GgmlWeight check_blocks(const at::Tensor& blocks) {
 }
 
 template <typename F>
-void check_input(const at::Tensor& x, const GgmlWeight& w) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+void check_input(const at::Tensor& x, const GgmlWeight& w, at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK_VALUE(x.scalar_type() == dtype, "x must be ", dtype == at::kFloat ? "float32" : "bfloat16", ", got ",
+                    x.scalar_type());
   TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be a CPU tensor, got device ", x.device());
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [M, K], got shape ", x.sizes());
   TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous (strides ", x.strides(), ")");
@@ -655,6 +719,81 @@ void gemm_rows_dequantized(const GgmlWeight& w, const at::Tensor& x, at::Tensor&
 }
 
 // ---------------------------------------------------------------------------------------------
+// Format F with its weights rounded to bfloat16 (as floats): fused_rows<RoundedBF16<F>> on float32
+// copies of bfloat16 rows of x is the bfloat16 product, each product of two bfloat16 values exact in
+// float32 and summed there, as a bfloat16 GEMM sums them.
+template <typename F>
+struct RoundedBF16 : F {
+  template <typename Visit>
+  static void vectors(const uint8_t* b, int64_t count, Visit&& visit) {
+    F::vectors(b, count, [&](int64_t i, Lanes::V v) { visit(i, round_bf16(v)); });
+  }
+};
+
+#ifdef MRG_AVX512
+template <>
+struct RoundedBF16<Q4K> : Q4K {  // its 16 weights per sub-block rounded, not each vector of them
+  template <typename Visit>
+  static void vectors(const uint8_t* b, int64_t, Visit&& visit) {
+    table_vectors<true>(b, visit);
+  }
+};
+#endif
+
+// Rows [n0, n1) as bfloat16, [n1 - n0][K] from out on.
+template <typename F>
+void dequantize_rows_bf16(const GgmlWeight& w, int64_t n0, int64_t n1, uint16_t* out) {
+  constexpr int64_t kPerChunk = kChunk / F::kValues;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w.row(n);
+    for (int64_t b = 0; b < w.blocks; b += kPerChunk) {
+      uint16_t* o = out + (n - n0) * w.cols + b * F::kValues;
+      RoundedBF16<F>::vectors(row + b * F::kBytes, std::min(kPerChunk, w.blocks - b),
+                              [&](int64_t i, Lanes::V v) { store_bf16(o + i * Lanes::kWidth, v); });
+    }
+  }
+}
+
+// ggml_linear_bf16's default gemm_rows: the most rows of x that run fused_rows<RoundedBF16<F>>
+// (weights rounded in registers, every weight byte read once) rather than the tiles. kernel.py's
+// GGML_BF16_GEMM_ROWS, which it passes, says what measured it.
+constexpr int64_t kBF16GemmRows = 8;
+
+// Large M in bfloat16: as gemm_rows_dequantized, each thread's tiles dequantized to bfloat16 and
+// multiplied by at::mm (oneDNN: AMX or AVX512-BF16 where the CPU has them; each call single-threaded
+// inside the parallel region). Tiles of at least 256 rows, about 1 MB where K is small: measured on
+// Sapphire Rapids, 2 threads, K = 2048 and 8192, 64 and 256 rows of x, tiles from 128 rows or 512 KB
+// to 256 rows or 4 MB ran within a few % of each other, 64-row tiles ~10% slower. Dequantizing each
+// tile with every thread, then one multi-threaded at::mm per tile, ran 1.5-5x slower. Each product
+// goes to a buffer of the tile's width, then into its columns of y: at::mm straight into those
+// columns (rows N apart) page-faulted ~200 times a call where N >= 65536 (oneDNN's temporaries),
+// 3x the time of the whole LM head (128256 x 2048) at 64 rows.
+template <typename F>
+void gemm_rows_bf16(const GgmlWeight& w, const at::Tensor& x, at::Tensor& y) {
+  constexpr int64_t kTileBytes = 1 << 20, kMinTileRows = 256;
+  const int64_t N = w.rows, K = w.cols;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t max_tile = std::max<int64_t>(kMinTileRows, kTileBytes / (2 * K) / 32 * 32);
+  int64_t tiles = (N + max_tile - 1) / max_tile;
+  tiles = std::min((tiles + threads - 1) / threads * threads, (N + 31) / 32);
+  const int64_t tile = ((N + tiles - 1) / tiles + 31) / 32 * 32;
+  tiles = (N + tile - 1) / tile;
+  const bool inference = c10::InferenceMode::is_enabled();  // see gemm_rows_dequantized
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);
+    at::Tensor buffer = at::empty({tile, K}, x.options()), product = at::empty({x.size(0), tile}, x.options());
+    uint16_t* b = reinterpret_cast<uint16_t*>(buffer.data_ptr<at::BFloat16>());
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      dequantize_rows_bf16<F>(w, n0, n1, b);
+      at::Tensor out = product.narrow(1, 0, n1 - n0);
+      at::mm_out(out, x, buffer.narrow(0, 0, n1 - n0).t());
+      y.narrow(1, n0, n1 - n0).copy_(out);
+    }
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
 // Operators.
 
 at::Tensor ggml_qlinear(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t gemm_rows) {
@@ -691,6 +830,33 @@ at::Tensor ggml_dequantize(const at::Tensor& blocks, int64_t ggml_type) {
   return out;
 }
 
+// x (bfloat16 [M, K]) times the blocks' weights rounded to bfloat16, in bfloat16 [M, N]; gemm_rows < 0:
+// kBF16GemmRows.
+at::Tensor ggml_linear_bf16(const at::Tensor& x, const at::Tensor& blocks, int64_t ggml_type, int64_t gemm_rows) {
+  at::Tensor y;
+  const bool known = with_format(ggml_type, [&]<typename F>() {
+    const GgmlWeight w = check_blocks<F>(blocks);
+    check_input<F>(x, w, at::kBFloat16);
+    const int64_t M = x.size(0);
+    if (gemm_rows < 0) gemm_rows = kBF16GemmRows;
+    y = at::empty({M, w.rows}, x.options());
+    if (M == 0 || w.rows == 0) return;
+    if (M > gemm_rows) {
+      gemm_rows_bf16<F>(w, x, y);
+      return;
+    }
+    const at::Tensor xf = x.to(at::kFloat);
+    at::Tensor yf = at::empty({M, w.rows}, xf.options());
+    const float* xp = xf.const_data_ptr<float>();
+    float* yp = yf.data_ptr<float>();
+    parallel_rows(w.rows, static_cast<double>(w.cols * M),
+                  [&](int64_t n0, int64_t n1) { fused_rows<RoundedBF16<F>>(w, xp, M, yp, n0, n1); });
+    y.copy_(yf);
+  });
+  if (!known) refuse_type(ggml_type);
+  return y;
+}
+
 bool ggml_supported(int64_t ggml_type) {
   return with_format(ggml_type, []<typename F>() {});
 }
@@ -701,11 +867,13 @@ TORCH_LIBRARY_FRAGMENT(modelrunner_quant_cpu, m) {
   m.def("ggml_qlinear(Tensor x, Tensor blocks, int ggml_type, int gemm_rows) -> Tensor");
   m.def("ggml_dequantize(Tensor blocks, int ggml_type) -> Tensor");
   m.def("ggml_supported(int ggml_type) -> bool");
+  m.def("ggml_linear_bf16(Tensor x, Tensor blocks, int ggml_type, int gemm_rows=-1) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CPU, m) {
   m.impl("ggml_qlinear", &ggml_qlinear);
   m.impl("ggml_dequantize", &ggml_dequantize);
+  m.impl("ggml_linear_bf16", &ggml_linear_bf16);
 }
 
 // ggml_supported takes no tensor, so it has no dispatch key to route by: registered for every backend.
