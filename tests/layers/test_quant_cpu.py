@@ -282,7 +282,8 @@ def test_listed_as_a_plugin():
     plugin = {p["name"]: p for p in json.loads(listing.stdout)}["quant-cpu"]
     assert plugin["distribution"] == "modelrunner-quant-cpu"
     assert plugin["error"] is None and plugin["hooks"] == ["register"]
-    assert plugin["provides"] == {"matmul_kernels": ["cpu_exact", "cpu_p16", "cpu_p16_exact", "cpu_p16_split", "cpu_q8"]}
+    assert plugin["provides"] == {"matmul_kernels": ["cpu_exact", "cpu_ggml", "cpu_ggml_bf16", "cpu_p16", "cpu_p16_exact",
+                                                  "cpu_p16_split", "cpu_q8"]}
 
 
 _CHECK_BUILD = textwrap.dedent("""

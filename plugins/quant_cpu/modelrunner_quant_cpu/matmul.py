@@ -12,9 +12,12 @@ kernel's quantization methods time against the others that claim a layer's forma
   slower at 64 rows (AVX-512 VNNI).
 - ``cpu_ggml``: ``cpu_exact``'s arithmetic on ggml's own blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0) as a
   GGUF file stores them, where the weight is kept so (:attr:`WeightFormat.ggml_type`); every build.
+- ``cpu_ggml_bf16``: ``cpu_ggml``'s blocks in bfloat16 (activations and weights rounded), many rows
+  through oneDNN's bfloat16 GEMM on tiles dequantized per call (AMX); timed where the CPU computes
+  bfloat16 natively, and in a bfloat16 engine it may run the batch rows of exact layers.
 
-Every kernel needs the build loaded (:func:`~.kernel.available`; ``cpu_ggml``: its own,
-:func:`~.kernel.ggml_available`) and a CPU tensor; the p16 ones also
+Every kernel needs the build loaded (:func:`~.kernel.available`; ``cpu_ggml`` and ``cpu_ggml_bf16``:
+their own, :func:`~.kernel.ggml_available`) and a CPU tensor; the p16 ones also
 the p16 kernel for the weight's bits. All read float16 or float32 scales (``scale_dtypes``); the exact
 ones (``cpu_exact``, ``cpu_p16_exact``) take groups of 16 (GGUF's Q6_K, Q3_K, Q2_K) or of a multiple of
 32, the int8-activation ones (``cpu_q8``, ``cpu_p16``, ``cpu_p16_split``) multiples of 32 (``min_group``).
@@ -31,6 +34,7 @@ from typing import ClassVar
 
 import torch
 from modelrunner.quantization import MatmulKernel, QuantizedWeight, WeightFormat
+from modelrunner.quantization.library import native_bf16
 
 from . import kernel as native
 
@@ -219,7 +223,33 @@ class CPUGGML(MatmulKernel):
         return native.bind_ggml_qlinear(weight.data, weight.format.ggml_type, weight.cols)
 
 
-MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split, CPUGGML)
+class CPUGGMLBF16(CPUGGML):
+    """``cpu_ggml_bf16``: :class:`CPUGGML`'s blocks, read in place, in bfloat16 by
+    :func:`~.kernel.ggml_linear_bf16`: activations and weights rounded to bfloat16, float32 sums, a
+    bfloat16 result (not exact: ``bf16`` activations). From :data:`~.kernel.GGML_BF16_GEMM_ROWS` rows
+    on, tiles of the weight dequantized to bfloat16 through oneDNN's GEMM (AMX where present: 2.2-4.3x
+    ``cpu_ggml`` at 64-256 rows on Sapphire Rapids), no bfloat16 copy kept. It rounds the weights
+    (``rounds_weights``): in a bfloat16 engine it may run the ``batch`` bucket of exact layers. Timed
+    only where the CPU computes bfloat16 natively (``timed``: the kernel's ``native_bf16``, read when
+    this module is imported); elsewhere only ``kernel=`` runs it."""
+
+    name = "cpu_ggml_bf16"
+    exact = False
+    activations = "bf16"
+    rounds_weights = True
+    timed = native_bf16()
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """``x`` in bfloat16 through :func:`~.kernel.ggml_linear_bf16`, the result as float32."""
+        return native.ggml_linear_bf16(x.to(torch.bfloat16), weight.data, weight.format.ggml_type).float()
+
+    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:func:`~.kernel.bind_ggml_linear_bf16`: the blocks checked against ``cols`` once."""
+        return native.bind_ggml_linear_bf16(weight.data, weight.format.ggml_type, weight.cols)
+
+
+MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split, CPUGGML, CPUGGMLBF16)
 """The kernels the plugin registers, in the order the kernel's selector lists them."""
 
-__all__ = ["MATMUL_KERNELS", "CPUExact", "CPUGGML", "CPUP16", "CPUP16Exact", "CPUP16Split", "CPUQ8", "build_id"]
+__all__ = ["MATMUL_KERNELS", "CPUExact", "CPUGGML", "CPUGGMLBF16", "CPUP16", "CPUP16Exact", "CPUP16Split", "CPUQ8",
+           "build_id"]
