@@ -1,8 +1,10 @@
 """The quant-cpu plugin's kernels on ggml's blocks as a GGUF file stores them (``ggml_matmul.cpp``):
 ``ggml_dequantize`` bit for bit against the ``gguf`` package's dequantizer, ``ggml_qlinear`` against
 the float product with those weights (exact kernels: up to summation order) at row counts around
-every register tile and on both sides of the GEMM threshold, in the build this CPU loads and in each
-other instruction-set build it runs; bad input refused by name; the ``cpu_ggml`` matmul kernel."""
+every register tile and on both sides of the GEMM threshold, ``ggml_linear_bf16`` against torch's
+bfloat16 product with those weights rounded to bfloat16 (and its rounding bit for bit), in the build
+this CPU loads and in each other instruction-set build it runs; bad input refused by name; the
+``cpu_ggml`` and ``cpu_ggml_bf16`` matmul kernels."""
 
 from __future__ import annotations
 
@@ -64,9 +66,61 @@ def check_type(ggml_type: int) -> None:
         assert_exact(quant.ggml_qlinear(x, data, ggml_type, gemm_rows=1 << 30), x, w, f"{name} M=64 registers")
 
 
+BF16_ROWS = (1, 3, 64, 300)  # the register kernel (up to GGML_BF16_GEMM_ROWS), then bfloat16 tiles
+BF16_OUTPUTS = (1, 33, 300)
+
+
+def assert_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what: str) -> None:
+    """``y`` against torch's bfloat16 product of ``x`` and the weights rounded to bfloat16. Both sum
+    exact products in float32 and round the sum to bfloat16, in other orders (another blocking, another
+    library): they may differ by a unit in the last place of bfloat16, 2^-8 of an output, plus float32
+    rounding — so up to 2^-8 of the largest output, within the 1e-2 of it allowed here. A wrong
+    weight, row or scale is off by the order of the output itself."""
+    ref = F.linear(x, w.bfloat16()).float()
+    assert y.dtype == torch.bfloat16 and y.shape == ref.shape, what
+    torch.testing.assert_close(y.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item(),
+                               msg=lambda m: f"{what}: {m}")
+
+
+def check_bf16_type(ggml_type: int) -> None:
+    """``ggml_linear_bf16``: every shape of its grid for one type, and its rounding of every weight
+    exactly as torch's (``x`` the identity: ``y`` is the rounded weight), in the loaded build."""
+    gen = torch.Generator().manual_seed(ggml_type)
+    K = 576 if quant.GGML_TYPES[ggml_type][1] == 32 else 512  # 576: rows end in part of a chunk
+    for N in BF16_OUTPUTS:
+        name = f"{quant.GGML_TYPES[ggml_type][0]} N={N} K={K} bf16"
+        blocks = torch.from_numpy(random_blocks(ggml_type, N, K, seed=N + K))
+        w = quant.ggml_dequantize(blocks, ggml_type)
+        for M in BF16_ROWS:
+            x = torch.randn(M, K, generator=gen).bfloat16()
+            assert_bf16(quant.ggml_linear_bf16(x, blocks, ggml_type), x, w, f"{name} M={M}")
+    eye = torch.eye(K, dtype=torch.bfloat16)
+    for gemm_rows in (0, K):  # tiles, registers
+        y = quant.ggml_linear_bf16(eye, blocks, ggml_type, gemm_rows=gemm_rows)
+        assert torch.equal(y.T, w.bfloat16()), f"{name} gemm_rows={gemm_rows}"  # a zero's sign aside
+
+
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_every_shape_against_the_gguf_dequantizer(ggml_type):
     check_type(ggml_type)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_bf16_every_shape_against_torch(ggml_type):
+    check_bf16_type(ggml_type)
+
+
+def test_bf16_leading_dimensions_empty_inputs_and_inference_mode():
+    blocks = torch.from_numpy(random_blocks(Q6_K, 5, 512))
+    w = quant.ggml_dequantize(blocks, Q6_K)
+    x = torch.randn(2, 3, 512).bfloat16()
+    assert_bf16(quant.ggml_linear_bf16(x, blocks, Q6_K).reshape(6, 5), x.reshape(6, 512), w, "[2, 3, K]")
+    assert quant.ggml_linear_bf16(torch.zeros(0, 512, dtype=torch.bfloat16), blocks, Q6_K).shape == (0, 5)
+    assert quant.ggml_linear_bf16(torch.zeros(3, 512, dtype=torch.bfloat16), blocks[:0], Q6_K).shape == (3, 0)
+    with torch.inference_mode():
+        for rows in (1, 100):
+            x = torch.randn(rows, 512).bfloat16()
+            assert_bf16(quant.ggml_linear_bf16(x, blocks, Q6_K), x, w, f"inference mode, {rows} rows")
 
 
 def test_q4_k_and_q6_k_are_supported_by_every_build():
@@ -105,6 +159,8 @@ def test_the_fake_implementations_give_the_shapes():
         blocks = torch.empty(5, 2 * 210, dtype=torch.uint8)
         assert quant.ggml_qlinear(torch.empty(3, 512), blocks, Q6_K).shape == (3, 5)
         assert quant.ggml_dequantize(blocks, Q6_K).shape == (5, 512)
+        y = quant.ggml_linear_bf16(torch.empty(3, 512, dtype=torch.bfloat16), blocks, Q6_K)
+        assert y.shape == (3, 5) and y.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("change,message", [
@@ -123,6 +179,23 @@ def test_bad_input_is_refused_by_name(change, message):
     x, blocks = torch.randn(2, 512), torch.from_numpy(random_blocks(Q4_K, 2, 512))
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         quant.ggml_qlinear(*change(x, blocks))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda x, b: (x.float(), b, Q4_K), "x must be bfloat16, got Float"),
+    (lambda x, b: (x, b.view(torch.int8), Q4_K), "blocks must be uint8 (the file's bytes), got Char"),
+    (lambda x, b: (x[:, :300].contiguous(), b, Q4_K), "x has K = 300 features, not a multiple of 256"),
+    (lambda x, b: (x, b[:, :144].contiguous(), Q4_K), "x has K = 512 features but the blocks hold 256 per row"),
+    (lambda x, b: (x, b, 10), "ggml type 10 is not one these kernels run"),
+    (lambda x, b: (x.t(), b, Q4_K), "x must be contiguous"),
+    (lambda x, b: (x, b[:, ::2], Q4_K), "blocks must be contiguous"),
+])
+def test_bf16_bad_input_is_refused_by_name(change, message):
+    x, blocks = torch.randn(2, 512).bfloat16(), torch.from_numpy(random_blocks(Q4_K, 2, 512))
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        quant.ggml_linear_bf16(*change(x, blocks))
+    with pytest.raises(ValueError, match="x has K = 256 features but the blocks hold 512 per row"):
+        quant.bind_ggml_linear_bf16(blocks, Q4_K, 256)
 
 
 def test_bad_input_to_dequantize_and_bind_is_refused_by_name():
@@ -153,6 +226,53 @@ def test_the_cpu_ggml_kernel():
         assert_exact(bound(x), x, w, f"bind M={M}")
 
 
+def test_the_cpu_ggml_bf16_kernel():
+    from modelrunner.quantization.library import native_bf16
+
+    kernel = quant.matmul.CPUGGMLBF16
+    assert kernel in quant.MATMUL_KERNELS and kernel.name == "cpu_ggml_bf16" and not kernel.exact
+    assert kernel.activation_kind() == "bf16" and kernel.rounds_weights and kernel.timed == native_bf16()
+    assert kernel.ggml_types == quant.matmul.CPUGGML.ggml_types
+    q6_k = WeightFormat(8, 16, False, scale_dtype="float32", ggml_type=Q6_K)
+    assert kernel.supports(q6_k, "cpu") and not kernel.supports(q6_k, "meta")
+    assert not kernel.supports(WeightFormat(8, 16, False, scale_dtype="float32"), "cpu")  # planar: not its
+    blocks = random_blocks(Q6_K, 33, 512)
+    w = reference(blocks, Q6_K)
+    weight = QuantizedWeight(torch.from_numpy(blocks), torch.empty(0), None, q6_k, 33, 512)
+    bound = kernel().bind(weight)
+    for M in (1, 40):
+        x = torch.randn(M, 512)
+        want = F.linear(x.bfloat16(), w.bfloat16()).float()
+        for how, y in (("run", kernel().run(weight, x)), ("bind", bound(x))):
+            assert y.dtype == torch.float32, how
+            torch.testing.assert_close(y, want, rtol=1e-2, atol=1e-2 * want.abs().max().item(),
+                                       msg=lambda m, how=how, M=M: f"{how} M={M}: {m}")
+
+
+def test_in_a_bf16_engine_cpu_ggml_bf16_joins_cpu_ggml_for_the_batch_rows(monkeypatch):
+    from torch import nn
+
+    from modelrunner.plugins import Plugins
+    from modelrunner.quantization.ggml_scheme import GGMLScheme
+    from modelrunner.quantization.kernels import KernelSelector
+
+    monkeypatch.setattr(quant.matmul.CPUGGMLBF16, "timed", True)  # as where the CPU computes bf16 natively
+    selector = KernelSelector("float", plugins=Plugins())
+    scheme = GGMLScheme(Q4_K, selector)
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.empty(64, 512, device="meta"), requires_grad=False)
+    scheme.create_storage(layer, 64, 512)
+    blocks = nn.Parameter(torch.from_numpy(random_blocks(Q4_K, 64, 512)), requires_grad=False)
+    blocks.logical_shape = (64, 512)
+    layer.weight = blocks
+    assert "cpu_ggml_bf16" not in selector._unfiltered(scheme, layer)  # float32 engine, exact: not its
+    selector.dtype = torch.bfloat16
+    allowed = selector._unfiltered(scheme, layer)
+    assert {"cpu_ggml", "cpu_ggml_bf16"} <= set(allowed)
+    assert selector.family_of("cpu_ggml_bf16") == selector.family_of("cpu_ggml") == "float-planar"
+    assert selector.in_bucket("cpu_ggml_bf16", "batch") and not selector.in_bucket("cpu_ggml_bf16", "decode")
+
+
 @pytest.mark.parametrize("variant", ["avx512", "avx2", "generic"])
 def test_the_other_instruction_set_builds(variant):
     if not native.runnable(next(v for v in native_build.VARIANTS if v.name == variant)):
@@ -160,6 +280,7 @@ def test_the_other_instruction_set_builds(variant):
     if platform.machine() not in ("x86_64", "AMD64") and variant != "generic":
         pytest.skip("x86-64 code paths")
     script = (f"import runpy\nns = runpy.run_path({__file__!r})\nfor t in ns['TYPES']:\n    ns['check_type'](t)\n"
+              f"    ns['check_bf16_type'](t)\n"
               f"print('LOADED', ns['quant'].load_ggml(), sorted(ns['TYPES']))\n")
     env = {**os.environ, native.VARIANT_ENV: variant}
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
@@ -175,14 +296,15 @@ def test_without_its_build_the_kernel_claims_nothing(tmp_path):
     script = textwrap.dedent("""
         import warnings
         from modelrunner.quantization.matmul import WeightFormat
-        from modelrunner_quant_cpu.matmul import CPUGGML
+        from modelrunner_quant_cpu.matmul import CPUGGML, CPUGGMLBF16
+        q4_k = WeightFormat(4, 32, True, scale_dtype="float32", ggml_type=12)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            print("SUPPORTS", CPUGGML.supports(WeightFormat(4, 32, True, scale_dtype="float32", ggml_type=12), "cpu"))
+            print("SUPPORTS", CPUGGML.supports(q4_k, "cpu"), CPUGGMLBF16.supports(q4_k, "cpu"))
         print("WARNED", [str(w.message) for w in caught])
     """)
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    assert "SUPPORTS False" in result.stdout
+    assert "SUPPORTS False False" in result.stdout
     assert "the ggml-block kernels are not built for this CPU" in result.stdout
