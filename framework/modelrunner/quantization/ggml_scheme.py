@@ -79,10 +79,23 @@ class GGMLScheme(PlanarScheme):
         """``(blocks, empty, None)``: the blocks, and no separate scales."""
         return layer.weight, torch.empty(0), None
 
+    def blocks(self, layer: nn.Module, ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows ``ids`` (all when None) as the file stores them, whatever layout a kernel regrouped
+        them into (its ``unpack``)."""
+        packed_by = getattr(layer.weight, "packed_by", None)
+        if packed_by is not None:
+            from .matmul import QuantizedWeight, WeightFormat
+
+            rows, cols = layer.weight.logical_shape
+            weight = QuantizedWeight(layer.weight, torch.empty(0), None, WeightFormat.of(self), rows, cols,
+                                     packed_by.layout)
+            return packed_by.unpack(weight, ids)[0]
+        return layer.weight if ids is None else layer.weight.index_select(0, ids)
+
     def planar_storage(self, layer: nn.Module, ids: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Rows ``ids`` (all when None) converted to their planar form."""
-        data = layer.weight if ids is None else layer.weight.index_select(0, ids)
+        data = self.blocks(layer, ids)
         return to_planar(data.reshape(data.shape[0], -1, self.block_bytes), self.ggml_type)
 
     def embed(self, layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:

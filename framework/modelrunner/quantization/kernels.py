@@ -306,9 +306,9 @@ class KernelSelector:
         else:
             copies = self._copies.setdefault(layer, {})
             storage = copies.get(kernel.layout)
-            if storage is None:
-                planar = QuantizedWeight(*scheme.planar_storage(layer), fmt, rows, cols)
-                storage = copies[kernel.layout] = type(kernel).pack(planar)
+            if storage is None:  # packed from planar storage, or from GGUF blocks kept as stored
+                source = scheme.storage(layer) if fmt.ggml_type else scheme.planar_storage(layer)
+                storage = copies[kernel.layout] = type(kernel).pack(QuantizedWeight(*source, fmt, rows, cols))
         return QuantizedWeight(*storage, fmt, rows, cols, kernel.layout)
 
     def _pack_in_place(self, scheme: Any, layer: Any, kernel: MatmulKernel) -> None:
@@ -323,7 +323,8 @@ class KernelSelector:
         data, scales, mins = packed
         with torch.no_grad():
             layer.weight.data = data
-            layer.weight_scales.data = scales
+            if layer.weight_scales is not None:  # GGUF blocks kept as stored have none of their own
+                layer.weight_scales.data = scales
             if mins is not None:
                 layer.weight_mins.data = mins
         layer.weight.packed_by = type(kernel)
