@@ -85,7 +85,8 @@ def test_gguf_with_quantized_activations_keeps_perplexity(dense, float_perplexit
     # embedding's, whose lookups still return the file's rows.
     model = fast.runner.loaded.model
     if kernels.get("int8:g32:sym:49152x576:decode") == "cpu_p16":
-        assert model.lm_head.weight.p16_rows == 49152 and model.model.embed_tokens.weight is model.lm_head.weight
+        assert model.lm_head.weight.packed_by.layout == "p16" and model.lm_head.weight.logical_shape == (49152, 576)
+        assert model.model.embed_tokens.weight is model.lm_head.weight
     ids = torch.tensor([0, 17, 1000, 49151])
     torch.testing.assert_close(model.model.embed_tokens(ids), dense.runner.loaded.model.model.embed_tokens(ids),
                                rtol=0, atol=0)
