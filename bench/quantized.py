@@ -241,13 +241,14 @@ def real_size(path: str, threads: int, rounds: int, quick: bool) -> dict[str, fl
     peer = Peer("llama.cpp", path, threads)
     try:
         info = ours.loaded
-        print(f"   ours: dtype {info.get('dtype')}, tensors {info.get('tensors')}, weights {info.get('weight_mb', 0):.0f} MiB")
+        print(f"   ours: dtype {info.get('dtype')}, tensors {info.get('tensors')}, "
+              f"weights {info.get('weight_mb', 0):.0f} MiB")
         print(f"   ours kernels: {info.get('kernels')}")
         vocab = 32000
         short = random_prompts(vocab, 1, 8, seed=1)[0]
         prompts = iter(random_prompts(vocab, 4 * rounds, prompt_len, seed=2))
-        decode = alternate({"ours": lambda: ours.ask(op="decode", prompt=short, tokens=new_tokens)["rate"],
-                            "llama.cpp": lambda: peer.ask(op="decode", prompt=short, tokens=new_tokens)["rate"]}, rounds)
+        decode = alternate({name: lambda p=p: p.ask(op="decode", prompt=short, tokens=new_tokens)["rate"]
+                            for name, p in (("ours", ours), ("llama.cpp", peer))}, rounds)
         prompt = alternate({"ours": lambda: ours.ask(op="prompt", prompt=next(prompts))["rate"],
                             "llama.cpp": lambda: peer.ask(op="prompt", prompt=next(prompts))["rate"]}, rounds)
         end = ours.ask(op="rss")

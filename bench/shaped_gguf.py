@@ -177,7 +177,8 @@ def quantize(f16: str, out: str, ftype: str, threads: int = 2) -> None:
 
     code = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype.upper()}", None)
     if code is None:
-        known = sorted(n.removeprefix("LLAMA_FTYPE_MOSTLY_") for n in dir(llama_cpp) if n.startswith("LLAMA_FTYPE_MOSTLY_"))
+        prefix = "LLAMA_FTYPE_MOSTLY_"
+        known = sorted(n.removeprefix(prefix) for n in dir(llama_cpp) if n.startswith(prefix))
         raise ValueError(f"llama.cpp has no ftype {ftype!r}; known: {', '.join(known)}")
     params = llama_cpp.llama_model_quantize_default_params()
     params.ftype = code

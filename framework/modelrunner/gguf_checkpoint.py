@@ -3,7 +3,8 @@
 The metadata and the tensor table are parsed by :mod:`~modelrunner.gguf_metadata` (no tensor data is
 touched); each tensor is read from the file when the loader asks for it, so loading never holds
 more than the model's own storage and one tensor of the file.
-:meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face names, undoing llama.cpp's layout changes (its row permutation of Llama's query/key projections):
+:meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face names, undoing llama.cpp's layout
+changes (its row permutation of Llama's query/key projections):
 float tensors as float tensors, quantized ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`,
 which a quantization method keeps as stored and any other layer dequantizes exactly.
 
@@ -20,7 +21,6 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from .errors import ModelSourceError

@@ -75,7 +75,7 @@ def read_tensor_table(path: str | Path) -> TensorTable:
 
     :raises ValueError: not a GGUF v2/v3 file, or a damaged table.
     """
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf import GGML_QUANT_SIZES
 
     sizes = {int(t): size for t, size in GGML_QUANT_SIZES.items()}
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as blob:

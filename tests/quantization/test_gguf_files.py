@@ -135,7 +135,8 @@ def test_blocks_kept_as_the_file_stores_them_run_through_a_kernel_that_reads_the
                                    "token_embd": T.Q6_K})
     stored = LLM(str(path), quantization_options={"kernel": "reference"}, **KW)
     formats = stored.runner.stats()["quantization"]["formats"]
-    assert formats == {"Q4_K as stored": 4, "Q6_K as stored": 4, "int8 from Q4_K+Q6_K/g16 f32 scales": 2}, formats  # tied head counted
+    # The tied LM head counts with the embedding it shares.
+    assert formats == {"Q4_K as stored": 4, "Q6_K as stored": 4, "int8 from Q4_K+Q6_K/g16 f32 scales": 2}, formats
     dense = LLM(str(path), quantization="none", **KW)
     want = dense.runner.forward(IDS)
     assert (stored.runner.forward(IDS) - want).abs().max().item() <= 1e-4 * want.abs().max().item()
@@ -144,8 +145,8 @@ def test_blocks_kept_as_the_file_stores_them_run_through_a_kernel_that_reads_the
 def test_a_tensor_type_no_reader_supports_is_named(tmp_path):
     # Q8_K is llama.cpp's format of activations: no file stores weights in it, nothing reads it.
     path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "q8k.gguf", types={"blk.1.ffn_down": T.Q8_K},
-                            encode=lambda name, array, kind: np.zeros(
-                                (array.shape[0], array.shape[1] // 256 * 292), dtype=np.uint8) if kind == T.Q8_K else None)
+                            encode=lambda name, array, kind: np.zeros((array.shape[0], array.shape[1] // 256 * 292),
+                                                                      dtype=np.uint8) if kind == T.Q8_K else None)
     with pytest.raises(ModelSourceError, match=rf"{path}: tensor 'blk.1.ffn_down.weight' has ggml type Q8_K \(15\), "
                                                r"which no installed reader supports \(supported: .*Q4_K.*\)"):
         LLM(str(path), **KW)

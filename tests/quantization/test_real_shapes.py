@@ -33,14 +33,12 @@ def _write(tmp_path, shape: str):
                          rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2)
     hidden, inter = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * hidden // config.num_attention_heads
-    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden), "model.layers.0.input_layernorm.weight": (hidden,),
-              "model.layers.0.self_attn.q_proj.weight": (hidden, hidden),
-              "model.layers.0.self_attn.k_proj.weight": (kv, hidden),
-              "model.layers.0.self_attn.v_proj.weight": (kv, hidden),
-              "model.layers.0.self_attn.o_proj.weight": (hidden, hidden),
-              "model.layers.0.post_attention_layernorm.weight": (hidden,),
-              "model.layers.0.mlp.gate_proj.weight": (inter, hidden), "model.layers.0.mlp.up_proj.weight": (inter, hidden),
-              "model.layers.0.mlp.down_proj.weight": (hidden, inter), "model.norm.weight": (hidden,)}
+    layer = {"input_layernorm": (hidden,), "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+             "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+             "post_attention_layernorm": (hidden,), "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden),
+             "mlp.down_proj": (hidden, inter)}
+    shapes = {"model.embed_tokens.weight": (config.vocab_size, hidden),
+              **{f"model.layers.0.{name}.weight": dims for name, dims in layer.items()}, "model.norm.weight": (hidden,)}
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, hidden)
     # Every matrix is a K-quant, written as random well-formed blocks: the float values are not read.
@@ -56,7 +54,8 @@ def test_one_layer_of_a_real_size_q4_k_m_decodes_and_equals_the_file_dequantized
 
     path = _write(tmp_path, shape)
     types = {t.name: t.ggml_type for t in read_tensor_table(path).tensors}
-    assert types["blk.0.attn_q.weight"] == T.Q4_K and types["blk.0.attn_v.weight"] == types["blk.0.ffn_down.weight"] == T.Q6_K
+    assert types["blk.0.attn_q.weight"] == T.Q4_K
+    assert types["blk.0.attn_v.weight"] == types["blk.0.ffn_down.weight"] == T.Q6_K
     stored = LLM(str(path), dtype="float32", **KW)
     stats = stored.stats()
     quantization = stats["quantization"]

@@ -36,7 +36,8 @@ logger = logging.getLogger("modelrunner.data_parallel")
 
 
 def replica_threads(config: RunnerConfig) -> int:
-    """Threads per process when this machine's replicas and their ranks share its cores (as tensor-parallel ranks do)."""
+    """Threads per process when this machine's replicas and their ranks share its cores (as tensor-parallel
+    ranks do)."""
     p = config.parallel
     local = p.data_parallel_size_local or p.data_parallel_size
     return max(1, (os.cpu_count() or 1) // (local * p.world_size))
@@ -151,7 +152,8 @@ def _gather(listener: ChannelListener, size: int, processes: dict[int, subproces
         if time.monotonic() > deadline:  # local replicas are watched by their process, joined ones by their connection
             absent = sorted(set(range(size)) - set(ready) - set(pending.values()) - set(processes))
             if absent:
-                raise ModelRunnerError(f"data-parallel replica(s) {absent} did not join within {collective_timeout():g} s "
+                raise ModelRunnerError(f"data-parallel replica(s) {absent} did not join within "
+                                       f"{collective_timeout():g} s "
                                        "(MODELRUNNER_DIST_TIMEOUT); start them with serve --headless on their machines")
     return [ReplicaClient(rank, conn, info, processes.get(rank)) for rank, (conn, info) in sorted(ready.items())]
 

@@ -15,7 +15,8 @@ nothing is pickled, and a replica only talks to a front that holds the deploymen
 - front → replica: ``("add", rid, prompt, params, extra, lora_request)``, ``("abort", rid)``,
   ``("abort_all",)``, ``("call", token, name, args)`` for ``stats`` / ``memory_stats`` /
   ``reset_prefix_cache`` (the LLM's) and ``add_lora`` / ``remove_lora`` (the engine's), ``("stop",)``.
-- replica → front: ``("hello", rank, pid)``, ``("ready", info)`` (its tokenizer as files), ``("failed", message)``, ``("added", rid, error)``,
+- replica → front: ``("hello", rank, pid)``, ``("ready", info)`` (its tokenizer as files), ``("failed", message)``,
+  ``("added", rid, error)``,
   ``("out", rid, output)``, ``("snap", snapshot)``, ``("result", token, value, error)``, ``("dead", message)``.
 """
 

@@ -232,4 +232,5 @@ def dequantize_blocks(data: torch.Tensor, ggml_type: int, cols: int, dtype: torc
     return dequantize_planar(q, scales, mins, form.group_size, form.bits, dtype).reshape(rows, cols)
 
 
-__all__ = ["HALF_FIELDS", "block_bytes", "dequantize_blocks", "IQ4_VALUES", "PLANAR_FORMS", "PlanarForm", "convert", "to_planar"]
+__all__ = ["HALF_FIELDS", "IQ4_VALUES", "PLANAR_FORMS", "PlanarForm", "block_bytes", "convert", "dequantize_blocks",
+           "to_planar"]

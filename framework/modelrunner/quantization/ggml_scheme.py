@@ -67,7 +67,8 @@ class GGMLScheme(PlanarScheme):
             """Copy ``tensor``'s blocks (narrowed by ``src`` along whole blocks) into the rows ``dst``
             selects: ``(start, length)``, a function from the storage to its destination view, or None."""
             if not isinstance(tensor, GGMLBlocks) or tensor.ggml_type != self.ggml_type:
-                kind = tensor.type_name if isinstance(tensor, GGMLBlocks) else str(getattr(tensor, "dtype", type(tensor)))
+                kind = (tensor.type_name if isinstance(tensor, GGMLBlocks)
+                        else str(getattr(tensor, "dtype", type(tensor))))
                 raise ValueError(f"storage for {self.source_type} blocks cannot take a {kind} tensor")
             blocks = tensor if src is None else tensor.narrow(*src)
             target = param.data if dst is None else dst(param.data) if callable(dst) else param.data.narrow(0, *dst)
