@@ -59,30 +59,31 @@ class Ours:
         params = self.params(max_tokens=tokens, temperature=0.0, ignore_eos=True)
         return self.llm.generate([prompt], params, use_tqdm=False)[0]
 
-    def decode(self, prompt: list[int], tokens: int) -> float:
+    def decode_rate(self, prompt: list[int], tokens: int) -> float:
         m = self._run(prompt, tokens).metrics
         return (m.num_generated_tokens - 1) / (m.last_token_time - m.first_token_time)
 
-    def prompt(self, prompt: list[int]) -> float:
+    def prompt_rate(self, prompt: list[int]) -> float:
         start = time.perf_counter()
         self._run(prompt, 1)
         return len(prompt) / (time.perf_counter() - start)
 
 
 class LlamaCpp:
-    """llama.cpp through llama-cpp-python (its file mapped, as llama.cpp runs it)."""
+    """llama.cpp through llama-cpp-python on the same file (mapped, as llama.cpp runs it)."""
+
+    label = "llama.cpp"
 
     def __init__(self, path: str, threads: int) -> None:
         from llama_cpp import Llama
 
         self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
                          verbose=False)
-        self.info = {}
-
-    def graphs(self) -> Any:
-        return None
+        self.weight_bytes = os.path.getsize(path)
+        self.info: dict[str, Any] = {}
 
     def _times(self, prompt: list[int], count: int) -> list[float]:
+        """Times at which each of ``count`` greedy tokens arrived (the first after the prompt), from the start."""
         self.llm.reset()
         start = time.perf_counter()
         times = []
@@ -92,12 +93,17 @@ class LlamaCpp:
                 break
         return times
 
-    def decode(self, prompt: list[int], tokens: int) -> float:
-        times = self._times(prompt, tokens)
+    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
+        """Decode tokens/s after the first token."""
+        times = self._times(prompt, new_tokens)
         return (len(times) - 1) / (times[-1] - times[0])
 
-    def prompt(self, prompt: list[int]) -> float:
+    def prompt_rate(self, prompt: list[int]) -> float:
+        """Prompt tokens/s to the first token."""
         return len(prompt) / self._times(prompt, 1)[0]
+
+    def graphs(self) -> Any:
+        return None
 
 
 def main() -> int:
@@ -113,9 +119,9 @@ def main() -> int:
         if op == "quit":
             break
         if op == "decode":
-            answer: dict[str, Any] = {"rate": peer.decode(command["prompt"], command["tokens"])}
+            answer: dict[str, Any] = {"rate": peer.decode_rate(command["prompt"], command["tokens"])}
         elif op == "prompt":
-            answer = {"rate": peer.prompt(command["prompt"])}
+            answer = {"rate": peer.prompt_rate(command["prompt"])}
         else:
             peak, now = rss_mb()
             answer = {"peak_mb": peak, "now_mb": now, "graphs": peer.graphs()}

@@ -40,6 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import torch  # noqa: E402
+from gguf_peer import LlamaCpp  # noqa: E402,F401 - the llama.cpp peer (bench/fast_paths.py imports it from here)
 
 TARGETS = {"decode": 1.0, "prompt": 1.3, "batch gguf": 1.0, "batch int8": 1.3, "cold start s": 3.0}
 """The issue's targets: ratios (≥) and the cold start (seconds, ≤)."""
@@ -104,37 +105,6 @@ class Ours:
         outs = self._run(prompts, new_tokens)
         seconds = time.perf_counter() - start
         return sum(len(o.outputs[0].token_ids) for o in outs) / seconds
-
-
-class LlamaCpp:
-    """llama.cpp (``llama-cpp-python``) on the same GGUF file."""
-
-    label = "llama.cpp"
-
-    def __init__(self, path: str, threads: int) -> None:
-        from llama_cpp import Llama
-
-        self.llm = Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=512,
-                         verbose=False)
-        self.weight_bytes = os.path.getsize(path)
-
-    def _tokens(self, prompt: list[int], count: int) -> list[float]:
-        """Times at which each of ``count`` greedy tokens arrived (the first after the prompt), from the start."""
-        self.llm.reset()
-        start = time.perf_counter()
-        times = []
-        for _ in self.llm.generate(prompt, temp=0.0, top_k=1, reset=True):
-            times.append(time.perf_counter() - start)
-            if len(times) == count:
-                break
-        return times
-
-    def decode_rate(self, prompt: list[int], new_tokens: int) -> float:
-        times = self._tokens(prompt, new_tokens)
-        return (len(times) - 1) / (times[-1] - times[0])
-
-    def prompt_rate(self, prompt: list[int]) -> float:
-        return len(prompt) / self._tokens(prompt, 1)[0]
 
 
 def alternate(runs: dict[str, Any], rounds: int) -> dict[str, list[float]]:

@@ -32,11 +32,7 @@ def read_metadata(path: str | Path, string_arrays: Container[str] = ()) -> dict[
         naming the file and the key.
     """
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        if blob[:4] != b"GGUF":
-            raise ValueError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
-        version, _tensors, count = struct.unpack_from("<IQQ", blob, 4)
-        if version not in _VERSIONS:
-            raise ValueError(f"{path} is GGUF v{version}; readable: v{' and v'.join(map(str, _VERSIONS))}")
+        _tensors, count = _header(blob, path)
         pos = 24
         metadata: dict[str, Any] = {}
         for _ in range(count):
@@ -79,11 +75,7 @@ def read_tensor_table(path: str | Path) -> TensorTable:
 
     sizes = {int(t): size for t, size in GGML_QUANT_SIZES.items()}
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as blob:
-        if blob[:4] != b"GGUF":
-            raise ValueError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
-        version, count, keys = struct.unpack_from("<IQQ", blob, 4)
-        if version not in _VERSIONS:
-            raise ValueError(f"{path} is GGUF v{version}; readable: v{' and v'.join(map(str, _VERSIONS))}")
+        count, keys = _header(blob, path)
         pos, alignment = 24, 32
         for _ in range(keys):
             key, pos = _string(blob, pos)
@@ -109,6 +101,19 @@ def read_tensor_table(path: str | Path) -> TensorTable:
         if alignment <= 0 or alignment & (alignment - 1):
             raise ValueError(f"{path}: general.alignment is {alignment}, not a power of two")
         return TensorTable(tensors, -(-pos // alignment) * alignment)
+
+
+def _header(blob: mmap.mmap, path: Any) -> tuple[int, int]:
+    """``(tensors, metadata keys)`` of a GGUF file's header.
+
+    :raises ValueError: not a GGUF file, or a version this reader does not read.
+    """
+    if blob[:4] != b"GGUF":
+        raise ValueError(f"{path} does not start with the GGUF magic bytes: not a GGUF file")
+    version, tensors, keys = struct.unpack_from("<IQQ", blob, 4)
+    if version not in _VERSIONS:
+        raise ValueError(f"{path} is GGUF v{version}; readable: v{' and v'.join(map(str, _VERSIONS))}")
+    return tensors, keys
 
 
 def _string(blob: mmap.mmap, pos: int) -> tuple[str, int]:
