@@ -128,15 +128,15 @@ def test_every_format_runs_as_stored_and_equals_the_file_dequantized(tmp_path, t
 
 
 def test_blocks_kept_as_the_file_stores_them_run_through_a_kernel_that_reads_them(tmp_path):
-    # The reference kernel reads every format's blocks: pinned, each single-format layer keeps the file's
-    # bytes (GGMLScheme); the mixed q/k/v of a Q4_K_M-like file keeps its planar common form.
+    # The reference kernel reads every format's blocks: pinned, each layer keeps the file's bytes
+    # (GGMLScheme), and the mixed q/k/v of a Q4_K_M-like file keeps each member's (MixedGGMLScheme).
     path = write_llama_gguf(tiny_llama(hidden=256, intermediate=512), tmp_path / "k.gguf",
                             types={"attn_v": T.Q6_K, "attn": T.Q4_K, "ffn_down": T.Q6_K, "ffn": T.Q4_K,
                                    "token_embd": T.Q6_K})
     stored = LLM(str(path), quantization_options={"kernel": "reference"}, **KW)
     formats = stored.runner.stats()["quantization"]["formats"]
     # The tied LM head counts with the embedding it shares.
-    assert formats == {"Q4_K as stored": 4, "Q6_K as stored": 4, "int8 from Q4_K+Q6_K/g16 f32 scales": 2}, formats
+    assert formats == {"Q4_K as stored": 4, "Q6_K as stored": 4, "Q4_K+Q4_K+Q6_K as stored": 2}, formats
     dense = LLM(str(path), quantization="none", **KW)
     want = dense.runner.forward(IDS)
     assert (stored.runner.forward(IDS) - want).abs().max().item() <= 1e-4 * want.abs().max().item()

@@ -113,4 +113,95 @@ class GGMLScheme(PlanarScheme):
         return f"{self.source_type} as stored"
 
 
-__all__ = ["GGMLScheme"]
+class GGMLMember(nn.Module):
+    """One projection of a fused layer whose members a GGUF file stores in different formats: its
+    rows' blocks as stored (``weight``) and their :class:`GGMLScheme`. A child of the fused layer, so
+    it moves and counts with the model; the kernel selector chooses its kernels as a layer's."""
+
+    def __init__(self, scheme: GGMLScheme, rows: int, cols: int) -> None:
+        super().__init__()
+        self.quant_scheme: GGMLScheme | None = None
+        self.weight = nn.Parameter(torch.empty(rows, cols, device="meta"), requires_grad=False)
+        scheme.create_storage(self, rows, cols)
+        self.weight.loaded_with = "weight"  # filled through the fused layer's own weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x Wᵀ`` for this member's rows."""
+        return self.quant_scheme.apply(self, x, None)
+
+
+class MixedGGMLScheme:
+    """A fused layer (q/k/v, gate/up) whose members the file stores in different formats (a Q4_K_M's
+    Q4_K query and key with a Q6_K value): each member keeps its own blocks as stored
+    (:class:`GGMLMember` children), and the layer's output is theirs side by side.
+
+    :param ggml_types: each member's ggml type, in the layer's shard order.
+    :param kernels: picks each member's matmul kernels (:class:`~.kernels.KernelSelector`).
+    """
+
+    def __init__(self, ggml_types: list[int], kernels: Any) -> None:
+        self.ggml_types = list(ggml_types)
+        """Each member's ggml type."""
+        self.kernels = kernels
+        self.source_type = "+".join(ggml_type_name(t) for t in ggml_types)
+        """What the file stores, for stats."""
+        self.bits = max(PLANAR_FORMS[t].bits for t in ggml_types)
+
+    def create_storage(self, layer: nn.Module, rows: int, cols: int) -> None:
+        """Give ``layer`` (on the meta device) one :class:`GGMLMember` per shard at the rows its
+        ``placement`` gives them; its ``weight`` becomes an empty placeholder whose loader hands each
+        checkpoint tensor to the member its rows belong to.
+
+        :raises ValueError: the members do not tile the layer's rows.
+        """
+        members, starts = [], []
+        for shard, ggml_type in enumerate(self.ggml_types):
+            start, length = layer.placement(layer.weight, shard).dst
+            members.append(GGMLMember(GGMLScheme(ggml_type, self.kernels), length, cols))
+            starts.append(start)
+        if starts != sorted(starts) or sum(m.weight.logical_shape[0] for m in members) != rows:
+            raise ValueError(f"{type(layer).__name__}'s shards do not tile its {rows} rows")
+        for index, member in enumerate(members):  # children one by one (a ModuleList is one more module kind)
+            setattr(layer, f"ggml_member_{index}", member)
+        layer.ggml_members = tuple(members)
+        layer.ggml_member_starts = starts
+        placeholder = nn.Parameter(torch.empty(0, dtype=torch.uint8, device="meta"), requires_grad=False)
+        placeholder.logical_shape = (rows, cols)
+        placeholder.keep_dtype = True
+        placeholder.weight_loader = getattr(layer.weight, "weight_loader", None)
+        placeholder.quant_loader = self._loader(layer)
+        layer.weight = placeholder
+        layer.weight_scales = layer.weight_mins = None
+        layer.quant_scheme = self
+
+    def _loader(self, layer: nn.Module) -> Any:
+        def load(param: torch.Tensor, tensor: Any, dst: Any, src: tuple[int, int, int] | None = None) -> None:
+            """Hand ``tensor`` to the member whose rows ``dst`` ``(start, length)`` are."""
+            if not isinstance(dst, tuple):
+                raise ValueError(f"{type(layer).__name__} stores its shards apart: load them one by one")
+            start, length = dst
+            index = layer.ggml_member_starts.index(start) if start in layer.ggml_member_starts else -1
+            member = layer.ggml_members[index] if index >= 0 else None
+            if member is None or member.weight.logical_shape[0] != length:
+                raise ValueError(f"rows {start}:{start + length} of {type(layer).__name__} are not one of its shards")
+            member.weight.quant_loader(member.weight, tensor, None, src)
+        return load
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The members' outputs side by side (plus ``bias``)."""
+        out = torch.cat([member(x) for member in layer.ggml_members], dim=-1)
+        return out if bias is None else out + bias
+
+    def gated_mlp(self, gate_up: nn.Module, down: nn.Module) -> None:
+        """No fused form: the members run one by one."""
+        return None
+
+    def dequantized(self, layer: nn.Module) -> torch.Tensor:
+        """The whole float weight (for tests)."""
+        return torch.cat([m.quant_scheme.dequantized(m) for m in layer.ggml_members])
+
+    def __repr__(self) -> str:
+        return f"{self.source_type} as stored"
+
+
+__all__ = ["GGMLMember", "GGMLScheme", "MixedGGMLScheme"]

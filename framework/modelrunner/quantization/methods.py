@@ -16,7 +16,7 @@ from .base import QuantizationMethod, quantizable_layers
 from .blocks import FLOAT_TYPES, ggml_type_name
 from .experts import QuantizedExperts
 from .ggml_formats import PLANAR_FORMS, Q4_0, block_bytes
-from .ggml_scheme import GGMLScheme
+from .ggml_scheme import GGMLScheme, MixedGGMLScheme
 from .kernels import KernelSelector
 from .matmul import WeightFormat
 from .planar import PlanarScheme, common_form
@@ -104,6 +104,9 @@ class _PlanarMethod(QuantizationMethod):
             scheme = layer.quant_scheme
             if isinstance(scheme, QuantizedExperts):
                 scheme.process_after_loading(layer)
+            elif isinstance(scheme, MixedGGMLScheme):
+                for member in layer.ggml_members:
+                    self.kernels.prepare(member.quant_scheme, member)
             elif scheme is not None and not (isinstance(layer, VocabParallelEmbedding) and
                                              not isinstance(layer, ParallelLMHead)):
                 self.kernels.prepare(scheme, layer)
@@ -176,6 +179,9 @@ class GGUFMethod(_PlanarMethod):
                 continue  # not in this file (e.g. another stage's layer), or a tied head
             if len(set(found)) == 1 and self._reads_blocks(found[0]):
                 schemes[name] = GGMLScheme(found[0], self.kernels)
+                kept.update(ggml_type_name(t) for t in found)
+            elif len(found) > 1 and hasattr(layer, "placement") and all(self._reads_blocks(t) for t in found):
+                schemes[name] = MixedGGMLScheme(found, self.kernels)  # each member's blocks as stored
                 kept.update(ggml_type_name(t) for t in found)
             elif all(t in PLANAR_FORMS for t in found):
                 form = common_form([PLANAR_FORMS[t] for t in found])

@@ -85,11 +85,12 @@ def _kernel_classes() -> None:
         SiluAndMul,
     )
     from modelrunner.models.decoder import DecoderAttention, DecoderLayer, GatedMLP
-    from modelrunner.quantization.ggml_scheme import GGMLScheme
+    from modelrunner.quantization.ggml_scheme import GGMLMember, GGMLScheme, MixedGGMLScheme
     from modelrunner.quantization.planar import PlanarScheme
 
     for cls in (SiluAndMul, Attention, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, RMSNorm,
-                RotaryEmbedding, PlanarScheme, GGMLScheme, DecoderAttention, DecoderLayer, GatedMLP):
+                RotaryEmbedding, PlanarScheme, GGMLScheme, MixedGGMLScheme, GGMLMember, DecoderAttention, DecoderLayer,
+                GatedMLP):
         register_graph_safe(cls)
 
 
