@@ -80,11 +80,24 @@ def test_the_rpc_port_never_unpickles_what_arrives(tiny_llama, tmp_path, monkeyp
             time.sleep(0.1)
 
     # A stranger with the key the old front accepted without MODELRUNNER_DP_SECRET, and a pickle.
+    # multiprocessing's client reads the listener's random challenge as a length prefix, so how it gives
+    # up depends on those bytes (a bad length, a wrong challenge, or the listener's deadline).
     stranger = tmp_path / "stranger-ran-code"
-    with pytest.raises((EOFError, OSError, ConnectionError)):
+    with pytest.raises((EOFError, OSError, ConnectionError, AssertionError)):
         conn = Client(("127.0.0.1", port), authkey=b"modelrunner-data-parallel")
         conn.send(_Payload(str(stranger)))
         conn.recv()
+    # The same pickle pushed straight at the port, framed as multiprocessing frames it: the listener
+    # takes its first bytes as a handshake answer, finds them wrong and hangs up.
+    raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+    blob = pickle.dumps(_Payload(str(stranger)))
+    raw.sendall(struct.pack("!i", len(blob)) + blob)
+    try:
+        while raw.recv(1 << 16):
+            pass
+    except ConnectionResetError:  # closed with our bytes unread
+        pass
+    raw.close()
     # Someone who knows the secret but sends a pickle instead of data: the connection is dropped.
     insider = tmp_path / "insider-ran-code"
     peer = channel.connect(("127.0.0.1", port), secret.encode())
