@@ -247,8 +247,9 @@ class StructuredOutputsConfig:
     also accepted as ``LLM(structured_outputs_config={"backend": ...})``)."""
 
     backend: str = attrs.field(default="auto", validator=_name)
-    """The grammar backend, by name: ``xgrammar``, ``guidance`` (llguidance) or another installed one
-    (``modelrunner plugins`` lists them); ``auto`` picks per request: xgrammar, or guidance for a
+    """The grammar backend, by name: ``xgrammar`` (package ``modelrunner-grammar-xgrammar``),
+    ``guidance`` (llguidance; ``modelrunner-grammar-llguidance``) or another installed one (``modelrunner
+    plugins`` lists them); ``auto`` picks per request among those installed: xgrammar, or guidance for a
     feature xgrammar lacks (as vLLM does). vLLM's older ``guided_decoding_backend`` sets it too."""
     disable_any_whitespace: bool = attrs.field(default=False, validator=_bool)
     """JSON outputs without whitespace between tokens, for every request (a request can ask for it

@@ -13,9 +13,9 @@ import pytest
 
 from modelrunner import StructuredOutputError
 from modelrunner.structured_output.backend import GrammarContext, GrammarSpec
-from modelrunner.structured_output.backend_guidance import GuidanceBackend
 from modelrunner.structured_output.backend_schema import MATCHES_NOTHING, REMOTE_REF, schema_problem
-from modelrunner.structured_output.backend_xgrammar import XGrammarBackend
+from modelrunner_grammar_llguidance import GuidanceBackend
+from modelrunner_grammar_xgrammar import XGrammarBackend
 
 NODE = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}},
         "required": ["kids"]}

@@ -13,7 +13,7 @@ import pytest
 
 from modelrunner import LLM, SamplingParams, StructuredOutputError
 from modelrunner.errors import UnknownNameError
-from modelrunner.structured_output.backend_xgrammar import XGrammarBackend
+from modelrunner_grammar_xgrammar import XGrammarBackend
 
 GREEDY = dict(temperature=0.0)
 CHOICES = ["alpha", "beta", "gamma delta"]

@@ -13,7 +13,7 @@ from modelrunner.config import RunnerConfig, StructuredOutputsConfig
 from modelrunner.plugins import get_plugins
 from modelrunner.sampling_params import GuidedDecodingParams, StructuredOutputsParams
 from modelrunner.structured_output import GrammarSpec, allowed_token_ids, bitmask_from_allowed, bitmask_to_bool
-from modelrunner.structured_output.backend_xgrammar import unsupported_keyword
+from modelrunner_grammar_xgrammar.backend import unsupported_keyword
 
 from plugin_dists import listed, run_cli
 
@@ -98,11 +98,17 @@ def test_config_takes_vllms_structured_outputs_config_and_the_older_backend_name
 
 
 def test_grammar_backends_are_a_plugin_kind_listed_by_the_cli():
+    # Each backend is a distribution of its own; the kernel ships none.
     plugins = listed(run_cli("plugins", "--json"))
-    assert plugins["default-grammars"]["provides"] == {"grammar_backends": ["guidance", "xgrammar"]}
+    assert plugins["grammar-xgrammar"]["provides"] == {"grammar_backends": ["xgrammar"]}
+    assert plugins["grammar-xgrammar"]["distribution"] == "modelrunner-grammar-xgrammar"
+    assert plugins["grammar-llguidance"]["provides"] == {"grammar_backends": ["guidance"]}
+    assert plugins["grammar-llguidance"]["distribution"] == "modelrunner-grammar-llguidance"
+    assert not any("grammar_backends" in p["provides"] for p in plugins.values() if p["distribution"] == "modelrunner")
     registry = get_plugins().registry
-    assert registry.capabilities("grammar_backends", "xgrammar", "default-grammars") == {
+    assert registry.capabilities("grammar_backends", "xgrammar", "grammar-xgrammar") == {
         "constraints": ("json", "json_object", "regex", "choice", "grammar"), "auto_order": 10}
+    assert registry.capabilities("grammar_backends", "guidance", "grammar-llguidance")["auto_order"] == 20
 
 
 def test_xgrammar_refuses_keywords_it_would_ignore_wherever_they_are():
@@ -141,22 +147,20 @@ def test_no_warnings_for_the_current_spelling():
 def test_applying_a_bitmask_masks_exactly_the_listed_rows():
     import torch
 
-    from modelrunner.structured_output import apply_bitmask
-    from modelrunner.structured_output import backend as grammar_backend
+    from modelrunner.structured_output import GrammarContext, apply_bitmask
+    from modelrunner_grammar_llguidance import GuidanceBackend
+    from modelrunner_grammar_xgrammar import XGrammarBackend
 
     vocab, rows = 100, [0, 2]
     bitmask = torch.stack([bitmask_from_allowed(ids, vocab) for ids in ([1, 50, 99], [7], [0, 31, 32])])
-    for native in (True, False):
+    context = GrammarContext(None, vocab, frozenset())
+    # The kernel's torch version, xgrammar's native kernel (its backend's override), the base class's default.
+    for name, apply in (("torch", apply_bitmask), ("xgrammar", XGrammarBackend(context).apply_bitmask),
+                        ("guidance", GuidanceBackend(context).apply_bitmask)):
         logits = torch.randn(3, vocab)
         want = logits.clone()
         for r in rows:
             keep = bitmask_to_bool(bitmask[r:r + 1], vocab)[0]
             want[r, ~keep] = float("-inf")
-        saved = list(grammar_backend._NATIVE)
-        if not native:
-            grammar_backend._NATIVE[:] = [None]  # the torch path
-        try:
-            apply_bitmask(logits, bitmask, rows)
-        finally:
-            grammar_backend._NATIVE[:] = saved
-        assert torch.equal(logits, want), native
+        apply(logits, bitmask, rows)
+        assert torch.equal(logits, want), name

@@ -37,6 +37,10 @@ from .backend_schema import check_schema
 CONSTRAINT_KINDS = ("json", "json_object", "regex", "choice", "grammar")
 """Every constraint kind a request may give."""
 
+GRAMMAR_PACKAGES = {"xgrammar": "modelrunner-grammar-xgrammar", "guidance": "modelrunner-grammar-llguidance"}
+"""Backend name → the distribution that provides it, for the backends this project publishes (the
+kernel ships none): what an error names when a request asks for one that is not installed."""
+
 
 @attrs.frozen
 class GrammarSpec:
@@ -184,6 +188,12 @@ class GrammarBackend(abc.ABC):
         for matcher, row in zip(matchers, rows):
             matcher.fill_bitmask(bitmask, row)
 
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """Mask ``logits`` in place with ``bitmask`` (see :func:`apply_bitmask`, the default). Override
+        with a faster kernel of the backend's library; it must give the same result, on rows of any
+        backend (the engine masks a step's rows in one call, whichever backends filled them)."""
+        apply_bitmask(logits, bitmask, rows)
+
     def unsupported(self, spec: GrammarSpec, feature: str, detail: str = "") -> StructuredOutputError:
         """The error that refuses ``feature`` of ``spec`` (raise it), naming this backend."""
         message = f"grammar backend {self.name!r} does not support {feature} (in {spec.describe()})"
@@ -240,33 +250,15 @@ def allowed_token_ids(bitmask_row: torch.Tensor, vocab_size: int) -> list[int]:
 
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
     """Set to -inf, in place, the tokens of ``logits[r]`` that ``bitmask[r]`` disallows, for each ``r``
-    in ``rows`` (the other rows are left alone). On the CPU in float32 this is xgrammar's native
-    kernel where xgrammar is installed; elsewhere torch."""
+    in ``rows`` (the other rows are left alone), with torch. The engine calls a backend's
+    :meth:`GrammarBackend.apply_bitmask`, which is this unless the backend has a faster kernel."""
     rows = list(rows)
-    native = _native_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-    if native is not None:
-        native(logits, bitmask, vocab_size=logits.shape[1], indices=rows)
-        return
     index = torch.as_tensor(rows, dtype=torch.long, device=logits.device)
     blocked = _unpack(_BLOCKED, bitmask.index_select(0, index.cpu()), logits.shape[1]).to(logits.device)
     if rows == list(range(logits.shape[0])):
         logits.masked_fill_(blocked, float("-inf"))
         return
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(blocked, float("-inf")))
-
-
-_NATIVE: list[Any] = []
-
-
-def _native_apply() -> Any:
-    """xgrammar's ``apply_token_bitmask_inplace`` (None without xgrammar), looked up once."""
-    if not _NATIVE:
-        try:
-            from xgrammar import apply_token_bitmask_inplace
-        except ImportError:
-            apply_token_bitmask_inplace = None
-        _NATIVE.append(apply_token_bitmask_inplace)
-    return _NATIVE[0]
 
 
 _VOCABULARIES: dict[tuple[int, int], tuple[Any, list[str | None]]] = {}
@@ -300,6 +292,6 @@ def decoded_vocabulary(context: GrammarContext) -> list[str | None]:
         return out
 
 
-__all__ = ["CONSTRAINT_KINDS", "GrammarBackend", "GrammarContext", "GrammarMatcher", "GrammarSpec", "allocate_bitmask",
-           "allowed_token_ids", "apply_bitmask", "bitmask_from_allowed", "bitmask_to_bool", "bitmask_words",
-           "decoded_vocabulary"]
+__all__ = ["CONSTRAINT_KINDS", "GRAMMAR_PACKAGES", "GrammarBackend", "GrammarContext", "GrammarMatcher", "GrammarSpec",
+           "allocate_bitmask", "allowed_token_ids", "apply_bitmask", "bitmask_from_allowed", "bitmask_to_bool",
+           "bitmask_words", "decoded_vocabulary"]

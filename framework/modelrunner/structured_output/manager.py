@@ -15,7 +15,11 @@ Nothing a grammar does may hold the step of the requests beside it:
   :data:`SLOW_MASK_S` moves to threads of its own, never waited for. One mask may take
   ``mask_timeout_s``: past it, that request fails, naming its grammar.
 - **The cache** of compiled grammars is bounded by an estimate of their memory (``cache_bytes``;
-  xgrammar reports each grammar's size), dropping the least recently used.
+  a backend may report each grammar's size), dropping the least recently used.
+
+The kernel ships no backend: they are plugins (:data:`~.backend.GRAMMAR_PACKAGES` names the
+distributions of this project's), and a request for one that is not installed is refused naming the
+package to install (:func:`missing_backend_message`).
 """
 
 from __future__ import annotations
@@ -31,8 +35,9 @@ from typing import Any
 
 import torch
 
-from ..errors import StructuredOutputError
-from .backend import GrammarBackend, GrammarContext, GrammarMatcher, GrammarSpec, apply_bitmask, bitmask_words
+from ..errors import StructuredOutputError, UnknownNameError
+from ..registry import split_choice
+from .backend import GRAMMAR_PACKAGES, GrammarBackend, GrammarContext, GrammarMatcher, GrammarSpec, bitmask_words
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +60,31 @@ request waits for; niced, it runs in what the forward leaves."""
 FALLBACK_GRAMMAR_BYTES = 1 << 20
 """The memory assumed for a compiled grammar whose backend reports none (at least 64 bytes per
 character of its constraint)."""
+
+
+def missing_backend_message(name: str, plugins: Any) -> str:
+    """Why grammar backend ``name`` (``"plugin:name"`` allowed) is not among ``plugins``' and what to do:
+    for a backend of :data:`~.backend.GRAMMAR_PACKAGES`, the package to install (or, where that package
+    is installed, that its plugin was blocked or failed to load); for any other name, the registry's
+    message listing the installed backends."""
+    import importlib.metadata
+
+    bare = split_choice(name)[1]
+    registry = plugins.registry
+    broken = getattr(plugins, "broken", {})
+    installed = ", ".join(registry.names("grammar_backends")) or "none"
+    package = GRAMMAR_PACKAGES.get(bare)
+    if package is None:
+        return registry.unknown("grammar_backends", bare, broken)
+    try:
+        importlib.metadata.distribution(package)
+    except importlib.metadata.PackageNotFoundError:
+        return (f"grammar backend {bare!r} is not installed: it comes with the {package} package "
+                f"(pip install {package}); installed grammar backends: {installed}")
+    why = "; ".join(f"{p}: {e}" for p, e in sorted(broken.items())) or \
+        "it is blocked ($MODELRUNNER_BLOCK_PLUGINS) or not allowed ($MODELRUNNER_PLUGINS)"
+    return (f"grammar backend {bare!r} is not loaded: its package {package} is installed but its plugin did not "
+            f"load ({why}); installed grammar backends: {installed}")
 
 
 def _yield_to_the_engine() -> None:
@@ -335,7 +365,8 @@ class StructuredOutputManager:
     :param plugins: where backends are looked up (``registry.grammar_backends``).
     :param config: the engine's :class:`~modelrunner.config.StructuredOutputsConfig`.
     :param context: tokenizer, logits width and EOS ids given to each backend.
-    :raises UnknownNameError: the configured backend is not installed (the message lists those that are).
+    :raises UnknownNameError: the configured backend is not installed (the message names the package
+        that provides it, or lists the installed backends).
     :raises ValueError: it cannot run here (its library is missing).
     """
 
@@ -368,7 +399,10 @@ class StructuredOutputManager:
     # -- backends ------------------------------------------------------------------------------
 
     def _class(self, name: str) -> type:
-        cls = self.plugins.grammar_backend_class(name)
+        try:
+            cls = self.plugins.grammar_backend_class(name)
+        except UnknownNameError as e:
+            raise UnknownNameError(missing_backend_message(name, self.plugins)) from e
         reason = cls.unavailable_reason()
         if reason is not None:
             raise ValueError(f"grammar backend {name!r} cannot run here: {reason}")
@@ -411,7 +445,8 @@ class StructuredOutputManager:
         wanted = getattr(params, "backend", None) or self.config.backend  # GuidedDecodingParams(backend=...)
         names = self.auto_order() if wanted == "auto" else [wanted]
         if not names:
-            raise StructuredOutputError("no grammar backend is installed for backend='auto' (pip install xgrammar)",
+            packages = " or ".join(GRAMMAR_PACKAGES.values())
+            raise StructuredOutputError(f"no grammar backend is installed for backend='auto': pip install {packages}",
                                         feature="structured_outputs")
         refusals: list[StructuredOutputError] = []
         for name in names:
@@ -422,7 +457,10 @@ class StructuredOutputManager:
             if cached is not None and cached.error is None:
                 self.num_cache_hits += 1
                 return cached
-            backend = self.backend(name)
+            try:
+                backend = self.backend(name)
+            except UnknownNameError as e:  # a request's own backend (GuidedDecodingParams(backend=...))
+                raise StructuredOutputError(str(e), feature=f"grammar backend {name!r}", backend=name) from None
             try:
                 backend.check(spec)
             except StructuredOutputError as e:
@@ -470,8 +508,8 @@ class StructuredOutputManager:
     @staticmethod
     def _estimate_bytes(compiled: CompiledGrammar, result: Any) -> int:
         """What ``result`` takes in memory: the backend's ``compiled_size(result)`` when it has one,
-        xgrammar's ``memory_size_bytes``, else :data:`FALLBACK_GRAMMAR_BYTES` (at least 64 bytes per
-        character of the constraint)."""
+        the result's own ``memory_size_bytes`` (an int attribute), else :data:`FALLBACK_GRAMMAR_BYTES`
+        (at least 64 bytes per character of the constraint)."""
         size = getattr(compiled.backend, "compiled_size", None)
         if callable(size):
             try:
@@ -627,7 +665,7 @@ class StructuredOutputManager:
         bitmask = self._rows(len(cursors), logits.shape[1])
         for r in rows:
             bitmask[r] = cursors[r].mask[0]
-        apply_bitmask(logits, bitmask, rows)
+        cursors[rows[0]].grammar.backend.apply_bitmask(logits, bitmask, rows)
 
     def _rows(self, count: int, width: int) -> torch.Tensor:
         words = bitmask_words(width)
@@ -666,7 +704,7 @@ class StructuredOutputManager:
             r = rows[int(empty.nonzero()[0])]
             raise GrammarFailed(f"grammar backend {grammars[r].backend.name!r} allows no token at all for "
                                 f"{grammars[r].spec.describe()}")
-        apply_bitmask(logits, bitmask, rows)
+        grammars[rows[0]].backend.apply_bitmask(logits, bitmask, rows)
 
     # -- reporting -------------------------------------------------------------------------------
 
@@ -694,4 +732,4 @@ class StructuredOutputManager:
 
 
 __all__ = ["CACHE_SIZE", "CompiledGrammar", "GrammarCursor", "GrammarFailed", "GrammarPoolBusy",
-           "StructuredOutputManager"]
+           "StructuredOutputManager", "missing_backend_message"]

@@ -11,9 +11,8 @@ from typing import Any
 
 import torch
 
-from ..errors import StructuredOutputError
-from .backend import GrammarBackend, GrammarMatcher, GrammarSpec
-from .backend_schema import MATCHES_NOTHING
+from modelrunner.errors import StructuredOutputError
+from modelrunner.structured_output import MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec
 
 
 class GuidanceMatcher(GrammarMatcher):
@@ -122,7 +121,7 @@ class GuidanceBackend(GrammarBackend):
 
     def compile(self, spec: GrammarSpec) -> Any:
         """An ``LLMatcher`` at the grammar's start (each sequence gets a deep copy); refuses
-        (:data:`~.backend_schema.MATCHES_NOTHING`) a constraint whose first token llguidance finds
+        (:data:`~modelrunner.structured_output.MATCHES_NOTHING`) a constraint whose first token llguidance finds
         impossible (a regex class that holds no character, say)."""
         from llguidance import LLMatcher
 

@@ -1,5 +1,6 @@
 """The ``xgrammar`` grammar backend (the default): JSON schemas, regexes, choices and GBNF grammars
-compiled by xgrammar against the model's tokenizer, masks filled for the whole batch in parallel."""
+compiled by xgrammar against the model's tokenizer, masks filled for the whole batch in parallel and
+applied to the logits with xgrammar's CPU kernel."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from typing import Any
 
 import torch
 
-from ..errors import StructuredOutputError
-from .backend import GrammarBackend, GrammarMatcher, GrammarSpec
-from .backend_schema import MATCHES_NOTHING
+from modelrunner.errors import StructuredOutputError
+from modelrunner.structured_output import MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask
 
 IGNORED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems")
@@ -198,7 +198,8 @@ class XGrammarBackend(GrammarBackend):
     @classmethod
     def unavailable_reason(cls) -> str | None:
         """None when the xgrammar package is importable."""
-        return None if importlib.util.find_spec("xgrammar") else "the xgrammar package is not installed (pip install xgrammar)"
+        return None if importlib.util.find_spec("xgrammar") else \
+            "the xgrammar package is not installed (pip install xgrammar)"
 
     def check(self, spec: GrammarSpec) -> None:
         """Parse the constraint with xgrammar (no tokenizer work); refuse what it would not enforce."""
@@ -240,7 +241,7 @@ class XGrammarBackend(GrammarBackend):
             return self._compiler
 
     def compile(self, spec: GrammarSpec) -> Any:
-        """An ``xgrammar.CompiledGrammar``; refuses (:data:`~.backend_schema.MATCHES_NOTHING`) a
+        """An ``xgrammar.CompiledGrammar``; refuses (:data:`~modelrunner.structured_output.MATCHES_NOTHING`) a
         constraint that no finite text satisfies, which could only fail half-way."""
         compiler = self._compiler_instance()
         try:
@@ -261,6 +262,10 @@ class XGrammarBackend(GrammarBackend):
                                         backend=self.name)
         return compiled
 
+    def compiled_size(self, compiled: Any) -> int:
+        """What xgrammar reports the compiled grammar takes in memory (bounds the engine's cache)."""
+        return int(compiled.memory_size_bytes)
+
     def matcher(self, compiled: Any) -> XGrammarMatcher:
         """A fresh ``xgrammar.GrammarMatcher``."""
         import xgrammar as xgr
@@ -276,6 +281,29 @@ class XGrammarBackend(GrammarBackend):
         if self._batch is None:
             self._batch = xgr.BatchGrammarMatcher(self.max_threads)
         self._batch.batch_fill_next_token_bitmask([m.matcher for m in matchers], bitmask, list(rows))
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> None:
+        """xgrammar's native ``apply_token_bitmask_inplace`` for float32 logits on the CPU (1.3-2.5x the
+        kernel's torch version); elsewhere the kernel's :func:`~modelrunner.structured_output.apply_bitmask`."""
+        native = _native_apply() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        if native is None:
+            apply_bitmask(logits, bitmask, rows)
+        else:
+            native(logits, bitmask, vocab_size=logits.shape[1], indices=list(rows))
+
+
+_NATIVE: list[Any] = []
+
+
+def _native_apply() -> Any:
+    """xgrammar's ``apply_token_bitmask_inplace`` (None where it cannot be imported), looked up once."""
+    if not _NATIVE:
+        try:
+            from xgrammar import apply_token_bitmask_inplace
+        except ImportError:
+            apply_token_bitmask_inplace = None
+        _NATIVE.append(apply_token_bitmask_inplace)
+    return _NATIVE[0]
 
 
 __all__ = ["IGNORED_KEYWORDS", "XGrammarBackend", "XGrammarMatcher", "choice_grammar", "matches_nothing",
