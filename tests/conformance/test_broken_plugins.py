@@ -4,6 +4,7 @@ the checks its defect breaks fail with a message naming the defect, the others p
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 from pathlib import Path
 
@@ -279,3 +280,77 @@ def test_tool_parser_streaming_its_calls_as_content(install):
     assert "sent a call's start as content" in results["failed"]["streaming"] or "which is not content" in \
         results["failed"]["streaming"]
     assert {"one-call", "several-calls", "plain-text", "unreadable-calls"} <= set(results["passed"])
+
+
+OFF_BY_ONE_NGRAM = """
+from modelrunner import hookimpl
+from modelrunner.spec_decode import Proposer, ngram_proposal
+
+
+class OffByOneNgram(Proposer):
+    '''Prompt lookup that proposes from one token too far on: the token after the one that followed.'''
+
+    name = "off_by_one_ngram"
+
+    def propose(self, requests):
+        return [ngram_proposal(r.token_ids, 1, 3, r.num_tokens + 1)[1:] for r in requests]
+
+
+@hookimpl
+def register(registry):
+    registry.proposers(OffByOneNgram)
+"""
+
+PADDED_WITH_MINUS_ONE = """
+from modelrunner import hookimpl
+from modelrunner.spec_decode import Proposer, ngram_proposal
+
+
+class Padded(Proposer):
+    '''Prompt lookup whose proposals are padded to num_tokens with -1, as rows of a batched tensor are.'''
+
+    name = "padded"
+
+    def propose(self, requests):
+        return [(ngram_proposal(r.token_ids, 1, 3, r.num_tokens) + [-1] * r.num_tokens)[:r.num_tokens]
+                for r in requests]
+
+
+@hookimpl
+def register(registry):
+    registry.proposers(Padded)
+"""
+
+
+def test_check_fails_a_proposer_whose_drafts_are_off_by_one(tmp_path):
+    # Every check but acceptance passes it: its ids are valid and verification keeps the outputs exact.
+    import json
+
+    from plugin_dists import run_cli
+
+    root = make_distribution(tmp_path, "modelrunner-test-off-by-one-ngram", "off_by_one_ngram", "mr_test_obo_ngram",
+                             OFF_BY_ONE_NGRAM)
+    result = run_cli("check", "off_by_one_ngram", "--json", pythonpath=root)
+    assert result.returncode == 1, result.stdout[-3000:] + result.stderr[-2000:]
+    results: dict[str, dict[str, str]] = {"passed": {}, "failed": {}, "skipped": {}}
+    for r in json.loads(result.stdout)["results"]:
+        results[r["status"]][r["check"]] = r["message"]
+    assert set(results["failed"]) == {"acceptance-on-copied-text"}
+    message = results["failed"]["acceptance-on-copied-text"]
+    assert re.match(r"on a prompt that repeats a 12-token passage, whose greedy continuation repeats it again, "
+                    r"0 of \d+ drafted tokens were accepted \(0%\); a proposer that guesses the continuation of "
+                    r"copied text gets close to 100% there \(the kernel's ngram does\), and at least 30% is expected; "
+                    r"replayed over the output, its first guess matches the token one position later than the next "
+                    r"one \d+ times and the next one 0 times: are its drafts off by one\?$", message), message
+    assert {"valid-proposals", "forget-and-reuse-ids", "engine-outputs-unchanged"} <= set(results["passed"])
+
+
+def test_out_of_vocabulary_drafts_are_counted_and_fail_the_proposer(install):
+    plugins = install("padded", "mr_test_padded", PADDED_WITH_MINUS_ONE, "llama")
+    results = _by_status(suite("proposers", "padded", plugins=plugins).run())
+    # Every check that validates the ids; the drafts before the padding are still accepted.
+    assert set(results["failed"]) == {"valid-proposals", "forget-and-reuse-ids", "engine-outputs-unchanged"}
+    assert "acceptance-on-copied-text" in results["passed"]
+    assert "proposed [-1, -1, -1] for sequence 2: not token ids below 256" in results["failed"]["valid-proposals"]
+    assert re.fullmatch(r"\d+ proposal\(s\) had token ids outside the target's vocabulary \(0 … 255\); the engine "
+                        r"cut them there", results["failed"]["engine-outputs-unchanged"])

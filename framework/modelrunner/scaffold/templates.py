@@ -441,9 +441,10 @@ from modelrunner.spec_decode import ProposalRequest, Proposer, ProposerContext
 
 
 class {cls}(Proposer):
-    """Proposes that the last token repeats. Replace :meth:`propose` with your guess of what follows
-    each sequence: the engine checks every proposed token with the target model, so a bad guess costs
-    speed, never correctness.
+    """Proposes what followed the previous occurrence of the sequence's last token (prompt lookup on one
+    token). Replace :meth:`propose` with your guess of what follows each sequence: the engine checks
+    every proposed token with the target model, so a bad guess costs speed, never correctness (and
+    ``modelrunner check`` measures how many of your guesses are accepted on text that copies its prompt).
 
     The settings come from ``speculative_config`` (``self.context.config``: ``num_speculative_tokens``,
     ``prompt_lookup_min`` / ``prompt_lookup_max``, ``model``); ``self.context.vocab_size`` bounds the ids.
@@ -456,7 +457,13 @@ class {cls}(Proposer):
 
     def propose(self, requests: Sequence[ProposalRequest]) -> list[list[int]]:
         """At most ``request.num_tokens`` token ids per request, in order (``[]``: no guess)."""
-        return [[request.token_ids[-1]] * request.num_tokens for request in requests]
+        proposals = []
+        for request in requests:
+            tokens = request.token_ids
+            earlier = [i for i in range(len(tokens) - 1) if tokens[i] == tokens[-1]]
+            # The tokens after the latest earlier occurrence: the ones that follow it, not the one itself.
+            proposals.append(list(tokens[earlier[-1] + 1:earlier[-1] + 1 + request.num_tokens]) if earlier else [])
+        return proposals
 
     def forget(self, seq_ids: Sequence[int]) -> None:
         """Sequences that ended or were preempted (drop state kept per sequence; none here)."""

@@ -47,7 +47,8 @@ class Proposer(abc.ABC):
     the target model and keeps only what the target itself would have produced (greedy) or, when
     sampling, accepts each with the rejection rule that preserves the target distribution. A wrong
     guess costs a slot in the step's forward. Proposals outside the vocabulary are cut off by the
-    engine (at the first bad id) and more than ``num_tokens`` are truncated (an iterator is read no
+    engine (at the first bad id; counted as ``proposals_out_of_vocab`` in the engine's
+    ``stats()["speculative"]``) and more than ``num_tokens`` are truncated (an iterator is read no
     further). Each call runs in a thread of its own and may take at most
     ``$MODELRUNNER_PROPOSER_TIMEOUT`` seconds (default 30): past that, speculative decoding is turned
     off for the engine's life and requests go on without drafts.

@@ -124,6 +124,9 @@ class SpecCounters:
     """Steps whose proposer raised (nothing was speculated then)."""
     proposals_truncated: int = 0
     """Proposals cut at the tokens asked for (a proposer that proposed more, or an endless iterator)."""
+    proposals_out_of_vocab: int = 0
+    """Proposals cut at a token id outside the target's vocabulary (``< 0`` or ``>= vocab_size``): a
+    proposer bug (another tokenizer, an off-by-one), reported once in the log and counted here."""
     proposer_timeouts: int = 0
     """Proposer calls that did not return within ``$MODELRUNNER_PROPOSER_TIMEOUT`` (the first one turns
     speculative decoding off)."""
@@ -224,11 +227,21 @@ class Speculator:
                 self._truncated(request.num_tokens)
                 del tokens[request.num_tokens:]
             for token in tokens:
-                if isinstance(token, bool) or not isinstance(token, (int, np.integer)) or not 0 <= token < vocab:
+                if isinstance(token, bool) or not isinstance(token, (int, np.integer)):
                     break  # garbage from here on: keep what came before
+                if not 0 <= token < vocab:
+                    self._out_of_vocab(int(token))
+                    break
                 clean.append(int(token))
             out.append(clean)
         return out
+
+    def _out_of_vocab(self, token: int) -> None:
+        self.counters.proposals_out_of_vocab += 1
+        if self.counters.proposals_out_of_vocab == 1:
+            logger.warning("proposer %r proposed token id %d, outside the target's vocabulary (0 … %d); proposals "
+                           "are cut there and counted in stats()['speculative']['proposals_out_of_vocab'] (reported "
+                           "once)", self.proposer.name, token, self.vocab_size - 1)
 
     def _truncated(self, asked: int) -> None:
         self.counters.proposals_truncated += 1
