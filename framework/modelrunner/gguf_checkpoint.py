@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import logging
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -120,15 +120,30 @@ def __getattr__(name: str) -> Any:
 
 def _read_at(handle: Any, offset: int, size: int) -> torch.Tensor:
     """``size`` bytes of the open file ``handle`` from ``offset``, as a uint8 tensor of their own."""
-    buffer = bytearray(size)
-    view, got = memoryview(buffer), 0
+    out = torch.empty(size, dtype=torch.uint8)
+    _read_into(handle, offset, out)
+    return out
+
+
+def _read_into(handle: Any, offset: int, out: torch.Tensor) -> None:
+    """Fill the contiguous uint8 tensor ``out`` with the bytes of the open file ``handle`` from ``offset``
+    (the reads release the GIL)."""
+    view, got, size = memoryview(out.detach().numpy()).cast("B"), 0, out.numel()
     handle.seek(offset)
     while got < size:
         n = handle.readinto(view[got:])
         if not n:
             raise ModelSourceError(f"{handle.name}: the file ended while reading it (was it truncated meanwhile?)")
         got += n
-    return torch.frombuffer(buffer, dtype=torch.uint8) if size else torch.empty(0, dtype=torch.uint8)
+
+
+def _reader(path: Path, offset: int) -> Callable[[torch.Tensor, int], None]:
+    """Reads the bytes of the tensor at ``offset`` of ``path``, from its byte ``start`` on, into a given
+    tensor (opening the file for it, so that it can run after the iteration that made it)."""
+    def read(out: torch.Tensor, start: int) -> None:
+        with open(path, "rb", buffering=0) as handle:
+            _read_into(handle, offset + start, out)
+    return read
 
 
 class GGUFCheckpoint:
@@ -284,13 +299,15 @@ class GGUFCheckpoint:
                     continue  # precomputed rotary tables: the model computes its own
                 raise ModelSourceError(f"{self.path}: tensor {info.name!r} has no place in a {arch} model")
             # Each tensor read on its own (not a view of a mapping of the file): once the loader has
-            # converted it into the model's storage, its bytes are freed.
-            raw = _read_at(handle, self.header.data_start + info.offset, info.nbytes)
+            # converted it into the model's storage, its bytes are freed. Blocks are read when the
+            # loader asks, straight into the storage where it keeps them as stored.
+            offset = self.header.data_start + info.offset
             if info.ggml_type in FLOAT_TYPES:
+                raw = _read_at(handle, offset, info.nbytes)
                 tensor: Any = raw.view(FLOAT_TYPES[info.ggml_type]).reshape(info.shape)
             else:
                 rows, cols = info.shape if len(info.shape) == 2 else (1, info.shape[0])
-                tensor = GGMLBlocks(raw.reshape(rows, -1), info.ggml_type, (rows, cols), info.name)
+                tensor = GGMLBlocks.deferred(_reader(self.path, offset), info.ggml_type, (rows, cols), info.name)
             if arch in ("llama", "mistral") and info.name.endswith(("attn_q.weight", "attn_k.weight")):
                 n = heads if "attn_q" in info.name else kv_heads
                 index = _unpermute_rows(info.shape[0], n)

@@ -198,6 +198,8 @@ class ModelRunner(ArticleAPI):
         self.check_config()
         cfg = self.config
         self.source = resolve_source(cfg.model.model, cfg.model.cache_dir, cfg.model.trust_remote_code)
+        if cfg.model.tokenizer is None:
+            self.source.prefetch_tokenizer()
         self.quantization = self.choose_quantization(self.source)
         self.source = attrs.evolve(self.source, quantization=self.quantization)
         self.dtype, self.dtype_why = dtype_choice(cfg.model.dtype, self.source.hf_config, self.device,
@@ -382,9 +384,11 @@ class ModelRunner(ArticleAPI):
         (resident bytes as stored, plus any
         prepacked copy a compile backend keeps), ``quantization`` (the method, its layer formats and
         chosen kernels), ``model`` (from the model's ``runner_stats()`` when it has one, e.g. MoE
-        expert token counts) and ``compile`` (from the compiled callable's ``stats()``, e.g. recompiles)."""
+        expert token counts), ``compile`` (from the compiled callable's ``stats()``, e.g. recompiles) and
+        ``adapter`` (:meth:`adapter_stats`: which plugin serves the model)."""
         loaded = self._require_loaded()
-        out: dict[str, Any] = {"dtype": {"asked": self.config.model.dtype,
+        out: dict[str, Any] = {"adapter": self.adapter_stats(),
+                               "dtype": {"asked": self.config.model.dtype,
                                          "runs": str(self.dtype).removeprefix("torch."), "why": self.dtype_why}}
         compile_stats = getattr(loaded.runnable, "stats", None)
         compiled = compile_stats() if callable(compile_stats) else None
@@ -401,4 +405,18 @@ class ModelRunner(ArticleAPI):
             out["compile"] = compiled
         if self.lora is not None:
             out["lora"] = self.lora.stats()
+        return out
+
+    def adapter_stats(self) -> dict[str, Any]:
+        """Who serves the model: the adapter plugin (entry-point name), its distribution and version,
+        the checkpoint's architecture and ``model_type``, and, for a composite model, each part's adapter."""
+        loaded = self._require_loaded()
+        info = self.plugins.infos.get(loaded.adapter)
+        config = loaded.hf_config
+        out: dict[str, Any] = {"plugin": loaded.adapter, "distribution": info.distribution if info else None,
+                               "version": info.version if info else None,
+                               "architecture": (getattr(config, "architectures", None) or [None])[0],
+                               "model_type": getattr(config, "model_type", None)}
+        if loaded.parts:
+            out["parts"] = {name: part.adapter for name, part in loaded.parts.items()}
         return out

@@ -8,6 +8,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,8 @@ class ModelSource:
     not this part's and are skipped. Empty: every tensor, named as stored."""
     cache_dir: str | None = None
     """The configured ``cache_dir`` (None: the default), where :attr:`directory` converts a GGUF file."""
+    _tokenizer_job: dict[str, Any] = attrs.field(factory=dict, eq=False, repr=False, alias="tokenizer_job")
+    """:meth:`prefetch_tokenizer`'s thread and outcome (shared by the copies ``attrs.evolve`` makes)."""
 
     @property
     def architecture(self) -> str:
@@ -64,9 +67,39 @@ class ModelSource:
         if self.gguf is not None:
             self.gguf.close()
 
+    def prefetch_tokenizer(self) -> None:
+        """Start building the tokenizer on a thread of its own, so that it overlaps building the model
+        and reading its weights (whose file reads and copies release the GIL); :meth:`load_tokenizer`
+        then waits for it. A GGUF file's vocabulary takes about half a second to turn into a tokenizer."""
+        job = self._tokenizer_job
+        if "thread" in job:
+            return
+
+        def build() -> None:
+            try:
+                job["result"] = self._build_tokenizer()
+            except BaseException as e:  # noqa: BLE001 - re-raised by load_tokenizer, in the caller's thread
+                job["error"] = e
+
+        job["thread"] = threading.Thread(target=build, name="modelrunner-tokenizer", daemon=True)
+        job["thread"].start()
+
     def load_tokenizer(self) -> Any:
         """The checkpoint's tokenizer (transformers ``AutoTokenizer``, or built from GGUF metadata);
-        None when the checkpoint has none."""
+        None when the checkpoint has none. Waits for :meth:`prefetch_tokenizer`'s thread if one runs.
+
+        :raises ModelSourceError: the tokenizer files or metadata cannot be turned into a tokenizer.
+        """
+        job = self._tokenizer_job
+        thread = job.pop("thread", None)
+        if thread is None:
+            return self._build_tokenizer()
+        thread.join()
+        if "error" in job:
+            raise job.pop("error")
+        return job.pop("result")
+
+    def _build_tokenizer(self) -> Any:
         if self.gguf is not None:
             return self.gguf.tokenizer()
         if not any((Path(self.path) / name).is_file() for name in TOKENIZER_FILES):

@@ -189,3 +189,59 @@ def test_conversion_is_atomic_and_follows_the_umask(tmp_path):
     # The converted directory is what the generic transformers adapter (and quantization="none" users
     # with code that needs a directory) read; its weights are the file's, dequantized.
     assert resolve_source(str(path)).gguf is not None
+
+
+def test_blocks_are_read_when_the_loader_asks_and_equal_the_file_after_the_reading_ended(tmp_path):
+    import gguf
+
+    from modelrunner.quantization import GGMLBlocks
+
+    path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "deferred.gguf", types={"ffn_down": T.Q4_K})
+    stored = {t.name: torch.from_numpy(np.array(t.data)).view(torch.uint8).reshape(t.shape[::-1][0], -1)
+              for t in gguf.GGUFReader(str(path)).tensors if t.tensor_type not in (T.F32, T.F16)}
+    source = resolve_source(str(path))
+    blocks = {}
+    for name, tensor in source.iter_weights():  # the file is closed once the iteration has ended
+        if isinstance(tensor, GGMLBlocks) and "q_proj" not in name and "k_proj" not in name:
+            blocks[tensor.name] = tensor
+    assert len(blocks) == 11 and {b.type_name for b in blocks.values()} == {"Q8_0", "Q4_K"}
+    for name, tensor in blocks.items():
+        rows = tensor.shape[0]
+        part = tensor.narrow(0, 1, rows - 2)  # rows of deferred blocks are read on their own
+        target = torch.empty(rows - 2, tensor.row_bytes, dtype=torch.uint8)
+        part.copy_to(target)
+        assert torch.equal(target, stored[name][1:rows - 1]), name
+        assert torch.equal(tensor.data, stored[name]), name
+
+
+def test_a_vocabulary_that_makes_no_tokenizer_fails_the_load_naming_the_file(tmp_path):
+    import gguf
+
+    from modelrunner.conformance.gguf import add_tokenizer, write_gguf
+
+    from .gguf_files import _smollm2_tokenizer
+
+    def broken(writer: gguf.GGUFWriter) -> None:
+        fields = dict(_smollm2_tokenizer())
+        fields["tokenizer.ggml.merges"] = ["not-a-merge-line"]
+        add_tokenizer(writer, fields)
+
+    model = tiny_llama()
+    state = ((k, v.detach().float().numpy()) for k, v in model.state_dict().items())
+    path = write_gguf(model.config, state, tmp_path / "vocab.gguf", {}, T.Q8_0, metadata=broken)
+    # The tokenizer is built on a thread of its own while the weights load: its error still reaches the caller.
+    with pytest.raises(ModelSourceError, match=rf"{path}: cannot build the tokenizer its metadata describes"):
+        LLM(str(path), **KW)
+    assert wait_for_no_tokenizer_threads()
+
+
+def wait_for_no_tokenizer_threads() -> bool:
+    import threading
+    import time
+
+    deadline = time.monotonic() + 5
+    while any(t.name == "modelrunner-tokenizer" for t in threading.enumerate()):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True

@@ -11,6 +11,8 @@ travel with it, so that is exact.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .ggml_formats import PLANAR_FORMS, Q4_0, Q4_1, Q8_0, to_planar
@@ -57,23 +59,56 @@ class GGMLBlocks:
     :param name: the tensor's name in the file (for messages).
     """
 
-    def __init__(self, data: torch.Tensor, ggml_type: int, shape: tuple[int, int], name: str = "?") -> None:
+    def __init__(self, data: torch.Tensor | None, ggml_type: int, shape: tuple[int, int], name: str = "?",
+                 reader: Callable[[torch.Tensor, int], None] | None = None) -> None:
         if ggml_type not in GGML_BLOCK:
             raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, which is not a block format")
         self.block_elements, self.block_bytes = GGML_BLOCK[ggml_type]
         rows, cols = shape
-        if cols % self.block_elements or tuple(data.shape) != (rows, cols // self.block_elements * self.block_bytes):
-            raise ValueError(f"tensor {name!r}: {ggml_type_name(ggml_type)} data of shape {list(data.shape)} does not "
+        self.row_bytes = cols // self.block_elements * self.block_bytes
+        """Stored bytes per row."""
+        if cols % self.block_elements or (data is not None and tuple(data.shape) != (rows, self.row_bytes)):
+            got = list(data.shape) if data is not None else "no"
+            raise ValueError(f"tensor {name!r}: {ggml_type_name(ggml_type)} data of shape {got} does not "
                              f"hold a [{rows}, {cols}] matrix")
-        self.data = data
+        if data is None and reader is None:
+            raise ValueError(f"tensor {name!r}: blocks need their data or a reader")
+        self._data = data
+        self._reader = reader
         self.ggml_type = ggml_type
         self.shape = (rows, cols)
         self.name = name
 
+    @classmethod
+    def deferred(cls, reader: Callable[[torch.Tensor, int], None], ggml_type: int, shape: tuple[int, int],
+                 name: str = "?") -> GGMLBlocks:
+        """Blocks not read yet: ``reader(out, start)`` fills the contiguous uint8 tensor ``out`` with
+        their bytes from byte ``start`` on (rows follow each other). :meth:`copy_to` reads them straight into their destination (one pass over the
+        bytes, no temporary); :attr:`data` reads them into a tensor of their own on first use."""
+        return cls(None, ggml_type, shape, name, reader)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The stored bytes, uint8 ``[rows, blocks * bytes_per_block]`` (read now if deferred)."""
+        if self._data is None:
+            data = torch.empty(self.shape[0], self.row_bytes, dtype=torch.uint8)
+            self._reader(data, 0)
+            self._data = data
+        return self._data
+
+    def copy_to(self, target: torch.Tensor) -> None:
+        """Copy the stored bytes into ``target`` (uint8, their shape, or one it views them as); deferred
+        blocks are read straight into a contiguous ``target`` of exactly their shape."""
+        if self._data is None and target.is_contiguous() and target.dtype == torch.uint8 \
+                and tuple(target.shape) == (self.shape[0], self.row_bytes):
+            self._reader(target, 0)
+        else:
+            target.copy_(self.data)
+
     @property
     def nbytes(self) -> int:
         """Bytes stored."""
-        return self.data.numel()
+        return self.shape[0] * self.row_bytes
 
     @property
     def type_name(self) -> str:
@@ -87,6 +122,10 @@ class GGMLBlocks:
             features that is not a multiple of the block size).
         """
         if dim == 0:
+            if self._data is None:  # still deferred: so are the rows
+                reader, skip = self._reader, start * self.row_bytes
+                return GGMLBlocks.deferred(lambda out, at: reader(out, skip + at), self.ggml_type,
+                                           (length, self.shape[1]), self.name)
             return GGMLBlocks(self.data.narrow(0, start, length), self.ggml_type, (length, self.shape[1]), self.name)
         if dim != 1:
             raise ValueError(f"a {self.type_name} tensor narrows along dim 0 or 1, not {dim}")
@@ -118,7 +157,7 @@ class GGMLBlocks:
         """``(first row, blocks of those rows)`` in slices of about ``max_bytes`` of stored data, so a
         conversion's temporaries stay small whatever the tensor's size."""
         rows = self.shape[0]
-        step = max(1, max_bytes // max(1, self.data.shape[1]))
+        step = max(1, max_bytes // max(1, self.row_bytes))
         for start in range(0, rows, step):
             yield start, self.narrow(0, start, min(step, rows - start))
 

@@ -73,7 +73,7 @@ class GGMLScheme(PlanarScheme):
             blocks = tensor if src is None else tensor.narrow(*src)
             target = param.data if dst is None else dst(param.data) if callable(dst) else param.data.narrow(0, *dst)
             with torch.no_grad():
-                target.copy_(blocks.data)
+                blocks.copy_to(target)
         return load
 
     def storage(self, layer: nn.Module) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
