@@ -123,7 +123,8 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
     Floating-point parameters and buffers take ``dtype``; others keep theirs, and so does quantized
     storage that sets ``keep_dtype = True``. Parameter attributes (``weight_loader``) and tied
     parameters survive. Modules with a ``reset_buffers()`` method are then asked to recompute their
-    non-persistent buffers (e.g. the rotary cos/sin table), and modules with a ``compute_dtype``
+    buffers (e.g. the rotary cos/sin table; a buffer nothing writes is reported by :func:`unset_buffers`,
+    and the kernel refuses such a model when it loads), and modules with a ``compute_dtype``
     attribute get ``dtype`` there (a quantized embedding returns its rows in it: it has no float
     parameter to take it from).
 
@@ -157,7 +158,7 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
                 new_params[id(param)] = fresh
             setattr(module, key, new_params[id(param)])
         for key, buf in list(module.named_buffers(recurse=False)):
-            setattr(module, key, empty(buf))
+            setattr(module, key, _unset(empty(buf)))
     for module in model.modules():
         if hasattr(module, "compute_dtype") and dtype.is_floating_point:
             module.compute_dtype = dtype
@@ -165,6 +166,43 @@ def materialize(model: nn.Module, device: torch.device | str, dtype: torch.dtype
         if callable(getattr(module, "reset_buffers", None)):
             module.reset_buffers()
     return model
+
+
+def _unset(t: torch.Tensor) -> torch.Tensor:
+    """Mark a buffer :func:`materialize` allocated, so :func:`unset_buffers` can tell whether anything
+    wrote it since (its version counter moves on an in-place write; a buffer reassigned is a new tensor)."""
+    try:
+        t._materialized_version = t._version  # type: ignore[attr-defined]
+    except RuntimeError:  # an inference tensor keeps no version counter: not tracked
+        pass
+    return t
+
+
+def unset_buffers(model: nn.Module) -> list[str]:
+    """The buffers (``module.path.name``) still holding the uninitialised storage :func:`materialize`
+    gave them: never recomputed (``reset_buffers()``) nor written by loading. A value computed in
+    ``__init__`` is lost on ``meta``, so such a buffer holds garbage."""
+    unset = []
+    for module_name, module in model.named_modules():
+        for key, buf in module.named_buffers(recurse=False):
+            marked = getattr(buf, "_materialized_version", None)
+            if marked is not None and buf._version == marked:
+                unset.append(f"{module_name}.{key}" if module_name else key)
+    return unset
+
+
+def unset_buffers_message(model: nn.Module, names: Sequence[str], who: str) -> str:
+    """What to tell the author of a model whose buffers :func:`unset_buffers` found (``who``: the adapter)."""
+    modules = dict(model.named_modules())
+    owners = sorted({type(modules[n.rpartition(".")[0]]).__name__ for n in names})
+    shown = ", ".join(names[:4]) + (f" … ({len(names)} in all)" if len(names) > 4 else "")
+    return (f"{who} left {'a buffer' if len(names) == 1 else 'buffers'} without a value after building the model "
+            f"on the meta device: {shown} (of {', '.join(owners)}). A buffer computed in __init__ is lost there: "
+            "__init__ runs on 'meta', where tensors hold no data, and materialize() gives each buffer new, "
+            "uninitialised storage (the model would compute with garbage, e.g. NaN logits). Compute it in a "
+            f"reset_buffers(self) method of {' / '.join(owners)}, which materialize() calls once the module has "
+            "real storage (as modelrunner.layers.RotaryEmbedding does); loading reads parameters only, so "
+            "registering it persistent does not help")
 
 
 def _resolve(

@@ -245,3 +245,67 @@ def test_a_method_that_quantizes_nothing_fails_covers_layers(tmp_path, root):
         result = _results(checked, {"covers-layers"})["covers-layers"]
     assert result.status == "failed"
     assert "quantization 'int4_nothing' gave no layer of" in result.message and "covers_layers=True" in result.message
+
+
+BUFFER_FROM_INIT = '''
+"""modelrunner-llama's Llama with a per-layer buffer (a GPT-NeoX-style attention scale) computed in __init__."""
+import torch
+from torch import nn
+
+from modelrunner import hookimpl
+from modelrunner.models import build_and_load, loaded_for
+from modelrunner_llama import forward, parallelize
+from modelrunner_llama.model import LlamaForCausalLM
+
+RESET = {reset}
+
+
+class AttentionScale(nn.Module):
+    def __init__(self, head_dim):
+        super().__init__()
+        self.head_dim = head_dim
+        self.register_buffer("norm_factor", torch.tensor(head_dim ** -0.5), persistent=False)
+
+    if RESET:
+        def reset_buffers(self):
+            self.norm_factor.fill_(self.head_dim ** -0.5)
+
+
+class ScaledLlama(LlamaForCausalLM):
+    def __init__(self, *args):
+        super().__init__(*args)
+        for layer in self.model.layers:
+            layer.scale = AttentionScale(16)
+
+
+@hookimpl
+def register(registry):
+    registry.architectures("LlamaForCausalLM", devices=("cpu",))
+
+
+@hookimpl
+def load(source, config, device, dtype, parallel, attention_backend, max_model_len):
+    model = build_and_load(lambda: ScaledLlama(source.hf_config, max_model_len, parallel, attention_backend),
+                           source, device, dtype)
+    return loaded_for(model, source, config, dtype)
+'''
+
+
+def test_a_buffer_computed_in_init_is_named_with_what_to_do(tmp_path, root):
+    # Built on meta, the buffer's value is lost; the kernel refuses the model at load, naming each buffer.
+    with installed(tmp_path, "buffer_from_init", BUFFER_FROM_INIT.replace("{reset}", "False")) as plugins:
+        checked = suite("architectures", "LlamaForCausalLM", plugins=plugins, root=root, tensor_parallel=False)
+        logits = _results(checked, {"logits"})["logits"]
+    assert logits.status == "failed"
+    assert ("raised PluginError: adapter 'buffer_from_init' left buffers without a value after building the model "
+            "on the meta device: model.layers.0.scale.norm_factor, model.layers.1.scale.norm_factor (of "
+            "AttentionScale). A buffer computed in __init__ is lost there") in logits.message, logits.message
+    assert "Compute it in a reset_buffers(self) method of AttentionScale, which materialize() calls" in logits.message
+
+
+def test_a_buffer_recomputed_in_reset_buffers_loads(tmp_path, root):
+    with installed(tmp_path, "buffer_reset", BUFFER_FROM_INIT.replace("{reset}", "True")) as plugins:
+        checked = suite("architectures", "LlamaForCausalLM", plugins=plugins, root=root, tensor_parallel=False)
+        assert _results(checked, {"logits"})["logits"].status == "passed"
+        scale = checked.llm("batched").runner.loaded.model.model.layers[1].scale.norm_factor
+    assert float(scale) == 0.25

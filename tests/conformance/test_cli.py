@@ -45,8 +45,23 @@ def test_check_config_values_are_overrides_or_a_path(tmp_path):
     assert parse_config([str(tmp_path)]) == str(tmp_path)
     config = parse_config([str(tmp_path / "config.json"), "use_parallel_residual=False"])
     assert config.use_parallel_residual is False and config.architectures == ["GPTNeoXForCausalLM"]
-    with pytest.raises(ValueError, match=r"GPTNeoXConfig has no field 'no_such_field'"):
+    with pytest.raises(ValueError, match=r"GPTNeoXConfig has no field 'no_such_field' to set to 1; its fields: "
+                                         r".*, use_parallel_residual, vocab_size$"):
         parse_config([str(tmp_path), "no_such_field=1"])
+
+
+def test_check_config_naming_an_unknown_field_is_a_usage_error(capsys):
+    # One line naming the field, the close ones and the config's fields, exit 2: not every check failing on it.
+    from modelrunner.cli import main
+
+    if "llama" not in get_plugins().infos:
+        pytest.skip("modelrunner-llama is not installed")
+    assert main(["check", "llama", "--config", "rms_norm_epsilon=1e-5", "--config", "num_hidden_layers=1"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1, err
+    assert err.startswith("modelrunner: error: --config rms_norm_epsilon=...: LlamaConfig has no field "
+                          "'rms_norm_epsilon' to set to 1e-05 (did you mean 'rms_norm_eps'?); its fields: "), err
+    assert "hidden_size, " in err and ", rms_norm_eps, " in err
 
 
 def test_check_options_reach_the_suites_that_take_them(tmp_path):

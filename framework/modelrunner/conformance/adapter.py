@@ -24,6 +24,7 @@ from typing import Any
 from ..registry import FALLBACK_ARCHITECTURE
 from .base import Check, ConformanceError, NotApplicable, Suite, expect
 from .models import (
+    UnknownConfigField,
     checkpoint_config,
     load_config,
     make_llm,
@@ -134,6 +135,25 @@ class AdapterSuite(Suite):
         self._greedy: dict[tuple[int, ...], list[int]] = {}
 
     # -- set-up, built once and shared by the checks ---------------------------------------------
+
+    def check_config(self) -> None:
+        """Refuse ``config=`` overrides naming a field the tiny config lacks, before any check runs
+        (each check would fail on it). Other problems with the config are left to the checks to report.
+
+        :raises UnknownConfigField: naming the field, the closest ones and the config's own fields.
+        """
+        if not isinstance(self._config, Mapping) or not self._config or self._checkpoint is not None:
+            return
+        architecture = self._generic if self.fallback else self.name
+        if architecture is None:
+            return
+        try:
+            tiny_config(architecture, None if self.fallback else self.capabilities.get("model_type"),
+                        dict(self._config))
+        except UnknownConfigField:
+            raise
+        except ValueError:
+            return
 
     @cached_property
     def checkpoint(self) -> Path:

@@ -34,8 +34,13 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the suites; exit status 1 when a check failed or the plugin registered nothing checkable."""
+    """Run the suites; exit status 1 when a check failed or the plugin registered nothing checkable.
+
+    :raises ValueError: a usage error (an unknown kind, a ``--config`` field the config lacks, a missing
+        ``--checkpoint``, a bad ``--device``): the CLI prints it as one line and exits 2.
+    """
     from . import SUITES, suites_for_plugin
+    from .models import UnknownConfigField
 
     if args.kind:
         unknown = [k for k in args.kind if k not in SUITES]
@@ -58,6 +63,13 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--device {args.device}: this torch has no CUDA device (torch.cuda.is_available() is False)")
         options["device"] = str(device)
     suites = [s for s in suites_for_plugin(args.plugin, **options) if not args.kind or s.kind in args.kind]
+    for checked in suites:
+        check_overrides = getattr(checked, "check_config", None)
+        if callable(check_overrides):
+            try:
+                check_overrides()  # an unknown --config field is a usage error, not a failure of every check
+            except UnknownConfigField as exc:
+                raise ValueError(f"--config {exc.key}=...: {exc}") from None
     if not suites:
         print(f"modelrunner: plugin {args.plugin!r} registers no name a conformance suite checks", file=sys.stderr)
         return 1
@@ -105,12 +117,12 @@ def parse_config(values: list[str]) -> Any:
         return overrides
     if not overrides:
         return paths[0]
-    from .models import load_config
+    from .models import UnknownConfigField, has_field, load_config
 
     config = load_config(paths[0])
     for key, value in overrides.items():
-        if key not in config.to_dict() and not hasattr(config, key):
-            raise ValueError(f"--config {key}={value!r}: {type(config).__name__} has no field {key!r}")
+        if not has_field(config, key):
+            raise ValueError(f"--config {key}={value!r}: {UnknownConfigField(config, key, value)}")
         setattr(config, key, value)
     return config
 

@@ -114,12 +114,40 @@ def tiny_config(architecture: str, model_type: str | None = None, overrides: dic
     overrides = dict(overrides or {})
     if overrides:
         default = _known_config(base) or _generic_config(base)
-        unknown = [key for key in overrides if key not in default.to_dict() and not hasattr(default, key)]
+        unknown = [key for key in overrides if not has_field(default, key)]
         if unknown:
-            raise ValueError(f"{type(default).__name__} has no field {unknown[0]!r} to set to {overrides[unknown[0]]!r}")
+            raise UnknownConfigField(default, unknown[0], overrides[unknown[0]])
     config = _known_config(base, overrides) or _generic_config(base, overrides)
     config.architectures = [architecture]
     return config
+
+
+def has_field(config: Any, key: str) -> bool:
+    """Whether a transformers config has the field ``key`` (one it serialises, or an attribute)."""
+    return key in config.to_dict() or hasattr(config, key)
+
+
+class UnknownConfigField(ValueError):
+    """A config override names a field the config class does not have; the message names it, the
+    closest fields and every field of the config's own (beyond ``PretrainedConfig``'s common ones).
+
+    :param config: the config the override was for.
+    :param key: the unknown field.
+    :param value: what it was to be set to.
+    """
+
+    def __init__(self, config: Any, key: str, value: Any) -> None:
+        import difflib
+
+        from transformers import PretrainedConfig
+
+        own = sorted(set(config.to_dict()) - set(PretrainedConfig().to_dict()))
+        close = difflib.get_close_matches(key, own, n=3, cutoff=0.6)
+        hint = f" (did you mean {' or '.join(map(repr, close))}?)" if close else ""
+        super().__init__(f"{type(config).__name__} has no field {key!r} to set to {value!r}{hint}; its fields: "
+                         f"{', '.join(own)}")
+        self.key = key
+        """The unknown field."""
 
 
 def load_config(path: str | Path) -> Any:
@@ -298,6 +326,6 @@ def checkpoint_config(path: str | Path) -> dict[str, Any]:
     return json.loads((Path(path) / "config.json").read_text())
 
 
-__all__ = ["BOS", "EOS", "MAX_POSITION", "UNK", "VOCAB_SIZE", "causal_lm_class", "checkpoint_config", "load_config", "make_llm",
-           "reference_greedy", "reference_logits", "reference_model", "scratch_root", "tiny_checkpoint", "tiny_config",
-           "tiny_tokenizer"]
+__all__ = ["BOS", "EOS", "MAX_POSITION", "UNK", "UnknownConfigField", "VOCAB_SIZE", "causal_lm_class",
+           "checkpoint_config", "has_field", "load_config", "make_llm", "reference_greedy", "reference_logits",
+           "reference_model", "scratch_root", "tiny_checkpoint", "tiny_config", "tiny_tokenizer"]

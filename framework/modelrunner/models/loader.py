@@ -13,6 +13,7 @@ from ..errors import PluginError, PluginWarning, UnknownNameError
 from ..loaded_model import LoadedModel
 from ..plugin_timeout import LOAD_TIMEOUT_ENV, call_bounded, load_timeout
 from ..registry import FALLBACK_ARCHITECTURE
+from ..weights import unset_buffers, unset_buffers_message
 
 
 class ModelLoader:
@@ -50,7 +51,9 @@ class ModelLoader:
         """Build and load ``source`` with this runner's settings; ``LoadedModel.adapter`` names the plugin.
 
         :raises UnknownNameError: no plugin loads the checkpoint.
-        :raises PluginError: the plugin that registered the architecture returned nothing (or exited).
+        :raises PluginError: the plugin that registered the architecture returned nothing (or exited), or
+            its model has buffers that :func:`~modelrunner.weights.materialize` allocated and nothing set
+            (named, with what to do).
         :raises PluginTimeoutError: its load hook ran past ``$MODELRUNNER_LOAD_TIMEOUT``.
         """
         owner = self.adapter_for(source, adapter)
@@ -70,6 +73,9 @@ class ModelLoader:
                               "hook returned None")
         if not isinstance(loaded, LoadedModel):
             raise PluginError(f"plugin {owner!r}'s load hook returned {type(loaded).__name__}, not a LoadedModel")
+        unset = unset_buffers(loaded.model)
+        if unset:
+            raise PluginError(unset_buffers_message(loaded.model, unset, f"adapter {owner!r}"))
         loaded.adapter = owner
         return loaded
 
