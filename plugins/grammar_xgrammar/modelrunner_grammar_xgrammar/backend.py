@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from modelrunner.errors import StructuredOutputError
+from modelrunner import StructuredOutputError
 from modelrunner.structured_output import MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask
 
 IGNORED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
