@@ -122,7 +122,8 @@ class LLM:
         return self.engine.memory_stats()
 
     def stats(self) -> dict[str, Any]:
-        """Every statistic: ``kv_cache``, ``model``, ``compile`` and (parallel) ``parallel``."""
+        """Every statistic: ``adapter`` (the plugin, distribution and architecture that serve the model),
+        ``kv_cache``, ``model``, ``compile`` and (parallel) ``parallel``."""
         return self.engine.stats()
 
     def shutdown(self) -> None:

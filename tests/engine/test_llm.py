@@ -184,3 +184,11 @@ def test_min_tokens_holds_back_eos_on_a_real_model(llm):
     out = llm.generate("Hello", params, use_tqdm=False)[0].outputs[0]
     # ... then min_tokens must keep it (and EOS) from ending the completion before 3 tokens.
     assert len(out.token_ids) >= 3 and token not in out.token_ids[:3] and eos not in out.token_ids[:3]
+
+
+def test_stats_name_the_adapter_that_serves_the_model(llm):
+    from importlib.metadata import version
+
+    assert llm.stats()["adapter"] == {"plugin": "llama", "distribution": "modelrunner-llama",
+                                      "version": version("modelrunner-llama"), "architecture": "LlamaForCausalLM",
+                                      "model_type": "llama"}
