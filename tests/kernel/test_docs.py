@@ -95,6 +95,27 @@ def test_every_plugin_kind_has_a_page():
     assert not missing, f"plugin kinds without a page: {missing}"
 
 
+def test_the_guide_lists_every_registry_kind_linking_to_its_page():
+    """The plugin guide's index has a row for each kind the registry knows, calling
+    ``registry.KIND(...)`` and linking to a page that exists: a new registry kind must be listed."""
+    from modelrunner.registry import KINDS as REGISTRY_KINDS
+
+    index = DOCS / "plugins" / "index.md"
+    section = index.read_text().split("\n## The kinds\n", 1)[1].split("\n## ", 1)[0]
+    rows = [line for line in section.splitlines() if line.startswith("|")]
+    problems = []
+    for kind in REGISTRY_KINDS:
+        row = next((r for r in rows if f"`registry.{kind}(" in r), None)
+        if row is None:
+            problems.append(f"{kind}: no row calling registry.{kind}(...)")
+            continue
+        links = re.findall(r"\]\(([\w-]+\.md)\)", row)
+        if not links or not (index.parent / links[-1]).is_file():
+            problems.append(f"{kind}: its row links to no existing page ({links})")
+    assert not problems, f"docs/plugins/index.md, 'The kinds': {problems}"
+    assert len(rows) - 2 == len(REGISTRY_KINDS)  # header and rule, then one row per kind
+
+
 def test_mkdocs_builds_docs_strictly():
     config = _mkdocs()
     assert config["site_name"] == "modelrunner"
