@@ -45,3 +45,37 @@ def test_lora_on_gguf_base_matches_peft_on_dequantized(tiny_llama_dir, peft_adap
     for i, token in enumerate(out.token_ids):
         assert abs(got[i] - float(want[i, token])) < ATOL, (i, got[i], float(want[i, token]))
     assert out.token_ids == want.argmax(-1).tolist()
+
+
+def test_the_guides_recipe_serves_an_adapter_made_for_the_default_gguf_model(smollm2_dir, tmp_path, monkeypatch):
+    """docs/guide/lora.md's section on GGUF models, run as written: peft on the dequantized weights of
+    the default model's Q4_1 file makes the adapter, and LLM("smollm2") serves it over the file read in
+    place, with peft's own log-probabilities (on the dequantized weights) within Q4_1's summation-order
+    tolerance, and outputs that differ from the base model's."""
+    from docs_blocks import code_blocks
+
+    page = Path(__file__).parents[2] / "docs" / "guide" / "lora.md"
+    lines = page.read_text().splitlines()
+    start = lines.index("## An adapter for a GGUF model (the default model)") + 1
+    end = next(i for i in range(start, len(lines)) if lines[i].startswith("## ")) + 1
+    blocks = [b for b in code_blocks(page) if b.language == "python" and start < b.line < end]
+    assert len(blocks) == 2
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {}
+    for block in blocks:
+        exec(compile("\n" * block.line + block.code, str(page), "exec"), namespace)  # noqa: S102 - the page's code
+    llm, with_demo, base_only = namespace["llm"], namespace["with_demo"].outputs[0], namespace["base_only"].outputs[0]
+    try:
+        assert llm.stats()["weights"]["quantization"] == "gguf" and llm.stats()["lora"]
+        prompt = llm.get_tokenizer()("The capital of France is")["input_ids"]
+    finally:
+        llm.shutdown()
+    reference = namespace["peft_model"].eval()
+    with torch.no_grad():
+        logits = reference(torch.tensor([prompt + with_demo.token_ids])).logits[0, len(prompt) - 1:-1]
+    want = torch.log_softmax(logits.double(), -1)
+    got = [entry[token].logprob for entry, token in zip(with_demo.logprobs, with_demo.token_ids)]
+    for i, token in enumerate(with_demo.token_ids):
+        assert abs(got[i] - float(want[i, token])) < ATOL, (i, got[i], float(want[i, token]))
+    base_first = base_only.logprobs[0][base_only.token_ids[0]].logprob
+    assert with_demo.token_ids != base_only.token_ids or abs(got[0] - base_first) > 1e-2
