@@ -11,7 +11,7 @@ import torch
 
 from modelrunner import LLM, BeamSearchParams, SamplingParams
 from modelrunner.engine.sequence import child_seed
-from modelrunner.layers.sampler import SamplingMetadata, sample
+from modelrunner.sampling.sampler import SamplingMetadata, sample
 
 NEW = 6
 PROMPTS = [[791, 6037, 282, 4649, 314], [8630, 2573, 253, 655], [33, 28, 216, 34, 28, 216, 35]]

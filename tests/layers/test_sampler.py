@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from modelrunner.layers.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, sample
+from modelrunner.sampling.sampler import Sampler, SamplingMetadata, apply_top_k_top_p, sample
 
 
 def _meta(rows: int, temperature: float = 1.0, top_k: int = -1, top_p: float = 1.0, generators=None):

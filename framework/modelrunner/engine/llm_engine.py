@@ -28,24 +28,23 @@ from ..config import RunnerConfig
 from ..errors import FatalError
 from ..executor import Executor, UniprocExecutor, create_executor
 from ..kv_cache.allocator import KVCacheError
-from ..layers.cpu_ops import broken_rows
-from ..layers.sampler import Sampler, SamplingMetadata, sampling_probs
 from ..pooling.outputs import PoolingRequestOutput
 from ..pooling.params import PoolingParams
 from ..runner import ModelRunner
+from ..sampling.chooser import Chosen, TokenChooser, sampling_error
 from ..sampling.logits_processor import ProcessorContext
-from ..sampling.logprobs import token_logprobs
 from ..sampling.params import SamplingParams
-from ..spec_decode.rejection import greedy_accept, rejection_sample
+from ..sampling.processors import ProcessorPipeline
+from ..sampling.sampler import Sampler
 from ..spec_decode.speculator import Speculator
 from ..structured_output.backend import GrammarContext
-from ..structured_output.manager import IDLE_WAIT_S, GrammarCursor, GrammarFailed, StructuredOutputManager
+from ..structured_output.cursors import ConstrainedSequences
+from ..structured_output.manager import StructuredOutputManager
 from .batch_builder import LogitsRowOwner, build_forward_batch
 from .detokenizer import start_detokenizer, text_delta
 from .input_processor import InputProcessor
-from .outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pooling import EnginePooler
-from .processors import ProcessorFailed, ProcessorPipeline, logits_problem
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, child_seed
 from .stop_checker import StopChecker
@@ -65,34 +64,6 @@ def as_executor(target: Executor | ModelRunner | RunnerConfig | dict[str, Any]) 
     if isinstance(target, (RunnerConfig, dict)):
         return create_executor(target)
     raise TypeError(f"LLMEngine needs an Executor, a ModelRunner or a config, got {type(target).__name__}")
-
-
-@attrs.frozen
-class _Chosen:
-    """What sampling decided for one logits row."""
-
-    token: int
-    """The sampled token."""
-    logprobs: dict[int, Logprob] | None
-    """Its and the top tokens' log-probabilities, when asked."""
-
-
-class _Rewind:
-    """Restores ``generators`` to their states at entry if the body raises."""
-
-    __slots__ = ("saved",)
-
-    def __init__(self, generators: list[torch.Generator]) -> None:
-        self.saved = [(g, g.get_state()) for g in generators]
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, kind: object, value: object, tb: object) -> bool:
-        if kind is not None:
-            for g, state in self.saved:
-                g.set_state(state)
-        return False
 
 
 class LLMEngine:
@@ -148,6 +119,11 @@ class LLMEngine:
             executor.plugins, config.structured_outputs, GrammarContext(self.tokenizer, self.vocab_size,
                                                                         self.eos_token_ids))
         """Grammar backends, compiled grammars and each step's token bitmask for structured outputs."""
+        self.constrained = ConstrainedSequences(self.structured_outputs, self.scheduler)
+        """Constrained sequences waiting for their grammar or first mask, and their grammar cursors."""
+        self.chooser = TokenChooser(self.sampler, self.processors, self.structured_outputs, self.constrained.cursor,
+                                    self.vocab_size, self.tokenizer)
+        """Turns each step's logits into tokens (masks, processors, sampling, drafts, log-probabilities)."""
         self.pooler = EnginePooler(executor.plugins, config.pooling, loaded,
                                    getattr(getattr(executor, "runner", None), "source", None),
                                    config.scheduler.max_num_batched_tokens)
@@ -156,12 +132,8 @@ class LLMEngine:
         """Speculative decoding (None: off): proposes tokens each step, verified in the same forward."""
         if config.speculative is not None:
             self.speculator = self._create_speculator(allocator)
-            self.speculator.excluded = self._slow_grammar
+            self.speculator.excluded = self.constrained.is_slow
             self.scheduler.speculator = self.speculator
-        self._compiling: list[Sequence] = []  # requests waiting for their grammar, in arrival order
-        self._starting: list[Sequence] = []  # compiled, waiting for their first mask
-        self._cursors: dict[int, GrammarCursor] = {}  # seq id → its grammar's cursor (constrained sequences)
-        self._grammar_tokens: dict[int, list[int]] = {}  # seq id → tokens appended this step, for its cursor
         self._shares_kv_on_fork = executor.kv_cache_spec is not None
         self._requests: dict[str, Request] = {}
         self._unclaimed: list[RequestOutput] = []
@@ -280,7 +252,7 @@ class LLMEngine:
         if grammar is None:
             self.scheduler.add(seq)
         else:
-            self._compiling.append(seq)  # scheduled once its grammar compiled and its first mask is ready
+            self.constrained.add(seq)  # scheduled once its grammar compiled and its first mask is ready
 
     def add_lora(self, lora_request: Any) -> None:
         """Read and check a LoRA adapter so requests can use it (vLLM's ``add_lora``); done by
@@ -318,7 +290,7 @@ class LLMEngine:
         request = self._requests.pop(str(request_id), None)
         if request is None:
             return False
-        self._release_grammar(request)
+        self.constrained.release(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "abort")
@@ -377,113 +349,11 @@ class LLMEngine:
             else:
                 consumer(output)
 
-    def _admit_compiled(self) -> list[tuple[Request, str]]:
-        """Start a grammar cursor (a matcher, its first mask being computed) for each waiting-for-grammar
-        sequence whose grammar compiled; return the requests whose grammar failed to compile, took
-        longer than ``compile_timeout_s`` (or waited that long for a thread), or could not start a
-        matcher, with why. With nothing else to run, wait (briefly) for a compilation rather than spin."""
-        manager = self.structured_outputs
-        if not self.scheduler.waiting and not self.scheduler.running and not self._starting:
-            manager.wait([s.request.grammar for s in self._compiling if not s.is_finished], timeout=IDLE_WAIT_S)
-        waiting: list[Sequence] = []
-        failed: dict[str, tuple[Request, str]] = {}
-        for seq in self._compiling:
-            grammar = seq.request.grammar
-            if seq.is_finished:
-                continue  # aborted while compiling
-            if not grammar.ready:
-                problem = manager.overdue(grammar)
-                if problem is None:
-                    waiting.append(seq)
-                else:
-                    failed[seq.request.request_id] = (seq.request, str(problem))
-                continue
-            reason = grammar.error
-            if reason is None:
-                try:
-                    self._cursors[seq.seq_id] = cursor = manager.start(grammar)
-                except Exception as exc:  # noqa: BLE001 - a backend bug fails its request only
-                    reason = f"grammar backend {grammar.backend.name!r} could not start a matcher: " \
-                             f"{type(exc).__name__}: {exc}"
-                else:
-                    cursor.owner, seq.grammar = seq, cursor.matcher
-                    self._starting.append(seq)
-            if reason is not None:
-                failed[seq.request.request_id] = (seq.request, reason)
-        self._compiling = waiting
-        return list(failed.values())
-
-    def _collect_masks(self, changed: dict[str, Request]) -> list[tuple[Request, str]]:
-        """Take in the grammar cursors' finished mask work (waiting a moment for fast grammars; see
-        :meth:`StructuredOutputManager.collect`): queue the sequences whose first mask is ready, end
-        those whose grammar is complete (``stop``, into ``changed``), hold the rest out of this step
-        (:attr:`Scheduler.held`), and return the requests that fail (a backend failure, or a mask past
-        ``mask_timeout_s``), with why."""
-        for seq_id in [i for i, c in self._cursors.items() if c.owner.is_finished]:
-            del self._cursors[seq_id]
-        pending = {i for i, c in self._cursors.items() if c.job is not None}
-        scheduler = self.scheduler
-        idle = all(s.seq_id in pending for s in scheduler.running) and \
-            all(s.seq_id in pending for s in scheduler.waiting) and not self._pending
-        failed: dict[str, tuple[Request, str]] = {}
-        for cursor, reason in self.structured_outputs.collect(list(self._cursors.values()), idle):
-            request = cursor.owner.request
-            failed.setdefault(request.request_id, (request, reason))
-            self._cursors.pop(cursor.owner.seq_id, None)
-        for seq_id, cursor in list(self._cursors.items()):
-            seq = cursor.owner
-            if cursor.ready and cursor.terminated and not seq.is_finished and seq.request.request_id not in failed:
-                del self._cursors[seq_id]
-                self.scheduler.finish(seq, "stop")  # the constraint is complete: nothing but its end may follow
-                if seq.request.is_finished:
-                    seq.request.metrics.finished_time = time.monotonic()
-                changed[seq.request.request_id] = seq.request
-        starting: list[Sequence] = []
-        for seq in self._starting:
-            cursor = self._cursors.get(seq.seq_id)
-            if cursor is None or seq.is_finished:
-                continue
-            if cursor.ready:
-                self.scheduler.add(seq)
-            else:
-                starting.append(seq)
-        self._starting = starting
-        scheduler.held = {i for i, c in self._cursors.items() if c.job is not None}
-        return list(failed.values())
-
-    def _advance_cursors(self) -> None:
-        """Hand the tokens this step appended to constrained sequences to their cursors' mask threads."""
-        tokens, self._grammar_tokens = self._grammar_tokens, {}
-        for seq_id, appended in tokens.items():
-            cursor = self._cursors.get(seq_id)
-            if cursor is None:
-                continue
-            if cursor.owner.is_finished:
-                del self._cursors[seq_id]
-                continue
-            self.structured_outputs.advance(cursor, appended)
-
-    def _release_grammar(self, request: Request) -> None:
-        """Let go of a finished request's grammar now: requests and sequences refer to each other, so
-        they are freed by the cycle collector, late, and a compiled grammar (hundreds of MB for a long
-        enum) must not live on with them once the cache dropped it."""
-        request.grammar = None
-        for seq in request.seqs:
-            seq.grammar = None
-            self._cursors.pop(seq.seq_id, None)
-
-    def _slow_grammar(self, seq: Sequence) -> bool:
-        """Whether ``seq``'s grammar is slow to mask (it does not speculate: verifying drafts would
-        compute masks within the step)."""
-        cursor = self._cursors.get(seq.seq_id)
-        return cursor is not None and cursor.slow
-
     def _run_step(self) -> list[RequestOutput]:
         started = time.perf_counter()
         changed: dict[str, Request] = {}
-        failed_grammars = self._admit_compiled() if self._compiling else []
-        if self._cursors:
-            failed_grammars += self._collect_masks(changed)
+        failed_grammars = self.constrained.admit_compiled()
+        failed_grammars += self.constrained.collect_masks(changed, outputs_pending=bool(self._pending))
         out = self.scheduler.schedule()
         outputs, self._pending = self._pending, []
         for request, reason in failed_grammars:
@@ -508,7 +378,10 @@ class LLMEngine:
                 for item in scheduled:
                     item.seq.num_computed_tokens = item.start + item.num_new_tokens
                 self._finish_pooled(scheduled, changed, outputs)
-                self._record_prompt_logprobs(logits, owners, scheduled)
+                prompt_rows = [(r, o) for r, o in enumerate(owners) if not o.samples]
+                self.chooser.prompt_logprobs(logits, [r for r, _ in prompt_rows],
+                                             [scheduled[o.item].seq for _, o in prompt_rows],
+                                             [o.position for _, o in prompt_rows])
                 sampled: list[tuple[int, Sequence]] = []
                 speculated: dict[int, list[int]] = {}  # scheduled item → its rows (last token, then drafts)
                 for r, o in enumerate(owners):
@@ -527,14 +400,13 @@ class LLMEngine:
                                             [1] * len(chosen) + verified)
             if self.speculator is not None:
                 self._release_lookahead(out)
-        if self._grammar_tokens:
-            self._advance_cursors()
+        self.constrained.advance()
         for request in changed.values():
             if request.request_id in self._requests:
                 outputs.append(self._output(request))
                 if request.is_finished:
                     del self._requests[request.request_id]
-                    self._release_grammar(request)
+                    self.constrained.release(request)
         self.scheduler.drop_finished()
         return outputs
 
@@ -636,7 +508,7 @@ class LLMEngine:
     # -- sampling --------------------------------------------------------------------------------
 
     def _sample(self, rows: list[int], seqs: list[Sequence], logits: torch.Tensor,
-                outputs: list[RequestOutput]) -> list[tuple[Sequence, _Chosen]]:
+                outputs: list[RequestOutput]) -> list[tuple[Sequence, Chosen]]:
         """Choose the next token of every sequence that reached its last token (forking ``n > 1``
         requests at their first token). Nothing here changes a sequence: if choosing fails for the
         whole batch, each request's rows are chosen alone (generators rewound first), and a request
@@ -660,23 +532,23 @@ class LLMEngine:
         raw = logits.index_select(0, torch.tensor(row_of, dtype=torch.long)) if row_of != list(range(len(logits))) \
             else logits
         try:
-            with self._rewind_on_failure(targets):
-                return list(zip(targets, self._choose(raw, targets)))
+            with self.chooser.rewind_on_failure(targets):
+                return list(zip(targets, self.chooser.choose(raw, targets)))
         except FatalError:
             raise
         except Exception as exc:  # noqa: BLE001 - isolated below
             logger.warning("sampling %d rows failed (%s: %s); sampling each request alone", len(targets),
                            type(exc).__name__, exc)
-        chosen: list[tuple[Sequence, _Chosen]] = []
+        chosen: list[tuple[Sequence, Chosen]] = []
         for request in dict.fromkeys(seq.request for seq in targets):
             mine = [i for i, seq in enumerate(targets) if seq.request is request]
             try:
-                with self._rewind_on_failure([targets[i] for i in mine]):
-                    picks = self._choose(raw[mine], [targets[i] for i in mine])
+                with self.chooser.rewind_on_failure([targets[i] for i in mine]):
+                    picks = self.chooser.choose(raw[mine], [targets[i] for i in mine])
             except FatalError:
                 raise
             except Exception as exc:  # noqa: BLE001
-                self._fail(request, _sampling_error(exc), outputs)
+                self._fail(request, sampling_error(exc), outputs)
                 continue
             chosen += [(targets[i], pick) for i, pick in zip(mine, picks)]
         return chosen
@@ -695,12 +567,12 @@ class LLMEngine:
             return 0
         draft = item.draft
         try:
-            with self._rewind_on_failure([seq]):
-                tokens, entries, complete_after = self._accept(raw, seq, draft)
+            with self.chooser.rewind_on_failure([seq]):
+                tokens, entries, complete_after = self.chooser.accept(raw, seq, draft)
         except FatalError:
             raise
         except Exception as exc:  # noqa: BLE001 - fails this request only
-            self._fail(seq.request, _sampling_error(exc), outputs)
+            self._fail(seq.request, sampling_error(exc), outputs)
             return 0
         accepted = len(tokens) - 1
         self.speculator.record(seq, len(draft), accepted, len(tokens))
@@ -715,7 +587,7 @@ class LLMEngine:
             seq.num_computed_tokens += accepted
         appended = 0
         for token, entry in zip(tokens, entries):
-            self._append(seq, _Chosen(token, entry), changed, outputs)
+            self._append(seq, Chosen(token, entry), changed, outputs)
             appended += 1
             if seq.is_finished:
                 break  # EOS, a stop string or max_tokens inside the accepted run: the rest is dropped
@@ -725,62 +597,6 @@ class LLMEngine:
                 seq.request.metrics.finished_time = time.monotonic()
             changed[seq.request.request_id] = seq.request
         return appended
-
-    def _accept(self, raw: torch.Tensor, seq: Sequence, draft: list[int]) -> tuple[list[int], list, int | None]:
-        """The tokens to append after verifying ``draft``, with their log-probabilities when asked, and
-        after how many of the draft's tokens the sequence's grammar is complete (None: not within it)."""
-        self._check_raw(raw, [seq] * len(raw))
-        logits = raw
-        complete_after = None
-        if seq.grammar is not None:  # log-probabilities stay the model's own, as in plain decoding
-            logits, draft, complete = self._grammar_masked(raw, seq, draft)
-            complete_after = len(draft) if complete else None
-        rows = [seq] * len(logits)
-        params = seq.params
-        metadata = SamplingMetadata.from_rows([params.temperature] * len(rows), [params.top_k] * len(rows),
-                                              [params.top_p] * len(rows), [seq.generator] * len(rows),
-                                              [params.min_p] * len(rows))
-        if metadata.all_greedy:
-            tokens = greedy_accept(self.sampler(logits, metadata).tolist(), draft)
-        else:
-            generator = seq.generator if seq.generator is not None else self.sampler.generator
-            tokens = rejection_sample(sampling_probs(logits, metadata), draft, generator)
-        if params.logprobs is None:
-            return tokens, [None] * len(tokens), complete_after
-        picked, rank, top_ids, top_lps = token_logprobs(raw[:len(tokens)], torch.tensor(tokens), params.logprobs)
-        return tokens, [self._logprob_entry(t, float(picked[j]), int(rank[j]), top_ids[j].tolist(),
-                                            top_lps[j].tolist()) for j, t in enumerate(tokens)], complete_after
-
-    def _grammar_masked(self, raw: torch.Tensor, seq: Sequence,
-                        draft: list[int]) -> tuple[torch.Tensor, list[int], bool]:
-        """A constrained sequence's verification rows, each masked by its grammar at that position: the
-        matcher walks the draft (a draft token its mask refuses ends the draft there, and the rows
-        after it are dropped; so does the grammar's completion, which the returned flag says), then
-        is rolled back to where it was; the accepted tokens advance its cursor after the step."""
-        matcher, grammar = seq.grammar, seq.request.grammar
-        logits = raw.clone()
-        walked = 0
-        complete = False
-        try:
-            for j in range(len(draft) + 1):
-                if j and matcher.is_terminated():  # complete after draft[:j]: the row after it is never used
-                    draft, complete = draft[:j], True
-                    break
-                if j == 0:  # the cursor's ready mask; the positions after it are filled now (fast grammars only)
-                    self.structured_outputs.apply_masks(logits[:1], [self._cursors[seq.seq_id]])
-                else:
-                    self.structured_outputs.apply_bitmasks(logits[j:j + 1], [matcher], [grammar])
-                if j == len(draft) or bool(torch.isneginf(logits[j, draft[j]])):
-                    draft = draft[:j]
-                    break
-                if not matcher.accept_tokens([draft[j]]):
-                    raise GrammarFailed(f"grammar backend {grammar.backend.name!r} refused token {draft[j]}, "
-                                        "which its own mask allowed")
-                walked += 1
-        finally:
-            if walked:
-                matcher.rollback(walked)
-        return logits[:len(draft) + 1], draft, complete
 
     def _release_lookahead(self, out: SchedulerOutput) -> None:
         """Give back the lookahead slots of this step's drafts (the accepted ones hold tokens now), and
@@ -793,92 +609,7 @@ class LLMEngine:
         ended = [item.seq.seq_id for item in out.scheduled if item.seq.is_finished]
         self.speculator.forget([*out.finished_seq_ids, *ended])
 
-    # -- sampling (continued) --------------------------------------------------------------------
-
-    def _check_raw(self, raw: torch.Tensor, seqs: list[Sequence]) -> None:
-        """Raise :class:`BrokenLogits` for logits of the wrong shape, or with NaN / +inf / all -inf rows."""
-        problem = logits_problem(raw, (len(seqs), self.vocab_size))
-        if problem is not None:
-            raise BrokenLogits(f"the model returned {problem}; nothing was sampled")
-        broken = broken_rows(raw)
-        if bool(broken.any()):
-            seq = seqs[int(broken.nonzero()[0])]
-            raise BrokenLogits(f"the model's logits for request {seq.request.request_id!r} contain NaN or +inf (or "
-                               "are all -inf): a broken model or plugin; nothing was sampled")
-
-    def _choose(self, raw: torch.Tensor, seqs: list[Sequence]) -> list[_Chosen]:
-        """Tokens for ``raw`` logits rows (one per sequence): check them, apply the logits processors,
-        sample, and compute the asked log-probabilities from the raw logits."""
-        self._check_raw(raw, seqs)
-        # Without processors or grammars the rows are sampled as they are (checked above: not all -inf).
-        constrained = any(seq.grammar is not None for seq in seqs)
-        if constrained or any(seq.request.processor_states for seq in seqs):
-            logits = raw.clone()
-            if constrained:  # the grammars' masks first (computed by their cursors), one bitmask for the batch
-                self.structured_outputs.apply_masks(logits, [None if s.grammar is None else self._cursors[s.seq_id]
-                                                             for s in seqs])
-            if any(seq.request.processor_states for seq in seqs):
-                logits = self.processors.apply(logits, seqs)
-            masked = torch.isneginf(logits).all(1)
-            if bool(masked.any()):
-                seq = seqs[int(masked.nonzero()[0])]
-                raise BrokenLogits(f"every token is excluded for request {seq.request.request_id!r} (by "
-                                   "allowed_token_ids, bad_words, logit_bias, a logits processor or its "
-                                   "structured_outputs grammar); nothing can be sampled")
-        else:
-            logits = raw
-        params = [s.params for s in seqs]
-        metadata = SamplingMetadata.from_rows([p.temperature for p in params], [p.top_k for p in params],
-                                              [p.top_p for p in params], [s.generator for s in seqs],
-                                              [p.min_p for p in params])
-        tokens = self.sampler(logits, metadata)
-        asking = [i for i, p in enumerate(params) if p.logprobs is not None]
-        found: dict[int, dict[int, Logprob]] = {}
-        if asking:
-            k = max(params[i].logprobs for i in asking)
-            index = torch.tensor(asking, dtype=torch.long)
-            picked, rank, top_ids, top_lps = token_logprobs(raw[index], tokens[index], k)
-            for j, i in enumerate(asking):
-                found[i] = self._logprob_entry(int(tokens[i]), float(picked[j]), int(rank[j]),
-                                               top_ids[j, :params[i].logprobs].tolist(),
-                                               top_lps[j, :params[i].logprobs].tolist())
-        return [_Chosen(int(t), found.get(i)) for i, t in enumerate(tokens.tolist())]
-
-    def _logprob_entry(self, token: int, logprob: float, rank: int, top_ids: list[int],
-                       top_logprobs: list[float]) -> dict[int, Logprob]:
-        entry = {tid: Logprob(lp, r + 1, self._decode_one(tid))
-                 for r, (tid, lp) in enumerate(zip(top_ids, top_logprobs))}
-        if token not in entry:
-            entry[token] = Logprob(logprob, rank, self._decode_one(token))
-        return entry
-
-    def _decode_one(self, token: int) -> str | None:
-        return None if self.tokenizer is None else self.tokenizer.decode([token])
-
-    def _rewind_on_failure(self, seqs: list[Sequence]) -> _Rewind:
-        """A context that restores the random generators ``seqs`` draw from if its body raises, so a
-        retry draws exactly what a run without the failure would have."""
-        gens = [s.generator for s in seqs if s.generator is not None]
-        if self.sampler.generator is not None:
-            gens.append(self.sampler.generator)
-        return _Rewind(gens)
-
-    def _record_prompt_logprobs(self, logits: torch.Tensor, owners: list[LogitsRowOwner],
-                                scheduled: list[ScheduledSequence]) -> None:
-        rows = [(r, o) for r, o in enumerate(owners) if not o.samples]
-        if not rows:
-            return
-        index = torch.tensor([r for r, _ in rows], dtype=torch.long)
-        seqs = [scheduled[o.item].seq for _, o in rows]
-        targets = torch.tensor([seq.token_ids[o.position + 1] for (_, o), seq in zip(rows, seqs)], dtype=torch.long)
-        k = max(seq.params.prompt_logprobs for seq in seqs)
-        picked, rank, top_ids, top_lps = token_logprobs(logits.index_select(0, index), targets, k)
-        for j, ((_, owner), seq) in enumerate(zip(rows, seqs)):
-            n = seq.params.prompt_logprobs
-            seq.request.prompt_logprobs[owner.position + 1] = self._logprob_entry(
-                int(targets[j]), float(picked[j]), int(rank[j]), top_ids[j, :n].tolist(), top_lps[j, :n].tolist())
-
-    def _append(self, seq: Sequence, choice: _Chosen, changed: dict[str, Request],
+    def _append(self, seq: Sequence, choice: Chosen, changed: dict[str, Request],
                 outputs: list[RequestOutput]) -> None:
         request = seq.request
         if seq.is_finished:
@@ -888,8 +619,8 @@ class LLMEngine:
         except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
             self._fail(request, f"appending token {choice.token} failed: {type(exc).__name__}: {exc}", outputs)
             return
-        if seq.grammar is not None and finish is None:  # its cursor accepts it off the step (_advance_cursors)
-            self._grammar_tokens.setdefault(seq.seq_id, []).append(choice.token)
+        if seq.grammar is not None and finish is None:  # its cursor accepts it after the step
+            self.constrained.note(seq, choice.token)
         if choice.logprobs is not None and seq.logprobs is not None:
             seq.logprobs.append(choice.logprobs)
             seq.cumulative_logprob += choice.logprobs[choice.token].logprob
@@ -909,9 +640,8 @@ class LLMEngine:
         children = []
         for index in range(1, parent.request.params.n):
             child = parent.fork(next(self._seq_ids), index)
-            if parent.grammar is not None:  # forked before its first token: a fresh matcher is the same state
-                cursor = self._cursors[child.seq_id] = self.structured_outputs.fork(self._cursors[parent.seq_id])
-                cursor.owner, child.grammar = child, cursor.matcher
+            if parent.grammar is not None:
+                self.constrained.fork(parent, child)
             parent.request.seqs.append(child)
             children.append(child)
             if self._shares_kv_on_fork:
@@ -932,7 +662,7 @@ class LLMEngine:
         logger.warning("request %r failed: %s", request.request_id, reason)
         request.error = reason
         request.forked = True
-        self._release_grammar(request)
+        self.constrained.release(request)
         for seq in request.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, "error")
@@ -1051,16 +781,6 @@ class LLMEngine:
         if self.speculator is not None:
             out["speculative"] = self.speculator.stats()
         return out
-
-
-class BrokenLogits(ValueError):
-    """A request's logits cannot be sampled (NaN/inf from the model, or every token masked)."""
-
-
-def _sampling_error(exc: Exception) -> str:
-    if isinstance(exc, (BrokenLogits, ProcessorFailed, GrammarFailed)):
-        return str(exc)
-    return f"sampling failed: {type(exc).__name__}: {exc}"
 
 
 article.ENGINE_FACTORY[:] = [LLMEngine]  # ModelRunner.generate builds this engine when none is attached

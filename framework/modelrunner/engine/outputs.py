@@ -4,24 +4,10 @@ from __future__ import annotations
 
 import attrs
 
+from ..sampling.logprobs import Logprob, PositionLogprobs  # noqa: F401 - Logprob: re-exported, its old home
 from ..wire import register as _wire_type
 
 
-@_wire_type
-@attrs.frozen
-class Logprob:
-    """The log-probability of one token at one position (vLLM's ``Logprob``)."""
-
-    logprob: float
-    """Natural log of the token's probability under the model's raw logits."""
-    rank: int | None = None
-    """1 for the most likely token, 2 for the next, …"""
-    decoded_token: str | None = None
-    """The token's text (None when the model has no tokenizer)."""
-
-
-PositionLogprobs = dict[int, Logprob]
-"""token id → its :class:`Logprob` at one position: the top tokens plus the chosen one."""
 
 
 @_wire_type

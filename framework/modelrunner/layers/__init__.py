@@ -26,7 +26,6 @@ from .linear import (
 )
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, rope_parameters
-from .sampler import Sampler, SamplingMetadata
 from .sdpa_attention import TorchSDPABackend
 
 __all__ = [
@@ -43,8 +42,6 @@ __all__ = [
     "ReplicatedLinear",
     "RotaryEmbedding",
     "RowParallelLinear",
-    "Sampler",
-    "SamplingMetadata",
     "SiluAndMul",
     "TorchSDPABackend",
     "VocabParallelEmbedding",

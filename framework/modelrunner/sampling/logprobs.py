@@ -2,7 +2,27 @@
 
 from __future__ import annotations
 
+import attrs
 import torch
+
+from ..wire import register as _wire_type
+
+
+@_wire_type
+@attrs.frozen
+class Logprob:
+    """The log-probability of one token at one position (vLLM's ``Logprob``)."""
+
+    logprob: float
+    """Natural log of the token's probability under the model's raw logits."""
+    rank: int | None = None
+    """1 for the most likely token, 2 for the next, …"""
+    decoded_token: str | None = None
+    """The token's text (None when the model has no tokenizer)."""
+
+
+PositionLogprobs = dict[int, Logprob]
+"""token id → its :class:`Logprob` at one position: the top tokens plus the chosen one."""
 
 
 def token_logprobs(logits: torch.Tensor, chosen: torch.Tensor, k: int

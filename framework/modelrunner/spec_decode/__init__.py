@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from .ngram import NgramProposer, ngram_proposal
 from .proposer import ProposalRequest, Proposer, ProposerContext
-from .rejection import greedy_accept, rejection_sample
+from ..sampling.rejection import greedy_accept, rejection_sample
 from .speculator import SpecCounters, Speculator
 
 __all__ = ["NgramProposer", "ProposalRequest", "Proposer", "ProposerContext", "SpecCounters", "Speculator",

@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from ..sampling.params import SAMPLING_EPS
-from .cpu_ops import argmax_rows
+from ..layers.cpu_ops import argmax_rows
+from .params import SAMPLING_EPS
 
 _TINY = torch.finfo(torch.float32).tiny
 _TOP_K_CAP = 2**31 - 1  # any top_k at least the vocabulary means "all tokens"

@@ -9,9 +9,9 @@ import torch
 
 from ..errors import UnknownNameError
 from ..layers.cpu_ops import broken_rows
-from ..sampling.builtin import BUILTIN_FIELDS
-from ..sampling.logits_processor import LogitsProcessor, LogitsRow, ProcessorContext
-from ..sampling.params import SamplingParams
+from .builtin import BUILTIN_FIELDS
+from .logits_processor import LogitsProcessor, LogitsRow, ProcessorContext
+from .params import SamplingParams
 
 
 class ProcessorFailed(Exception):
