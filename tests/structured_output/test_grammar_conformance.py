@@ -19,4 +19,4 @@ def test_check_passes_each_grammar_plugin(plugin, backend):
     assert {r["suite"] for r in report["results"]} == {f"grammar_backends:{backend}"}
     assert {r["status"] for r in report["results"]} == {"passed"}  # every kind declared, nothing skipped
     checks = {r["check"] for r in report["results"]}
-    assert {"json/valid", "json/invalid", "rollback", "batch-fill", "refusals", "engine"} <= checks
+    assert {"json/valid", "json/invalid", "rollback", "batch-fill", "apply-bitmask", "refusals", "engine"} <= checks

@@ -149,3 +149,16 @@ def test_the_kernel_imports_neither_grammar_library(tiny_llama_dir, monkeypatch)
     report = json.loads(result.stdout.strip().splitlines()[-1])
     assert report["tried"] == [] and report["loaded"] == []
     assert "pip install modelrunner-grammar-xgrammar" in report["error"]
+
+
+def test_a_backends_masking_kernel_that_raises_falls_back_to_the_kernels(tiny_llama_dir, monkeypatch, caplog):
+    from modelrunner_grammar_xgrammar import XGrammarBackend
+
+    def broken(self, logits, bitmask, rows):
+        raise RuntimeError("no kernel here")
+
+    monkeypatch.setattr(XGrammarBackend, "apply_bitmask", broken)
+    llm = LLM(str(tiny_llama_dir), structured_outputs_config={"backend": "xgrammar"}, **TINY)
+    out = llm.generate("a", CHOICE, use_tqdm=False)[0].outputs[0]
+    assert out.text in ("yes", "no") and out.finish_reason == "stop"
+    assert "grammar backend 'xgrammar' failed to apply a token mask (RuntimeError: no kernel here)" in caplog.text

@@ -266,6 +266,30 @@ class GrammarBackendSuite(Suite):
         expect(bool((bitmask[untouched] == 0x55).all()), "fill_bitmasks wrote rows it was not given")
         return f"{len(matchers)} matchers"
 
+    def check_apply_bitmask(self) -> str:
+        """``apply_bitmask`` (the backend's own kernel, where it overrides the kernel's) masks exactly what
+        :func:`~modelrunner.structured_output.apply_bitmask` masks: the given rows (out of order) of
+        float32 and bfloat16 logits, with bitmasks filled by the backend and by hand; other rows kept."""
+        from ..structured_output import allocate_bitmask, apply_bitmask, bitmask_from_allowed
+
+        backend = self._backend()
+        kind, constraint, _ = self._walkable()
+        matcher = backend.matcher(self._compiled(kind, constraint))
+        bitmask = allocate_bitmask(4, self.vocab)
+        matcher.fill_bitmask(bitmask, 0)
+        bitmask[1] = bitmask_from_allowed([0, self.vocab - 1], self.vocab)
+        bitmask[3] = bitmask_from_allowed(range(0, self.vocab, 3), self.vocab)
+        rows = [3, 0, 1]
+        generator = torch.Generator().manual_seed(0)
+        for dtype in (torch.float32, torch.bfloat16):
+            logits = torch.randn(4, self.vocab, generator=generator).to(dtype)
+            want = logits.clone()
+            apply_bitmask(want, bitmask, rows)
+            backend.apply_bitmask(logits, bitmask, rows)
+            expect(torch.equal(logits, want), f"apply_bitmask on {dtype} logits differs from the kernel's "
+                                              "modelrunner.structured_output.apply_bitmask")
+        return f"{len(rows)} of 4 rows, float32 and bfloat16"
+
     def check_refusals(self) -> str:
         """Kinds not declared, the backend's ``unsupported_examples`` and malformed constraints raise
         :class:`~modelrunner.errors.StructuredOutputError` naming the feature and the backend."""
@@ -359,7 +383,7 @@ class GrammarBackendSuite(Suite):
         return f"{done} constrained completions valid"
 
     def checks(self) -> list[Check]:
-        """Per kind valid and invalid documents; EOS, rollback, batched fill, refusals; the engine."""
+        """Per kind valid and invalid documents; EOS, rollback, batched fill, masking, refusals; the engine."""
         out: list[Check] = []
         for kind in VALID:
             out.append(Check(f"{kind}/valid", lambda kind=kind: self.check_valid(kind)))
@@ -367,6 +391,7 @@ class GrammarBackendSuite(Suite):
         out += [Check("eos-only-when-complete", self.check_eos_only_when_complete),
                 Check("rollback", self.check_rollback),
                 Check("batch-fill", self.check_batch_fill),
+                Check("apply-bitmask", self.check_apply_bitmask),
                 Check("refusals", self.check_refusals),
                 Check("engine", self.check_engine)]
         return out

@@ -37,7 +37,8 @@ import torch
 
 from ..errors import StructuredOutputError, UnknownNameError
 from ..registry import split_choice
-from .backend import GRAMMAR_PACKAGES, GrammarBackend, GrammarContext, GrammarMatcher, GrammarSpec, bitmask_words
+from .backend import (GRAMMAR_PACKAGES, GrammarBackend, GrammarContext, GrammarMatcher, GrammarSpec, apply_bitmask,
+                      bitmask_words)
 
 logger = logging.getLogger(__name__)
 
@@ -393,6 +394,7 @@ class StructuredOutputManager:
         """Time spent compiling, summed over the compile threads."""
         self.num_mask_timeouts = 0
         """Requests failed because one mask took longer than ``mask_timeout_s``."""
+        self._apply_failed: set[str] = set()
         if config.backend != "auto":
             self._class(config.backend)
 
@@ -665,7 +667,19 @@ class StructuredOutputManager:
         bitmask = self._rows(len(cursors), logits.shape[1])
         for r in rows:
             bitmask[r] = cursors[r].mask[0]
-        cursors[rows[0]].grammar.backend.apply_bitmask(logits, bitmask, rows)
+        self._apply(cursors[rows[0]].grammar.backend, logits, bitmask, rows)
+
+    def _apply(self, backend: GrammarBackend, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        """Mask with ``backend``'s kernel (any backend's will do: the layout is shared); where it raises,
+        with the kernel's torch :func:`~.backend.apply_bitmask` (masking twice is harmless), once logged."""
+        try:
+            backend.apply_bitmask(logits, bitmask, rows)
+        except Exception as e:  # noqa: BLE001 - a backend's kernel must not fail the step
+            if backend.name not in self._apply_failed:
+                self._apply_failed.add(backend.name)
+                logger.warning("grammar backend %r failed to apply a token mask (%s: %s); masking with torch",
+                               backend.name, type(e).__name__, e)
+            apply_bitmask(logits, bitmask, rows)
 
     def _rows(self, count: int, width: int) -> torch.Tensor:
         words = bitmask_words(width)
@@ -704,7 +718,7 @@ class StructuredOutputManager:
             r = rows[int(empty.nonzero()[0])]
             raise GrammarFailed(f"grammar backend {grammars[r].backend.name!r} allows no token at all for "
                                 f"{grammars[r].spec.describe()}")
-        grammars[rows[0]].backend.apply_bitmask(logits, bitmask, rows)
+        self._apply(grammars[rows[0]].backend, logits, bitmask, rows)
 
     # -- reporting -------------------------------------------------------------------------------
 
