@@ -2,7 +2,8 @@
 VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip --disable-pip-version-check -q
-PACKAGES := $(sort $(dir $(wildcard adapters_*/pyproject.toml plugins/*/pyproject.toml tests/plugins/*/pyproject.toml)))
+PACKAGES := $(sort $(dir $(wildcard adapters_*/pyproject.toml packages/*/pyproject.toml plugins/*/pyproject.toml \
+                                   tests/plugins/*/pyproject.toml)))
 # C++ sources: pip compiles them when their package installs (setup.py), so a change reinstalls.
 NATIVE := $(wildcard framework/modelrunner/layers/*.cpp plugins/*/*/*.cpp)
 STAMP := $(VENV)/.installed

@@ -1,7 +1,7 @@
 """Serving on SmolLM2: ``modelrunner serve`` under 16 concurrent streaming clients against the
 offline ``LLM.generate`` on the same prompts, both measured in this run.
 
-The server runs in its own process, driven by :mod:`modelrunner.serve.loadgen` (asyncio + httpx)
+The server runs in its own process, driven by :mod:`modelrunner_serve.loadgen` (asyncio + httpx)
 from this one; then the offline API generates the same prompts with the same concurrency
 (``max_num_seqs`` = clients); each side runs twice and its faster run counts. Printed: the
 server's request throughput, output tokens/s and TTFT/TPOT/ITL/E2E percentiles; server ÷ offline
@@ -46,7 +46,7 @@ def machine_report() -> None:
 
 def make_prompts(tokenizer, count: int, length: int) -> list[list[int]]:
     """``count`` different prompts of exactly ``length`` tokens (windows of one long text)."""
-    from modelrunner.serve.loadgen import TEXT
+    from modelrunner_serve.loadgen import TEXT
 
     ids = tokenizer.encode(TEXT * (2 + (count + length) // 20), add_special_tokens=False)
     step = max(1, (len(ids) - length) // count)
@@ -99,7 +99,7 @@ class ServerUnderTest:
 def measure_server(config: dict, prompts: list[list[int]], warm: list[list[int]], output_len: int,
                    clients: int, repeats: int) -> dict:
     """The summary of the fastest of ``repeats`` runs of the load on one server."""
-    from modelrunner.serve.loadgen import run_load
+    from modelrunner_serve.loadgen import run_load
 
     server = ServerUnderTest(config)
     summaries = []
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     clients, count, input_len, output_len = (8, 16, 32, 16) if args.quick else (16, 48, 64, 64)
 
-    from modelrunner.serve.loadgen import print_summary
+    from modelrunner_serve.loadgen import print_summary
     from modelrunner.source import resolve_source
 
     machine_report()

@@ -1,4 +1,5 @@
-"""The ``modelrunner`` command: ``generate`` and ``plugins``."""
+"""The ``modelrunner`` command: ``generate`` and ``plugins``, and the subcommands installed distributions
+declare (entry-point group ``modelrunner.subcommands``)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 import os
 import sys
 import traceback
+from importlib.metadata import entry_points
 from typing import Any
 
 from .engine.input_processor import check_unicode
@@ -165,29 +167,46 @@ def _plugins(args: argparse.Namespace) -> int:
     return 0
 
 
-"""Set to 1 to see the traceback behind a CLI error."""
+SUBCOMMAND_GROUP = "modelrunner.subcommands"
+"""Entry-point group of the subcommands that live in modules of their own (the kernel's ``check``,
+``new-plugin`` and ``bench``; ``serve`` from ``modelrunner-serve``): each names a module with
+``add_parser(subparsers)`` and ``run(args) -> int``."""
 
-
-SUBCOMMANDS = {
-    "serve": "modelrunner.serve.cli",
-    "bench": "modelrunner.bench.cli",
-    "check": "modelrunner.conformance.cli",
-    "new-plugin": "modelrunner.scaffold.cli",
-}
-"""Subcommands that live in their own module: each has ``add_parser(subparsers)`` and ``run(args) -> int``."""
+ELSEWHERE = {"serve": "modelrunner-serve"}
+"""Subcommands of distributions of their own: without it, the command says what to install."""
 
 
 def _subcommands() -> dict[str, Any]:
+    """The installed subcommands by name: their modules, or the error that stopped one importing."""
     import importlib
 
-    modules = {}
-    for name, module_name in SUBCOMMANDS.items():
+    modules: dict[str, Any] = {}
+    for ep in sorted(entry_points(group=SUBCOMMAND_GROUP), key=lambda ep: ep.name):
+        if ep.name in modules:
+            continue  # the first distribution to declare a name keeps it
         try:
-            modules[name] = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            if not module_name.startswith(str(e.name)):
-                raise
+            modules[ep.name] = importlib.import_module(ep.value)
+        except Exception as e:  # noqa: BLE001 - reported when that command runs, the others still work
+            dist = getattr(ep.dist, "name", None) or "its distribution"
+            modules[ep.name] = _Broken(ep.name, f"{dist} installs it, but {ep.value} failed to import: "
+                                                f"{type(e).__name__}: {e}", f"broken ({dist}): run it to see why")
     return modules
+
+
+class _Broken:
+    """A subcommand that cannot run here: running it, with any arguments, prints why."""
+
+    def __init__(self, name: str, message: str, summary: str) -> None:
+        self.name, self.message, self.summary = name, message, summary
+
+    def add_parser(self, subparsers: argparse._SubParsersAction) -> None:
+        """Add ``name`` (its arguments, ``--help`` included, end up unparsed: see :func:`main`)."""
+        subparsers.add_parser(self.name, help=self.summary, add_help=False)
+
+    def run(self, args: argparse.Namespace) -> int:
+        """Say why the command cannot run; exit status 2."""
+        print(f"modelrunner: error: {self.message}", file=sys.stderr)
+        return 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,12 +214,18 @@ def main(argv: list[str] | None = None) -> int:
     (``MODELRUNNER_DEBUG=1`` adds the traceback)."""
     parser = _parser()
     modules = _subcommands()
+    for name, dist in ELSEWHERE.items():
+        if name not in modules:
+            modules[name] = _Broken(name, f"'modelrunner {name}' needs the {dist} distribution: "
+                                          f"pip install {dist}", f"not installed: pip install {dist}")
     commands = {"generate": _generate, "plugins": _plugins}
     subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     for name, module in modules.items():
         module.add_parser(subparsers)
         commands[name] = module.run
-    args = parser.parse_args(argv)
+    args, unparsed = parser.parse_known_args(argv)
+    if unparsed and not isinstance(modules.get(args.command), _Broken):
+        parser.error(f"unrecognized arguments: {' '.join(unparsed)}")  # what parse_args would say
     if os.environ.get(DEBUG_ENV):
         logging.basicConfig(level=logging.INFO, format="modelrunner: %(name)s: %(message)s")
     try:

@@ -106,7 +106,7 @@ def test_usage_errors_are_one_line_with_status_2(bench, args, message):
 
 def test_serve_delegates_every_argument_to_the_load_generator(bench, monkeypatch):
     seen = {}
-    fake = types.ModuleType("modelrunner.serve.loadgen")
+    fake = types.ModuleType("modelrunner_serve.loadgen")
     fake.add_arguments = lambda parser: (parser.add_argument("--rate", type=float), parser.add_argument("--help-me",
                                                                                                        action="store_true"))
 
@@ -115,7 +115,7 @@ def test_serve_delegates_every_argument_to_the_load_generator(bench, monkeypatch
         return 7
 
     fake.run = run
-    monkeypatch.setitem(sys.modules, "modelrunner.serve.loadgen", fake)
+    monkeypatch.setitem(sys.modules, "modelrunner_serve.loadgen", fake)
     code, _, _ = bench("serve", "--rate", "2.5", "--help-me")
     assert code == 7 and seen["args"].rate == 2.5 and seen["args"].help_me is True
 
@@ -124,13 +124,13 @@ def test_serve_says_when_the_load_generator_is_not_installed(bench, monkeypatch)
     import importlib.util
 
     try:
-        present = importlib.util.find_spec("modelrunner.serve.loadgen") is not None
+        present = importlib.util.find_spec("modelrunner_serve.loadgen") is not None
     except ModuleNotFoundError:
         present = False
     if present:
-        monkeypatch.setitem(sys.modules, "modelrunner.serve.loadgen", None)  # import now raises ModuleNotFoundError
+        monkeypatch.setitem(sys.modules, "modelrunner_serve.loadgen", None)  # import now raises ModuleNotFoundError
     code, out, err = bench("serve", "--help")
     assert code == 2 and out == ""
     assert err.strip() == ("modelrunner: error: bench serve needs the HTTP server's load generator "
-                           "(modelrunner.serve.loadgen), which is not installed here; bench latency and bench "
+                           "(modelrunner_serve.loadgen): pip install modelrunner-serve; bench latency and bench "
                            "throughput measure the engine offline")

@@ -92,8 +92,8 @@ def test_the_limits_are_settings_of_the_engine_config():
 
 
 def test_a_server_answers_an_engine_limit_with_a_400_naming_the_field():
-    from modelrunner.serve.async_engine import PromptRejected
-    from modelrunner.serve.state import engine_refusal
+    from modelrunner_serve.async_engine import PromptRejected
+    from modelrunner_serve.state import engine_refusal
 
     engine = LLMEngine(FakeRunner())
     with pytest.raises(ValueError) as refused:

@@ -79,7 +79,7 @@ def test_a_package_whose_build_fails_still_installs(tmp_path):
 
 def test_no_project_code_builds_native_code_at_run_time():
     offenders = []
-    for folder in ("framework", "plugins", "adapters_llama", "adapters_moe", "adapters_mm"):
+    for folder in ("framework", "packages", "plugins", "adapters_llama", "adapters_moe", "adapters_mm"):
         for path in (ROOT / folder).rglob("*.py"):
             if path.name == "setup.py":
                 continue

@@ -120,7 +120,7 @@ def test_embeddings_batch_with_completions_on_one_engine(server):
 def test_every_field_of_openais_embedding_request_is_accepted():
     from openai.types import embedding_create_params
 
-    from modelrunner.serve.embeddings import EmbeddingRequest
+    from modelrunner_serve.embeddings import EmbeddingRequest
 
     openai_fields = set(embedding_create_params.EmbeddingCreateParams.__annotations__)
     assert openai_fields <= set(EmbeddingRequest.model_fields), openai_fields - set(EmbeddingRequest.model_fields)

@@ -93,8 +93,8 @@ def test_the_stream_queue_holds_deltas_and_never_grows_past_its_bound():
     """In process: a generation nobody reads queues deltas (not cumulative copies), at most the bound
     of them; past it the request is aborted and what still arrives is folded in, nothing lost."""
     from modelrunner.engine.outputs import CompletionOutput, Logprob, RequestOutput
-    from modelrunner.serve.async_engine import AsyncEngine, Generation
-    from modelrunner.serve.metrics import ServerMetrics
+    from modelrunner_serve.async_engine import AsyncEngine, Generation
+    from modelrunner_serve.metrics import ServerMetrics
 
     class FakeLoop:
         def __init__(self) -> None:
@@ -206,7 +206,7 @@ def test_the_key_comes_from_the_environment_not_the_command_line_and_guards_the_
 def test_modelrunner_api_key_wins_over_vllm_api_key(monkeypatch):
     import argparse
 
-    from modelrunner.serve.cli import add_parser, settings_from_args
+    from modelrunner_serve.cli import add_parser, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())

@@ -99,7 +99,7 @@ def _events(server, path: str, body: dict) -> list[dict]:
 
 
 def test_every_request_field_of_vllms_server_is_a_field_of_ours():
-    from modelrunner.serve.protocol import ChatCompletionRequest, CompletionRequest
+    from modelrunner_serve.protocol import ChatCompletionRequest, CompletionRequest
 
     for fields, model in ((VLLM_CHAT, ChatCompletionRequest), (VLLM_COMPLETION, CompletionRequest)):
         missing = sorted(set(fields) - set(model.model_fields))

@@ -57,8 +57,8 @@ def test_every_field_of_openai_pythons_request_types_is_a_field_of_ours():
     from openai.types.chat import completion_create_params as chat_create_params
     from openai.types.responses import response_create_params
 
-    from modelrunner.serve.protocol import ChatCompletionRequest, CompletionRequest
-    from modelrunner.serve.responses_api import ResponsesRequest
+    from modelrunner_serve.protocol import ChatCompletionRequest, CompletionRequest
+    from modelrunner_serve.responses_api import ResponsesRequest
 
     for params, model in ((completion_create_params.CompletionCreateParams, CompletionRequest),
                           (chat_create_params.CompletionCreateParams, ChatCompletionRequest),
@@ -73,8 +73,8 @@ def test_every_field_of_openai_pythons_request_types_is_a_field_of_ours():
 def test_every_message_key_and_stream_option_of_openai_python_is_accepted():
     from openai.types.chat import ChatCompletionMessageParam, ChatCompletionStreamOptionsParam
 
-    from modelrunner.serve.chat import MESSAGE_KEYS
-    from modelrunner.serve.protocol import StreamOptions
+    from modelrunner_serve.chat import MESSAGE_KEYS
+    from modelrunner_serve.protocol import StreamOptions
 
     assert set(ChatCompletionStreamOptionsParam.__annotations__) <= set(StreamOptions.model_fields)
     assert _typed_dict_keys(ChatCompletionMessageParam) <= MESSAGE_KEYS
@@ -205,10 +205,10 @@ class _InThreadServer:
 
         import uvicorn
 
-        from modelrunner.serve.app import build_app
-        from modelrunner.serve.cli import add_parser, settings_from_args
-        from modelrunner.serve.server import bind_socket
-        from modelrunner.serve.state import ServerState
+        from modelrunner_serve.app import build_app
+        from modelrunner_serve.cli import add_parser, settings_from_args
+        from modelrunner_serve.server import bind_socket
+        from modelrunner_serve.state import ServerState
 
         parser = argparse.ArgumentParser()
         add_parser(parser.add_subparsers())
@@ -257,7 +257,7 @@ def test_cors_options_limit_origins_methods_and_headers_as_vllms_do():
 def test_cors_defaults_and_bad_values_on_the_command_line():
     import argparse
 
-    from modelrunner.serve.cli import add_parser, settings_from_args
+    from modelrunner_serve.cli import add_parser, settings_from_args
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -266,7 +266,7 @@ def test_cors_defaults_and_bad_values_on_the_command_line():
     assert settings.allow_credentials is False
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--allowed-origins", '["a", 5]'])
-    from modelrunner.serve.settings import ServeSettings
+    from modelrunner_serve.settings import ServeSettings
 
     with pytest.raises(ValueError, match="allowed-methods must be a list of non-empty strings"):
         ServeSettings(allowed_methods=[""])

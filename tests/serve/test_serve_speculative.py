@@ -15,7 +15,7 @@ SPEC = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2,
 
 
 def test_bad_speculative_config_is_refused_before_loading(capsys):
-    from modelrunner.serve.cli import add_parser
+    from modelrunner_serve.cli import add_parser
 
     parser = argparse.ArgumentParser(prog="modelrunner")
     add_parser(parser.add_subparsers())

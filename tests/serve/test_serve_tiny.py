@@ -354,7 +354,7 @@ def test_the_load_generator_drives_the_real_server(server, tmp_path):
     import subprocess
     import sys
 
-    from modelrunner.serve.loadgen import percentile
+    from modelrunner_serve.loadgen import percentile
 
     report = tmp_path / "load.json"
     result = subprocess.run([sys.executable, "-m", "modelrunner.cli", "bench", "serve", "--base-url", server.url,

@@ -11,12 +11,12 @@ from types import SimpleNamespace
 import jsonschema
 import pytest
 
-from modelrunner.serve.chat import ChatOptions, parse_messages, render
-from modelrunner.serve.chat_completions import ChatJob, ToolStream, chat_body
-from modelrunner.serve.deltas import CompletionDelta
-from modelrunner.serve.errors import APIError
-from modelrunner.serve.structured import structured_outputs_of
-from modelrunner.serve.tools import tool_plan
+from modelrunner_serve.chat import ChatOptions, parse_messages, render
+from modelrunner_serve.chat_completions import ChatJob, ToolStream, chat_body
+from modelrunner_serve.deltas import CompletionDelta
+from modelrunner_serve.errors import APIError
+from modelrunner_serve.structured import structured_outputs_of
+from modelrunner_serve.tools import tool_plan
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city.",
@@ -316,7 +316,7 @@ def test_templates_without_tool_support_get_a_tool_prompt_and_calls_as_text(serv
 
 
 def test_serve_settings_check_the_tool_flags():
-    from modelrunner.serve.settings import ServeSettings
+    from modelrunner_serve.settings import ServeSettings
 
     assert ServeSettings(enable_auto_tool_choice=True, tool_call_parser="hermes").tool_call_parser == "hermes"
     with pytest.raises(ValueError, match="enable-auto-tool-choice needs --tool-call-parser"):

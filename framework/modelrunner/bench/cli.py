@@ -122,7 +122,7 @@ def add_parser(subparsers: Any) -> None:
 
     # The load generator's options are its own: they are parsed only once it is imported (bench serve).
     sub.add_parser("serve", pass_through=True, add_help=False,
-                   help="load-test the HTTP server (delegates to modelrunner.serve.loadgen; see its --help)")
+                   help="load-test the HTTP server (delegates to modelrunner_serve.loadgen; see its --help)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,18 +200,20 @@ def _compare(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-LOADGEN_MODULE = "modelrunner.serve.loadgen"
-"""Where ``bench serve`` finds the load generator (``add_arguments(parser)``, ``run(args) -> int``)."""
+LOADGEN_MODULE = "modelrunner_serve.loadgen"
+"""Where ``bench serve`` finds the load generator (``add_arguments(parser)``, ``run(args) -> int``): the
+``modelrunner-serve`` distribution, imported by name only when it runs."""
 
 
 def _serve(args: argparse.Namespace) -> int:
     try:
         loadgen = importlib.import_module(LOADGEN_MODULE)
     except ModuleNotFoundError as e:
-        if e.name not in ("modelrunner.serve", LOADGEN_MODULE):
+        if e.name not in ("modelrunner_serve", LOADGEN_MODULE):
             raise  # the load generator is there but something it imports is not: show that
-        raise ModelRunnerError(f"bench serve needs the HTTP server's load generator ({LOADGEN_MODULE}), which is not "
-                               "installed here; bench latency and bench throughput measure the engine offline") from None
+        raise ModelRunnerError(f"bench serve needs the HTTP server's load generator ({LOADGEN_MODULE}): pip install "
+                               "modelrunner-serve; bench latency and bench throughput measure the engine offline"
+                               ) from None
     parser = argparse.ArgumentParser(prog="modelrunner bench serve", description=loadgen.__doc__)
     loadgen.add_arguments(parser)
     return loadgen.run(parser.parse_args(args.delegate_args))

@@ -62,12 +62,12 @@ class _Link:
 
 def _describe(llm: Any) -> dict[str, Any]:
     """What the front needs to serve this model without loading it."""
-    from ..serve.state import ServedModel
+    from ..model_info import describe_model
 
-    served = ServedModel.from_llm(llm)
-    return {"pid": os.getpid(), "host": socket.gethostname(), "tokenizer": tokenizer_files(served.tokenizer),
-            "max_model_len": served.max_model_len, "root": served.root, "defaults": served.defaults,
-            "image_token": served.image_token, "vocab_size": llm.engine.vocab_size,
+    model = describe_model(llm)
+    return {"pid": os.getpid(), "host": socket.gethostname(), "tokenizer": tokenizer_files(model.tokenizer),
+            "max_model_len": model.max_model_len, "root": model.root, "defaults": model.defaults,
+            "image_token": model.image_token, "vocab_size": llm.engine.vocab_size,
             "max_num_seqs": llm.engine.config.scheduler.max_num_seqs}
 
 

@@ -195,7 +195,7 @@ _FIELD = attrs.field  # the attrs validators also run on every assignment (attrs
 REQUEST = "request"
 """Field metadata key: False for a field HTTP requests do not set under its own name (``max_tokens`` and
 ``logprobs`` have each endpoint's names, ``structured_outputs`` its own fields); every other field is a
-request field of the same name (``modelrunner.serve.protocol`` derives them)."""
+request field of the same name (``modelrunner_serve.protocol`` derives them)."""
 REQUEST_TYPE = "request_type"
 """Field metadata key: the JSON type a request gives the field, where the one derived from its Python
 type (tuples as lists, dicts keyed by strings) is not it."""

@@ -7,7 +7,7 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 
-from ..engine.input_processor import check_unicode
+from modelrunner.engine.input_processor import check_unicode
 from .chat import ChatOptions, parse_messages, render
 from .errors import bad_request
 from .protocol import DetokenizeRequest, TokenizeRequest, parse_body

@@ -19,9 +19,9 @@ from collections import deque
 from collections.abc import AsyncIterator
 from typing import Any
 
-from ..engine.loop import EngineDeadError, EngineLoop
-from ..engine.outputs import RequestOutput
-from ..sampling.params import SamplingParams
+from modelrunner.engine.loop import EngineDeadError, EngineLoop
+from modelrunner.engine.outputs import RequestOutput
+from modelrunner.sampling.params import SamplingParams
 from .deltas import OutputDelta, to_delta
 from .metrics import ServerMetrics
 from .settings import DEFAULT_MAX_STREAM_BUFFER

@@ -33,8 +33,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..errors import StructuredOutputError
-from ..sampling.structured import StructuredOutputsParams, as_structured_outputs
+from modelrunner.errors import StructuredOutputError
+from modelrunner.sampling.structured import StructuredOutputsParams, as_structured_outputs
 from .async_engine import Generation
 from .chat import ChatOptions, ParsedMessages, parse_messages, render
 from .errors import APIError, bad_request, from_validation_errors
@@ -43,7 +43,7 @@ from .json_body import load_json
 from .protocol import OpenAIRequest
 from .responses import new_id, now
 from .sampling import build_sampling_params, check_room
-from ..tool_parser import ToolCall
+from modelrunner.tool_parser import ToolCall
 from .structured import constrain
 from .state import ServerState
 from .streaming import EventStream, finals_unless_disconnected
@@ -388,7 +388,8 @@ def _add_call(messages: list[dict[str, Any]], item: dict[str, Any], where: str) 
             raise bad_request(f"{where}.{key} must be a {'' if key == 'arguments' else 'non-empty '}string "
                               f"(a function_call item is {{'type', 'call_id', 'name', 'arguments'}})",
                               param=f"{where}.{key}")
-    call = {"id": item["call_id"], "type": "function", "function": {"name": item["name"], "arguments": item["arguments"]}}
+    call = {"id": item["call_id"], "type": "function",
+            "function": {"name": item["name"], "arguments": item["arguments"]}}
     if messages and messages[-1].get("role") == "assistant":
         messages[-1] = {**messages[-1], "tool_calls": [*(messages[-1].get("tool_calls") or []), call]}
     else:

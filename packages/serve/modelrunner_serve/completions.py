@@ -15,8 +15,8 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..engine.input_processor import check_unicode
-from ..engine.outputs import CompletionOutput, RequestOutput
+from modelrunner.engine.input_processor import check_unicode
+from modelrunner.engine.outputs import CompletionOutput, RequestOutput
 from .async_engine import Generation
 from .deltas import CompletionDelta, OutputDelta
 from .errors import APIError, bad_request

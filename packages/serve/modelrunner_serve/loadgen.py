@@ -241,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m modelrunner.serve.loadgen``."""
+    """``python -m modelrunner_serve.loadgen``."""
     parser = argparse.ArgumentParser(prog="modelrunner-loadgen", description=__doc__.split("\n\n")[0])
     add_arguments(parser)
     try:

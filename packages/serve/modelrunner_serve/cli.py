@@ -111,7 +111,7 @@ def speculative_config(text: str) -> dict:
     """
     import json
 
-    from ..config import SpeculativeConfig
+    from modelrunner.config import SpeculativeConfig
 
     try:
         value = json.loads(text)
@@ -174,8 +174,8 @@ def settings_from_args(args: argparse.Namespace) -> ServeSettings:
 
     :raises ValueError: a bad option value or config key (one line, naming it).
     """
-    from ..cli import config_overrides
-    from ..config import RunnerConfig
+    from modelrunner.cli import config_overrides
+    from modelrunner.config import RunnerConfig
     from .settings import ServeSettings
 
     config = config_overrides(args.set)
@@ -227,8 +227,8 @@ def run(args: argparse.Namespace) -> int:
     from .server import serve
 
     if args.headless:
-        from ..config import RunnerConfig
-        from ..data_parallel import run_headless
+        from modelrunner.config import RunnerConfig
+        from modelrunner.data_parallel import run_headless
 
         settings = settings_from_args(args)
         return run_headless(RunnerConfig.from_dict({"model": settings.model, **settings.config}))

@@ -11,7 +11,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..engine.outputs import RequestOutput
+from modelrunner.engine.outputs import RequestOutput
 from .async_engine import Generation
 from .chat import ChatOptions, echo_text, parse_messages, render
 from .deltas import CompletionDelta, OutputDelta

@@ -11,9 +11,10 @@ from typing import Any
 
 import attrs
 
-from ..engine.loop import LoopSnapshot
-from ..executor import WorkerFailedError
-from ..sampling.params import SamplingParams
+from modelrunner.engine.loop import LoopSnapshot
+from modelrunner.executor import WorkerFailedError
+from modelrunner.model_info import describe_model
+from modelrunner.sampling.params import SamplingParams
 from .async_engine import (RETRY_AFTER_S, AdapterRetired, AsyncEngine, EngineStopped, Generation, NeverFits,
                            Overloaded, PromptRejected)
 from .errors import APIError, bad_request, leading_field
@@ -56,19 +57,9 @@ class ServedModel:
     @classmethod
     def from_llm(cls, llm: Any) -> ServedModel:
         """Describe a freshly loaded ``llm``."""
-        from ..llm import generation_defaults
-
-        runner = getattr(llm.runner, "runner", None)
-        source = getattr(runner, "source", None)
-        tokenizer = llm.get_tokenizer()
-        hf_config = getattr(llm.runner.loaded, "hf_config", None)
-        image_id = getattr(hf_config, "image_token_index", None)
-        if image_id is None:
-            image_id = getattr(hf_config, "image_token_id", None)
-        image_token = tokenizer.convert_ids_to_tokens(int(image_id)) if image_id is not None and tokenizer else None
-        return cls(llm=llm, tokenizer=tokenizer, max_model_len=llm.engine.max_model_len,
-                   root=str(source.path) if source is not None else str(llm.engine.config.model.model),
-                   defaults=generation_defaults(source), image_token=image_token, created=now())
+        info = describe_model(llm)
+        return cls(llm=llm, tokenizer=info.tokenizer, max_model_len=info.max_model_len, root=info.root,
+                   defaults=info.defaults, image_token=info.image_token, created=now())
 
 
 class ServerState:

@@ -28,9 +28,9 @@ from typing import Any
 
 import attrs
 
-from ..sampling.structured import StructuredOutputsParams
-from ..structured_output.backend_schema import escape_pointer, map_subschemas, subschemas
-from ..tool_parser import ParsedOutput, ToolCall, ToolParser
+from modelrunner.sampling.structured import StructuredOutputsParams
+from modelrunner.structured_output.backend_schema import escape_pointer, map_subschemas, subschemas
+from modelrunner.tool_parser import ParsedOutput, ToolCall, ToolParser
 from .errors import bad_request
 
 TOOL_CHOICES = ("none", "auto", "required")
@@ -249,7 +249,7 @@ def tool_parser(name: str) -> ToolParser:
 
     :raises UnknownNameError: no parser has that name (the message lists those that exist).
     """
-    from ..plugins import get_plugins
+    from modelrunner.plugins import get_plugins
 
     return get_plugins().tool_parser_class(name)()
 

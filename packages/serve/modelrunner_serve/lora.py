@@ -20,7 +20,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from ..lora import LoRARequest
+from modelrunner.lora import LoRARequest
 from .errors import APIError, bad_request
 
 

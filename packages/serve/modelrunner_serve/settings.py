@@ -74,7 +74,7 @@ def _log_level(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
 def _tool_call_parser(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     if value is None:
         return
-    from ..plugins import get_plugins
+    from modelrunner.plugins import get_plugins
 
     try:
         get_plugins().tool_parser_class(value)

@@ -4,6 +4,9 @@
 with the model loaded in the background, and :func:`serve` is what the command line calls.
 Importing this package is cheap (the CLI imports :mod:`.cli` for every command): the web stack is
 imported on first use of a name below.
+
+This is the ``modelrunner-serve`` distribution: the kernel never imports it, its CLI finds ``serve``
+through the ``modelrunner.subcommands`` entry point this distribution declares.
 """
 
 from __future__ import annotations
@@ -13,11 +16,11 @@ from typing import Any
 __all__ = ["ServeSettings", "Server", "ServerState", "build_app", "serve"]
 
 _LAZY = {
-    "Server": ("modelrunner.serve.server", "Server"),
-    "serve": ("modelrunner.serve.server", "serve"),
-    "ServeSettings": ("modelrunner.serve.settings", "ServeSettings"),
-    "ServerState": ("modelrunner.serve.state", "ServerState"),
-    "build_app": ("modelrunner.serve.app", "build_app"),
+    "Server": ("modelrunner_serve.server", "Server"),
+    "serve": ("modelrunner_serve.server", "serve"),
+    "ServeSettings": ("modelrunner_serve.settings", "ServeSettings"),
+    "ServerState": ("modelrunner_serve.state", "ServerState"),
+    "build_app": ("modelrunner_serve.app", "build_app"),
 }
 
 

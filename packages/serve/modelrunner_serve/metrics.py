@@ -13,8 +13,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from ..engine.loop import LoopSnapshot
-from ..engine.outputs import RequestOutput
+from modelrunner.engine.loop import LoopSnapshot
+from modelrunner.engine.outputs import RequestOutput
 
 PREFIX = "modelrunner:"
 """Prefix of every metric name."""

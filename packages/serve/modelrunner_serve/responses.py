@@ -9,7 +9,7 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
-from ..engine.outputs import Logprob, PositionLogprobs
+from modelrunner.engine.outputs import Logprob, PositionLogprobs
 
 MIN_LOGPROB = -9999.0
 """Log-probabilities are clamped here: JSON has no -Infinity (vLLM clamps to the same value)."""

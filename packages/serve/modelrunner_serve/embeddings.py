@@ -20,9 +20,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from ..engine.input_processor import check_unicode
-from ..engine.loop import EngineDeadError
-from ..pooling.params import PoolingParams
+from modelrunner.engine.input_processor import check_unicode
+from modelrunner.engine.loop import EngineDeadError
+from modelrunner.pooling.params import PoolingParams
 from .async_engine import AsyncEngine, EngineStopped, NeverFits, Overloaded, PromptRejected, RETRY_AFTER_S
 from .auth import require_api_key
 from .errors import APIError, bad_request, leading_field

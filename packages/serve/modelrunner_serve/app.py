@@ -19,7 +19,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException
 from starlette.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response
 
-from ..engine.loop import STEP_TIMEOUT_ENV
+from modelrunner.engine.loop import STEP_TIMEOUT_ENV
 from .auth import require_api_key
 from .body_limit import BodyLimit
 from .chat_completions import create_chat_completion

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import attrs
 
-from ..engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
+from modelrunner.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 @attrs.define

@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 import attrs
 
-from ..sampling.params import GENERATION_CONFIG, REQUEST, REQUEST_TYPE, SamplingParams
+from modelrunner.sampling.params import GENERATION_CONFIG, REQUEST, REQUEST_TYPE, SamplingParams
 from .errors import APIError, bad_request, leading_field
 
 

@@ -28,13 +28,14 @@ from collections.abc import Iterator
 import prometheus_client
 import uvicorn
 
-from ..errors import DEBUG_ENV, error_line
+from modelrunner.errors import DEBUG_ENV, error_line
 from .app import build_app
 from .async_engine import AsyncEngine
 from .dp_metrics import ReplicaCollector
 from .settings import ServeSettings
 from .state import ServedModel, ServerState
 
+# A child of the library's logger ("modelrunner", which _configure_logging sets up), not this module's path.
 logger = logging.getLogger("modelrunner.serve")
 
 SETTLE_S = 5.0
@@ -89,7 +90,7 @@ class ModelOwner(threading.Thread):
         settings, state = self.server.settings, self.server.state
         started = time.monotonic()
         try:
-            from ..llm import LLM
+            from modelrunner.llm import LLM
 
             llm = LLM(settings.model, **settings.config)
         except Exception as e:
@@ -102,8 +103,8 @@ class ModelOwner(threading.Thread):
         try:
             if self._stop_requested.is_set():
                 return
-            from ..engine.loop import EngineLoop
-            from ..llm import DataParallelLLM
+            from modelrunner.engine.loop import EngineLoop
+            from modelrunner.llm import DataParallelLLM
 
             if isinstance(llm, DataParallelLLM):  # the replicas' loops run in their processes
                 model, loop, max_running = ServedModel.from_replicas(llm), llm.router, llm.max_num_seqs

@@ -17,9 +17,9 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from ..errors import StructuredOutputError
-from ..sampling.structured import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs
-from ..structured_output.backend_schema import MATCHES_NOTHING, schema_problem
+from modelrunner.errors import StructuredOutputError
+from modelrunner.sampling.structured import GuidedDecodingParams, StructuredOutputsParams, as_structured_outputs
+from modelrunner.structured_output.backend_schema import MATCHES_NOTHING, schema_problem
 from .errors import APIError, bad_request
 
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice",
@@ -116,7 +116,7 @@ def check_compiles(llm: Any, params: StructuredOutputsParams, field: str) -> Non
     manager = getattr(getattr(llm, "engine", None), "structured_outputs", None)
     if manager is None:  # an engine without a manager refuses the request when it is added
         return
-    from ..structured_output.manager import GrammarPoolBusy
+    from modelrunner.structured_output.manager import GrammarPoolBusy
 
     try:  # waits at most structured_outputs_compile_timeout_s from when its compilation starts
         manager.wait_compiled(manager.prepare(params))
