@@ -92,6 +92,10 @@ def test_guided_choice_and_regex_on_chat_and_completions(client):
         picked = _chat(client, [{"role": "user", "content": "Is the sky blue?"}], 5,
                        extra_body={"guided_choice": ["yes", "no"], "guided_decoding_backend": backend})
         assert picked.choices[0].message.content in ("yes", "no")
+    # A backend that is not installed: a 400 naming it (and, for this project's, the package to install).
+    with pytest.raises(openai.BadRequestError, match=r"unknown grammar backend 'outlines'; installed: guidance"):
+        _chat(client, [{"role": "user", "content": "Is the sky blue?"}], 5,
+              extra_body={"guided_choice": ["yes", "no"], "guided_decoding_backend": "outlines"})
 
 
 def _calls(message) -> list[tuple[str, dict]]:
