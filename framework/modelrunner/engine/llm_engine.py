@@ -40,11 +40,12 @@ from ..spec_decode.speculator import Speculator
 from ..structured_output.backend import GrammarContext
 from ..structured_output.cursors import ConstrainedSequences
 from ..structured_output.manager import StructuredOutputManager
-from .batch_builder import LogitsRowOwner, build_forward_batch
-from .detokenizer import start_detokenizer, text_delta
+from .detokenizer import start_detokenizer
+from .forward import BatchForward
 from .input_processor import InputProcessor
 from .outputs import CompletionOutput, RequestMetrics, RequestOutput
 from .pooling import EnginePooler
+from .reporting import request_output
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
 from .sequence import Request, Sequence, child_seed
 from .stop_checker import StopChecker
@@ -128,10 +129,12 @@ class LLMEngine:
                                    getattr(getattr(executor, "runner", None), "source", None),
                                    config.scheduler.max_num_batched_tokens)
         """Embedding (pooling) requests: the rows each step keeps, and the pooling method."""
+        self.forward = BatchForward(executor, allocator, self.pooler)
+        """Runs the model over each step's batch (each request alone when the batch fails)."""
         self.speculator: Speculator | None = None
         """Speculative decoding (None: off): proposes tokens each step, verified in the same forward."""
         if config.speculative is not None:
-            self.speculator = self._create_speculator(allocator)
+            self.speculator = Speculator.create(config, executor, allocator, self.vocab_size, self.tokenizer)
             self.speculator.excluded = self.constrained.is_slow
             self.scheduler.speculator = self.speculator
         self._shares_kv_on_fork = executor.kv_cache_spec is not None
@@ -145,32 +148,6 @@ class LLMEngine:
         self.num_steps = 0
         """Steps run so far."""
         executor.attach_engine(self)  # its generate() and scratch sequences now run through this engine
-
-    def _create_speculator(self, allocator: Any) -> Speculator:
-        """The speculator of ``config.speculative``.
-
-        :raises ValueError: the model keeps its own cache, the allocator cannot hold lookahead slots, or
-            the method names no installed proposer (the message lists those that are).
-        """
-        spec = self.config.speculative
-        if self.executor.kv_cache_spec is None:
-            raise ValueError("speculative_config: this model keeps its own cache, which cannot take back rejected "
-                             "tokens; speculative decoding needs a model on the paged KV cache")
-        if not allocator.supports_lookahead:
-            raise ValueError(f"speculative_config: KV allocator {self.config.cache.kv_allocator!r} cannot reserve "
-                             "lookahead slots for proposed tokens (supports_lookahead is False); use "
-                             "kv_allocator='paged'")
-        plugins = self.executor.plugins
-        names = plugins.registry.names("proposers")
-        try:
-            proposer_class = plugins.proposer_class(spec.method)
-        except Exception as exc:  # noqa: BLE001 - an unknown or conflicting name: say which exist
-            raise ValueError(f"speculative_config: unknown method {spec.method!r}; installed proposers: "
-                             f"{', '.join(names) or '(none)'} ({exc})") from None
-        from ..spec_decode.proposer import ProposerContext
-
-        proposer = proposer_class(ProposerContext(spec, self.vocab_size, self.config, plugins, self.tokenizer))
-        return Speculator(spec, proposer, self.vocab_size)
 
     @property
     def allocator(self) -> Any:
@@ -370,7 +347,7 @@ class LLMEngine:
                 metrics.first_scheduled_time = metrics.first_scheduled_time or now
             if out.block_copies:
                 self.executor.copy_blocks(out.block_copies)
-            executed = self._execute(out, outputs)
+            executed = self.forward.run(out, lambda request, reason: self._fail(request, reason, outputs))
             if executed is not None:
                 logits, owners, scheduled = executed
                 # The forward wrote these tokens' KV. From here on every sequence that reached its last
@@ -412,68 +389,6 @@ class LLMEngine:
 
     # -- forward -------------------------------------------------------------------------------
 
-    def _execute(
-        self, out: SchedulerOutput, outputs: list[RequestOutput]
-    ) -> tuple[torch.Tensor, list[LogitsRowOwner], list[ScheduledSequence]] | None:
-        """One forward over the whole batch. If it raises, each request runs alone once, so that only
-        the one(s) that fail again are finished with ``finish_reason="error"`` (their KV slots are
-        rewritten identically by the retry, so the others are unaffected). The failed step's blocks
-        leave the prefix cache first: a later prompt must not reuse KV that was never written. A
-        request that hit, in this step, blocks of one that then fails alone computes those blocks itself.
-
-        :returns: logits, who owns each logits row, and the scheduled sequences that ran; None when none did.
-        """
-        scheduled = out.scheduled
-        try:
-            return (*self._forward(scheduled, out.finished_seq_ids), scheduled)
-        except FatalError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - isolated below, reported per request
-            logger.warning("step of %d requests failed (%s: %s); running each alone", len(scheduled),
-                           type(exc).__name__, exc)
-        # The step's new KV was not (fully) written: its blocks must not serve prefix-cache hits.
-        for item in scheduled:
-            self.allocator.forget_uncomputed(item.seq.seq_id, item.start)
-        requests = list(dict.fromkeys(item.seq.request for item in scheduled))
-        kept: list[ScheduledSequence] = []
-        parts: list[torch.Tensor] = []
-        unwritten: set[int] = set()  # blocks whose new KV a failed request never wrote
-        for request in requests:
-            mine = [self._recompute_unwritten(item, unwritten) for item in scheduled if item.seq.request is request]
-            try:
-                logits, _ = self._forward(mine, out.finished_seq_ids)
-            except FatalError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                for item in mine:  # before _fail frees them
-                    unwritten.update(self._blocks_written_by(item))
-                self._fail(request, f"model forward failed: {type(exc).__name__}: {exc}", outputs)
-                continue
-            kept += mine
-            parts.append(logits)
-        if not kept:
-            return None
-        return torch.cat(parts), build_forward_batch(kept, self.allocator)[1], kept
-
-    def _blocks_written_by(self, item: ScheduledSequence) -> list[int]:
-        """The cache blocks holding the tokens ``item`` computes."""
-        size = self.allocator.block_size
-        table = self.allocator.block_table(item.seq.seq_id)
-        return table[item.start // size:-(-(item.start + item.num_new_tokens) // size)]
-
-    def _forward(self, scheduled: list[ScheduledSequence],
-                 finished_seq_ids: tuple[int, ...] = ()) -> tuple[torch.Tensor, list[LogitsRowOwner]]:
-        """One forward over ``scheduled``: its logits and who owns each row; the final hidden states the
-        step's pooling requests keep are stored with them.
-
-        :raises ValueError: the adapter returned no hidden states for pooling requests.
-        """
-        batch, owners = build_forward_batch(scheduled, self.allocator, finished_seq_ids)
-        batch, pooled = self.pooler.ask(batch, scheduled)
-        out = self.executor.execute_model(batch)
-        self.pooler.collect(out, pooled, self.executor.loaded.adapter)
-        return out.logits, owners
-
     def _finish_pooled(self, scheduled: list[ScheduledSequence], changed: dict[str, Request],
                        outputs: list[Any]) -> None:
         """End the pooling requests whose whole prompt is now computed, with their embedding."""
@@ -489,21 +404,6 @@ class LLMEngine:
             self.scheduler.finish(seq, "stop")
             request.metrics.finished_time = time.monotonic()
             changed[request.request_id] = request
-
-    def _recompute_unwritten(self, item: ScheduledSequence, unwritten: set[int]) -> ScheduledSequence:
-        """``item``, starting earlier if its cached prefix includes a block in ``unwritten``: a
-        prefix-cache hit, in this step, on blocks of a request that then failed alone. Recomputing
-        from that block writes the same keys/values the failed request would have (same tokens,
-        same positions) instead of reading slots nobody wrote."""
-        if not unwritten:
-            return item
-        size = self.allocator.block_size
-        table = self.allocator.block_table(item.seq.seq_id)
-        for index in range(-(-item.start // size)):
-            if table[index] in unwritten:
-                start = index * size
-                return ScheduledSequence(item.seq, start, item.num_new_tokens + item.start - start)
-        return item
 
     # -- sampling --------------------------------------------------------------------------------
 
@@ -673,36 +573,7 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput | PoolingRequestOutput:
         if request.pooling is not None:
             return self.pooler.output(request)
-        completions = []
-        for seq in request.seqs:
-            delta = text_delta(seq, self.stop_checker.longest_stop_string(seq))
-            sent = seq.sent_token_len
-            new_ids = seq.token_ids[seq.prompt_len + sent:]
-            seq.sent_token_len = sent + len(new_ids)
-            completions.append(CompletionOutput(
-                index=seq.index,
-                text=seq.output_text[:seq.sent_text_len],
-                token_ids=seq.output_token_ids,
-                finish_reason=seq.finish_reason,
-                stop_reason=seq.stop_reason,
-                delta_text=delta,
-                delta_token_ids=new_ids,
-                logprobs=None if seq.logprobs is None else list(seq.logprobs),
-                cumulative_logprob=seq.cumulative_logprob,
-                delta_logprobs=None if seq.logprobs is None else seq.logprobs[sent:],
-            ))
-        completions.sort(key=lambda c: c.index)
-        return RequestOutput(
-            request_id=request.request_id,
-            prompt=request.prompt,
-            prompt_token_ids=list(request.prompt_token_ids),
-            outputs=completions,
-            finished=request.is_finished,
-            num_cached_tokens=request.seqs[0].num_cached_tokens,
-            error=request.error,
-            prompt_logprobs=None if request.prompt_logprobs is None else list(request.prompt_logprobs),
-            metrics=attrs.evolve(request.metrics),
-        )
+        return request_output(request, self.stop_checker.longest_stop_string)
 
     # -- conveniences ----------------------------------------------------------------------------
 

@@ -41,7 +41,7 @@ import numpy as np
 
 from ..config import SpeculativeConfig
 from .bounded import BoundedCalls, ProposerTimeoutError, proposer_timeout
-from .proposer import ProposalRequest, Proposer
+from .proposer import ProposalRequest, Proposer, ProposerContext
 from ..wire import register as _wire_type
 
 logger = logging.getLogger(__name__)
@@ -161,6 +161,31 @@ class Speculator:
         self.costs: dict[int, StepCost] = {}
         """Batch-size bucket (``bit_length`` of the decoding sequences) → measured step costs."""
         self._states: dict[int, SpecState] = {}
+
+    @classmethod
+    def create(cls, config: Any, executor: Any, allocator: Any, vocab_size: int, tokenizer: Any) -> Speculator:
+        """The speculator of ``config.speculative`` for an engine on ``executor`` and ``allocator``.
+
+        :raises ValueError: the model keeps its own cache, the allocator cannot hold lookahead slots, or
+            the method names no installed proposer (the message lists those that are).
+        """
+        spec = config.speculative
+        if executor.kv_cache_spec is None:
+            raise ValueError("speculative_config: this model keeps its own cache, which cannot take back rejected "
+                             "tokens; speculative decoding needs a model on the paged KV cache")
+        if not allocator.supports_lookahead:
+            raise ValueError(f"speculative_config: KV allocator {config.cache.kv_allocator!r} cannot reserve "
+                             "lookahead slots for proposed tokens (supports_lookahead is False); use "
+                             "kv_allocator='paged'")
+        plugins = executor.plugins
+        names = plugins.registry.names("proposers")
+        try:
+            proposer_class = plugins.proposer_class(spec.method)
+        except Exception as exc:  # noqa: BLE001 - an unknown or conflicting name: say which exist
+            raise ValueError(f"speculative_config: unknown method {spec.method!r}; installed proposers: "
+                             f"{', '.join(names) or '(none)'} ({exc})") from None
+        proposer = proposer_class(ProposerContext(spec, vocab_size, config, plugins, tokenizer))
+        return cls(spec, proposer, vocab_size)
 
     def eligible(self, seq: Any) -> bool:
         """Whether ``seq`` may speculate (see the module docstring for who does not)."""
