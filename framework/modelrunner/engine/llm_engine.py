@@ -43,7 +43,7 @@ from ..structured_output.manager import StructuredOutputManager
 from .detokenizer import start_detokenizer
 from .forward import BatchForward
 from .input_processor import InputProcessor
-from .outputs import CompletionOutput, RequestMetrics, RequestOutput
+from .outputs import RequestMetrics, RequestOutput
 from .pooling import EnginePooler
 from .reporting import request_output
 from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from .ggml_formats import PLANAR_FORMS, Q4_0, Q4_1, Q8_0, to_planar
+from .ggml_formats import PLANAR_FORMS, to_planar
 
 PLANAR_TYPES = {ggml_type: form.bits for ggml_type, form in PLANAR_FORMS.items()}
 """ggml type → bits of the planar layout it converts to without loss (the formats kept as stored)."""
