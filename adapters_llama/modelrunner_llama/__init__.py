@@ -20,10 +20,7 @@ from typing import Any
 
 import torch
 
-from modelrunner.forward_batch import ForwardOutput
-from modelrunner.hookspecs import hookimpl
-from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import build_and_load, check_built_for, loaded_for, run_stage
+from modelrunner.api import ForwardOutput, LoadedModel, build_and_load, check_built_for, hookimpl, loaded_for, run_stage
 
 from .model import LlamaForCausalLM
 

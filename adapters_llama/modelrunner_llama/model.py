@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelrunner.models import DecoderForCausalLM
+from modelrunner.api import DecoderForCausalLM
 
 
 class LlamaForCausalLM(DecoderForCausalLM):

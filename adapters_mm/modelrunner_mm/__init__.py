@@ -15,9 +15,7 @@ from typing import Any
 
 import torch
 
-from modelrunner.hookspecs import hookimpl
-from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import run_stage
+from modelrunner.api import LoadedModel, hookimpl, run_stage
 
 from .inputs import ImageInputProcessor
 from .loader import build_vision, load_image_processor, load_language_model

@@ -18,10 +18,7 @@ import attrs
 import torch
 from torch import nn
 
-from modelrunner.errors import ModelRunnerError
-from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import TextModel
-from modelrunner.weights import iter_weights, load_weights
+from modelrunner.api import LoadedModel, ModelRunnerError, TextModel, iter_weights, load_weights
 
 TEXT_WEIGHT_RENAMES = (("language_model.", ""), ("model.language_model.", "model."), ("lm_head.", "lm_head."))
 """Checkpoint prefixes of the language model → the names a causal-LM adapter expects."""

@@ -27,10 +27,7 @@ from typing import Any
 
 import torch
 
-from modelrunner.forward_batch import ForwardOutput
-from modelrunner.hookspecs import hookimpl
-from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import check_built_for, loaded_for, run_stage
+from modelrunner.api import ForwardOutput, LoadedModel, check_built_for, hookimpl, loaded_for, run_stage
 
 from .loader import build_moe_model
 from .model import MoeForCausalLM

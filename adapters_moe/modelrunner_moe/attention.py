@@ -7,9 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelrunner.layers import AttentionBackend, RMSNorm, RotaryEmbedding
-from modelrunner.models import DecoderAttention
-from modelrunner.parallel_state import ParallelState
+from modelrunner.api import AttentionBackend, DecoderAttention, ParallelState, RMSNorm, RotaryEmbedding
 
 
 class QKNormRotary(nn.Module):

@@ -22,9 +22,7 @@ from typing import Any
 
 import torch
 
-from modelrunner.layers.fused_moe import expert_tensor_name
-from modelrunner.models import ModelLoader, build_and_load
-from modelrunner.weights import CheckpointError
+from modelrunner.api import CheckpointError, ModelLoader, build_and_load, expert_tensor_name
 
 from .model import MoeForCausalLM
 

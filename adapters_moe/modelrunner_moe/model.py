@@ -14,10 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelrunner.layers import AttentionBackend
-from modelrunner.layers.fused_moe import FusedMoE
-from modelrunner.models import DecoderForCausalLM
-from modelrunner.parallel_state import ParallelState
+from modelrunner.api import AttentionBackend, DecoderForCausalLM, FusedMoE, ParallelState
 
 from .attention import QKNormAttention
 from .moe_block import SparseMoeBlock

@@ -7,10 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelrunner.layers import ReplicatedLinear
-from modelrunner.layers.fused_moe import FusedMoE
-from modelrunner.models import GatedMLP
-from modelrunner.parallel_state import ParallelState
+from modelrunner.api import FusedMoE, GatedMLP, ParallelState, ReplicatedLinear
 
 from .spec import MoeSpec
 

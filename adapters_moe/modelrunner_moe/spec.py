@@ -17,7 +17,7 @@ from typing import Any
 
 import attrs
 
-from modelrunner.layers.moe_router import check_top_k
+from modelrunner.api import check_top_k
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
                  "qwen3_moe": "Qwen3MoeForCausalLM"}

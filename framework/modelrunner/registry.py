@@ -9,6 +9,7 @@ architecture, ``plugin:name`` for the other kinds), never by install order.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import attrs
@@ -69,46 +70,29 @@ def split_choice(name: str) -> tuple[str | None, str]:
     return (plugin, rest) if sep and plugin and rest else (None, name)
 
 
-def _base_class(kind: str) -> type:
-    if kind == "attention_backends":
-        from .layers.attention_backend import AttentionBackend
+BASE_CLASSES = {
+    "attention_backends": "modelrunner.layers.attention_backend:AttentionBackend",
+    "logits_processors": "modelrunner.sampling.logits_processor:LogitsProcessor",
+    "quantization_methods": "modelrunner.quantization.base:QuantizationMethod",
+    "matmul_kernels": "modelrunner.quantization.matmul:MatmulKernel",
+    "grammar_backends": "modelrunner.structured_output.backend:GrammarBackend",
+    "tool_parsers": "modelrunner.tool_parser:ToolParser",
+    "proposers": "modelrunner.spec_decode.proposer:Proposer",
+    "lora_kernels": "modelrunner.lora.kernel:LoRAKernel",
+    "executors": "modelrunner.executor_base:Executor",
+    "pooling_methods": "modelrunner.pooling.method:PoolingMethod",
+}
+"""Class kind → ``module:Class`` of the base class its plugins subclass (all in :mod:`modelrunner.api`).
+Resolved on use: the registry sits below the packages that define them."""
 
-        return AttentionBackend
-    if kind == "logits_processors":
-        from .sampling.logits_processor import LogitsProcessor
 
-        return LogitsProcessor
-    if kind == "matmul_kernels":
-        from .quantization.matmul import MatmulKernel
+def base_class(kind: str) -> type:
+    """The base class the plugins of class kind ``kind`` subclass.
 
-        return MatmulKernel
-    if kind == "grammar_backends":
-        from .structured_output.backend import GrammarBackend
-
-        return GrammarBackend
-    if kind == "tool_parsers":
-        from .tool_parser import ToolParser
-
-        return ToolParser
-    if kind == "proposers":
-        from .spec_decode.proposer import Proposer
-
-        return Proposer
-    if kind == "lora_kernels":
-        from .lora.kernel import LoRAKernel
-
-        return LoRAKernel
-    if kind == "executors":
-        from .executor_base import Executor
-
-        return Executor
-    if kind == "pooling_methods":
-        from .pooling.method import PoolingMethod
-
-        return PoolingMethod
-    from .quantization.base import QuantizationMethod
-
-    return QuantizationMethod
+    :raises KeyError: ``kind`` is not a class kind.
+    """
+    module, _, name = BASE_CLASSES[kind].partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 @attrs.define
@@ -140,7 +124,7 @@ class Registry:
             plugins.append(self.current_plugin)
 
     def _add_classes(self, kind: str, classes: tuple[type, ...]) -> None:
-        base = _base_class(kind)
+        base = base_class(kind)
         for cls in classes:
             if not (isinstance(cls, type) and issubclass(cls, base)):
                 raise ValueError(f"plugin {self.current_plugin!r} registered {cls!r} as one of its {kind}; "

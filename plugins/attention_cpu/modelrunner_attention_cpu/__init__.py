@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelrunner.hookspecs import hookimpl
+from modelrunner.api import hookimpl
 
 from .backend import CPUPagedAttentionBackend
 from .kernel import KernelUnavailable, paged_decode_attention

@@ -7,9 +7,7 @@ import functools
 import warnings
 
 import torch
-from modelrunner.layers import Attention
-from modelrunner.layers.attention_backend import GraphInputs
-from modelrunner.layers.sdpa_attention import SDPAMetadata, TorchSDPABackend
+from modelrunner.api import Attention, GraphInputs, SDPAMetadata, TorchSDPABackend
 
 from . import kernel
 

@@ -9,7 +9,7 @@ import functools
 from pathlib import Path
 
 import torch
-from modelrunner.native import NativeBuildError, load_library
+from modelrunner.api import NativeBuildError, load_library
 
 VARIANTS = ("avx512", "avx2", "generic")
 """The instruction-set variants ``setup.py`` builds."""

@@ -15,8 +15,7 @@ import tempfile
 from collections.abc import Mapping
 from typing import Any, Callable
 
-from modelrunner.errors import did_you_mean
-from modelrunner.hookspecs import hookimpl
+from modelrunner.api import did_you_mean, hookimpl
 from modelrunner_compile_inductor import CompileCache
 from modelrunner_compile_inductor.cache import model_identity
 from modelrunner_compile_inductor.options import check_inductor_config

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from modelrunner.forward_batch import ForwardBatch
+from modelrunner.api import ForwardBatch
 
 MIN_ROWS = 2
 """Fewest sequences the exported step takes (a batch of one is padded to two)."""

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from modelrunner.layers.dense import onednn_in_compiled_graphs
+from modelrunner.api import onednn_in_compiled_graphs
 from modelrunner_compile_inductor import CompileCache, lowerings
 
 from .decode_step import DecodeStep, dynamic_shapes

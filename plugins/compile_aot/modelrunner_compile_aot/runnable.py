@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from modelrunner.forward_batch import ForwardBatch
+from modelrunner.api import ForwardBatch
 
 from .decode_step import MAX_ROWS, MIN_ROWS, decode_inputs
 from .package import DecodePackage

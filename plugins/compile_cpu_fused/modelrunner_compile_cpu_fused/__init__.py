@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from modelrunner.hookspecs import hookimpl
+from modelrunner.api import hookimpl
 
 from .backend import FusedModel, check_options
 from .decode_graphs import register_graph_safe

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelrunner.layers.dense import PATHS, plan_summary, prepack_weights
+from modelrunner.api import DENSE_PATHS as PATHS, plan_summary, prepack_weights
 
 from .decode_graphs import bind_decode_graphs
 from .fused_ops import bind_fused_ops

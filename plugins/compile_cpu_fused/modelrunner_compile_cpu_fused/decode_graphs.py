@@ -43,7 +43,9 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from modelrunner.models.decoder import DecoderForCausalLM
+from modelrunner.api import (Attention, DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, GGMLMember,
+                             GGMLScheme, MergedColumnParallelLinear, MixedGGMLScheme, PlanarScheme, QKVParallelLinear,
+                             RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul)
 from torch import nn
 from torch.nn.modules import module as _module
 
@@ -75,19 +77,6 @@ def register_graph_safe(cls: type) -> type:
 def _kernel_classes() -> None:
     if _SAFE:
         return
-    from modelrunner.layers import (
-        Attention,
-        MergedColumnParallelLinear,
-        QKVParallelLinear,
-        RMSNorm,
-        RotaryEmbedding,
-        RowParallelLinear,
-        SiluAndMul,
-    )
-    from modelrunner.models.decoder import DecoderAttention, DecoderLayer, GatedMLP
-    from modelrunner.quantization.ggml_scheme import GGMLMember, GGMLScheme, MixedGGMLScheme
-    from modelrunner.quantization.planar import PlanarScheme
-
     for cls in (SiluAndMul, Attention, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear, RMSNorm,
                 RotaryEmbedding, PlanarScheme, GGMLScheme, MixedGGMLScheme, GGMLMember, DecoderAttention, DecoderLayer,
                 GatedMLP):

@@ -18,9 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from modelrunner.layers import Attention, RMSNorm, RotaryEmbedding, SiluAndMul, TorchSDPABackend
-from modelrunner.layers.cpu_ops import fused, ops
-from modelrunner.models.decoder import GatedMLP
+from modelrunner.api import Attention, GatedMLP, RMSNorm, RotaryEmbedding, SiluAndMul, TorchSDPABackend, fused, ops
 from torch import nn
 
 from .unhooked import hooked, plain_type

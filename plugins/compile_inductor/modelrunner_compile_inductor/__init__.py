@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from modelrunner.hookspecs import hookimpl
+from modelrunner.api import hookimpl
 
 from .buckets import bucket_for, pad_decode_batch
 from .cache import CompileCache, CompileCacheWarning, model_identity

@@ -22,7 +22,7 @@ from typing import Any
 import attrs
 import torch
 
-from modelrunner.forward_batch import ForwardBatch
+from modelrunner.api import ForwardBatch
 
 _PER_TOKEN = ("input_ids", "positions", "slot_mapping")
 _PER_SEQUENCE = ("seq_lens", "context_lens", "block_tables")

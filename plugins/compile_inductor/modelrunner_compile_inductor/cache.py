@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from modelrunner.layers import Attention
+from modelrunner.api import Attention
 
 MANIFEST = "modelrunner-manifest.json"
 """The manifest's file name inside a namespace directory."""

@@ -29,8 +29,7 @@ def install() -> bool:
         from torch._inductor.lowering import lowerings, register_lowering
         from torch._inductor.mkldnn_ir import LinearUnary
 
-        from modelrunner.layers.dense import onednn_linear  # noqa: F401  (defines the op)
-        from modelrunner.layers.sdpa_attention import store_kv  # noqa: F401  (defines the op)
+        import modelrunner.api  # noqa: F401 - defines the modelrunner::onednn_linear and store_kv ops
 
         linear_op, store_op = torch.ops.modelrunner.onednn_linear.default, torch.ops.modelrunner.store_kv.default
     except (ImportError, AttributeError):

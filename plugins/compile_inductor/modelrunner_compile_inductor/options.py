@@ -6,7 +6,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import attrs
-from modelrunner.errors import did_you_mean
+from modelrunner.api import did_you_mean
 
 DEFAULT_BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 """Decode batch sizes compiled for; a step is padded up to the next one (at most 1.5× the rows above 4)."""

@@ -27,8 +27,7 @@ import torch
 import torch._dynamo
 import torch.fx.experimental._config
 
-from modelrunner.forward_batch import ForwardBatch
-from modelrunner.layers.dense import onednn_in_compiled_graphs
+from modelrunner.api import ForwardBatch, onednn_in_compiled_graphs
 
 from . import lowerings
 from .buckets import bucket_for, drop_padding, normalize_key_length, pad_decode_batch, pad_rows

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelrunner.hookspecs import hookimpl
+from modelrunner.api import hookimpl
 
 from .executor import RayExecutor
 

@@ -16,11 +16,8 @@ from typing import Any
 
 import attrs
 
-from modelrunner.config import RunnerConfig
-from modelrunner.distributed import LaunchInfo, collective_timeout, free_port
-from modelrunner.executor import MultiprocExecutor, WorkerFailedError, process_state
-from modelrunner.plugins import Plugins
-from modelrunner.worker import rank_device, serve_rank
+from modelrunner.api import (LaunchInfo, MultiprocExecutor, Plugins, RunnerConfig, WorkerFailedError,
+                             collective_timeout, free_port, process_state, rank_device, serve_rank)
 
 __all__ = ["RankActor", "RayExecutor", "RayWorkers"]
 

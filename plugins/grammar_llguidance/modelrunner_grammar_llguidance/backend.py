@@ -11,8 +11,7 @@ from typing import Any
 
 import torch
 
-from modelrunner import StructuredOutputError
-from modelrunner.structured_output import MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec
+from modelrunner.api import MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, StructuredOutputError
 
 
 class GuidanceMatcher(GrammarMatcher):

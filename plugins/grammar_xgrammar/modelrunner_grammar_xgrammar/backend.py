@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
-from modelrunner import StructuredOutputError
-from modelrunner.structured_output import MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask
+from modelrunner.api import (MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, StructuredOutputError,
+                             apply_bitmask)
 
 IGNORED_KEYWORDS = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                     "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems")

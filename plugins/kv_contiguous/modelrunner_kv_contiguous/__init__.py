@@ -6,11 +6,10 @@ import heapq
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from modelrunner.hookspecs import hookimpl
-from modelrunner.kv_cache.allocator import BlockAllocator, BlockCopy, KVCacheError, KVCacheStats
+from modelrunner.api import BlockAllocator, BlockCopy, KVCacheError, KVCacheStats, hookimpl
 
 if TYPE_CHECKING:
-    from modelrunner.registry import Registry
+    from modelrunner.api import Registry
 
 __all__ = ["ContiguousBlockAllocator", "allocate", "register"]
 

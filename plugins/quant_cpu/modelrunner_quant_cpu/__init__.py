@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.metadata
 from typing import Any
 
-from modelrunner.hookspecs import hookimpl
+from modelrunner.api import hookimpl
 
 from .kernel import (
     GGML_BF16_GEMM_ROWS,

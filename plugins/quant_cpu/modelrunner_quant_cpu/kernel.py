@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from modelrunner.native import NativeBuildError, load_library
+from modelrunner.api import NativeBuildError, load_library
 
 VARIANTS = ("avx512_vnni", "avx512", "avx2", "generic")
 """The instruction-set variants ``setup.py`` builds: each has kernels the one below lacks."""

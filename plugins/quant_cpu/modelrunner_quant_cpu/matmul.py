@@ -33,8 +33,7 @@ from pathlib import Path
 from typing import ClassVar
 
 import torch
-from modelrunner.quantization import MatmulKernel, QuantizedWeight, WeightFormat
-from modelrunner.quantization.library import native_bf16
+from modelrunner.api import MatmulKernel, QuantizedWeight, WeightFormat, native_bf16
 
 from . import kernel as native
 

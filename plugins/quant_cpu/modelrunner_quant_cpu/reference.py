@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from modelrunner.quantization.planar import dequantize_planar, pack_int4, unpack_int4
+from modelrunner.api import dequantize_planar, pack_int4, unpack_int4
 
 
 def unpack_nibbles(qweight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,91 @@
+"""The plugin API: everything a plugin may import from the kernel, in one module.
+
+A plugin (a model adapter, a KV-cache allocator, a compile or attention backend, a quantization
+method or matmul kernel, a grammar backend, a tool parser, a proposer, a LoRA kernel, an executor, a
+pooling method, a logits processor) imports from here and nowhere else in ``modelrunner``; every
+other module is the kernel's implementation and may change without notice. The in-repo adapters and
+plugins use only this module (a test holds them to it), which is how we know it is enough.
+``CHANGELOG.md`` records every change to what is here, with the one-line migration.
+
+The other public entry points are not for plugins: ``modelrunner`` itself (the offline API: ``LLM``,
+``SamplingParams`` …), ``modelrunner.conformance`` (the kit's suites, for a plugin's tests) and
+``modelrunner.native_build`` (compiling a plugin's C++ from its ``setup.py``).
+"""
+
+from __future__ import annotations
+
+from . import PLUGIN_API_VERSION
+from .config import RunnerConfig
+from .distributed import LaunchInfo, collective_timeout, free_port
+from .errors import ModelRunnerError, PluginError, StructuredOutputError, UnknownNameError, did_you_mean
+from .executor import MultiprocExecutor, UniprocExecutor, WorkerFailedError, process_state
+from .executor_base import Executor
+from .forward_batch import ForwardBatch, ForwardOutput
+from .hookspecs import hookimpl
+from .kv_cache.allocator import BlockAllocator, BlockCopy, KVCacheError, KVCacheStats
+from .kv_cache.paged import PagedBlockAllocator
+from .layers import (Attention, AttentionBackend, ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,
+                     ParallelLMHead, QKVParallelLinear, ReplicatedLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                     SiluAndMul, TorchSDPABackend, VocabParallelEmbedding)
+from .layers.attention_backend import GraphInputs
+from .layers.cpu_ops import fused, ops
+from .layers.dense import PATHS as DENSE_PATHS
+from .layers.dense import onednn_in_compiled_graphs, onednn_linear, plan_summary, prepack_weights
+from .layers.fused_moe import FusedMoE, expert_tensor_name
+from .layers.moe_router import check_top_k
+from .layers.sdpa_attention import SDPAMetadata, store_kv
+from .loaded_model import LoadedModel
+from .lora import LoRAKernel, LoRAMapping
+from .models import (DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, ModelLoader, TextModel,
+                     build_and_load, check_built_for, loaded_for, run_stage)
+from .native import NativeBuildError, load_library
+from .parallel_state import ParallelState
+from .plugins import Plugins
+from .pooling import PoolingMethod
+from .quantization import (GGMLBlocks, MatmulKernel, PlanarScheme, QuantizationMethod, QuantizedWeight, WeightFormat,
+                           dequantize_planar, quantizable_layers)
+from .quantization.ggml_scheme import GGMLMember, GGMLScheme, MixedGGMLScheme
+from .quantization.library import native_bf16
+from .quantization.planar import pack_int4, unpack_int4
+from .registry import Registry
+from .sampling import LogitsProcessor, LogitsRow, banned_mask
+from .spec_decode import ProposalRequest, Proposer, ProposerContext
+from .structured_output import (MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask,
+                                bitmask_from_allowed)
+from .tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
+from .weights import CheckpointError, iter_weights, load_weights
+from .worker import rank_device, serve_rank
+
+__all__ = [
+    # Declaring a plugin
+    "PLUGIN_API_VERSION", "hookimpl", "Registry", "Plugins",
+    # What hooks receive and return
+    "RunnerConfig", "ForwardBatch", "ForwardOutput", "LoadedModel", "ParallelState",
+    # Errors a plugin raises or catches
+    "ModelRunnerError", "PluginError", "UnknownNameError", "StructuredOutputError", "CheckpointError",
+    "KVCacheError", "NativeBuildError", "WorkerFailedError", "did_you_mean",
+    # The base class of each class kind
+    "AttentionBackend", "LogitsProcessor", "QuantizationMethod", "MatmulKernel", "GrammarBackend", "ToolParser",
+    "Proposer", "LoRAKernel", "Executor", "PoolingMethod", "BlockAllocator",
+    # Model building blocks (adapters)
+    "Attention", "RMSNorm", "RotaryEmbedding", "SiluAndMul", "LinearBase", "ColumnParallelLinear",
+    "RowParallelLinear", "MergedColumnParallelLinear", "QKVParallelLinear", "ReplicatedLinear",
+    "VocabParallelEmbedding", "ParallelLMHead", "FusedMoE", "expert_tensor_name", "check_top_k",
+    "DecoderAttention", "DecoderForCausalLM", "DecoderLayer", "GatedMLP", "TextModel", "ModelLoader",
+    "build_and_load", "check_built_for", "loaded_for", "run_stage", "iter_weights", "load_weights",
+    # Attention backends and KV-cache allocators
+    "TorchSDPABackend", "SDPAMetadata", "GraphInputs", "store_kv", "PagedBlockAllocator", "BlockCopy",
+    "KVCacheStats",
+    # Compile backends: the kernel's fused CPU ops and dense weight plans
+    "ops", "fused", "DENSE_PATHS", "onednn_linear", "onednn_in_compiled_graphs", "plan_summary", "prepack_weights",
+    # Quantization methods and matmul kernels
+    "QuantizedWeight", "WeightFormat", "GGMLBlocks", "PlanarScheme", "GGMLScheme", "GGMLMember", "MixedGGMLScheme",
+    "dequantize_planar", "quantizable_layers", "pack_int4", "unpack_int4", "native_bf16", "load_library",
+    # Logits processors, grammar backends, tool parsers, proposers, LoRA kernels
+    "LogitsRow", "banned_mask", "GrammarMatcher", "GrammarSpec", "MATCHES_NOTHING", "apply_bitmask",
+    "bitmask_from_allowed", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",
+    "LoRAMapping",
+    # Executors
+    "UniprocExecutor", "MultiprocExecutor", "process_state", "LaunchInfo", "collective_timeout", "free_port",
+    "rank_device", "serve_rank",
+]
