@@ -173,7 +173,8 @@ SUBCOMMAND_GROUP = "modelrunner.subcommands"
 ``add_parser(subparsers)`` and ``run(args) -> int``."""
 
 ELSEWHERE = {"serve": "modelrunner-serve"}
-"""Subcommands of distributions of their own: without it, the command says what to install."""
+"""Subcommands other distributions provide, with the distribution: when it is not installed, the
+command says what to install instead of being unknown."""
 
 
 def _subcommands() -> dict[str, Any]:
