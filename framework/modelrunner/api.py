@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from . import PLUGIN_API_VERSION
 from .config import RunnerConfig
+from .defaults import transformers_adapter
 from .distributed import LaunchInfo, collective_timeout, free_port
 from .errors import ModelRunnerError, PluginError, StructuredOutputError, UnknownNameError, did_you_mean
 from .executor import MultiprocExecutor, UniprocExecutor, WorkerFailedError, process_state
@@ -46,12 +47,13 @@ from .quantization import (GGMLBlocks, MatmulKernel, PlanarScheme, QuantizationM
                            dequantize_planar, quantizable_layers)
 from .quantization.ggml_scheme import GGMLMember, GGMLScheme, MixedGGMLScheme
 from .quantization.library import native_bf16
+from .quantization.methods import Int8Method
 from .quantization.planar import pack_int4, unpack_int4
 from .registry import Registry
 from .sampling import LogitsProcessor, LogitsRow, banned_mask
 from .spec_decode import ProposalRequest, Proposer, ProposerContext
 from .structured_output import (MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask,
-                                bitmask_from_allowed)
+                                bitmask_from_allowed, decoded_vocabulary)
 from .tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
 from .weights import CheckpointError, iter_weights, load_weights
 from .worker import rank_device, serve_rank
@@ -73,6 +75,7 @@ __all__ = [
     "VocabParallelEmbedding", "ParallelLMHead", "FusedMoE", "expert_tensor_name", "check_top_k",
     "DecoderAttention", "DecoderForCausalLM", "DecoderLayer", "GatedMLP", "TextModel", "ModelLoader",
     "build_and_load", "check_built_for", "loaded_for", "run_stage", "iter_weights", "load_weights",
+    "transformers_adapter",
     # Attention backends and KV-cache allocators
     "TorchSDPABackend", "SDPAMetadata", "GraphInputs", "store_kv", "PagedBlockAllocator", "BlockCopy",
     "KVCacheStats",
@@ -81,9 +84,10 @@ __all__ = [
     # Quantization methods and matmul kernels
     "QuantizedWeight", "WeightFormat", "GGMLBlocks", "PlanarScheme", "GGMLScheme", "GGMLMember", "MixedGGMLScheme",
     "dequantize_planar", "quantizable_layers", "pack_int4", "unpack_int4", "native_bf16", "load_library",
+    "Int8Method",
     # Logits processors, grammar backends, tool parsers, proposers, LoRA kernels
     "LogitsRow", "banned_mask", "GrammarMatcher", "GrammarSpec", "MATCHES_NOTHING", "apply_bitmask",
-    "bitmask_from_allowed", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",
+    "bitmask_from_allowed", "decoded_vocabulary", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",
     "LoRAMapping",
     # Executors
     "UniprocExecutor", "MultiprocExecutor", "process_state", "LaunchInfo", "collective_timeout", "free_port",

@@ -73,7 +73,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from modelrunner import hookimpl
+from modelrunner.api import hookimpl
 
 PLUGIN_API = ">=1.1,<2"
 """The modelrunner plugin API versions this plugin was written for (outside them it is listed as broken)."""
@@ -83,7 +83,7 @@ MODULES = {
     "attention-backend": HEADER + '''
 import torch
 
-from modelrunner.layers import TorchSDPABackend
+from modelrunner.api import TorchSDPABackend
 
 
 class {cls}(TorchSDPABackend):
@@ -106,7 +106,7 @@ def register(registry: Any) -> None:
     registry.attention_backends({cls})
 ''',
     "allocator": HEADER + '''
-from modelrunner.kv_cache.paged import PagedBlockAllocator
+from modelrunner.api import PagedBlockAllocator
 
 
 class {cls}(PagedBlockAllocator):
@@ -150,7 +150,7 @@ def compile(name: str, loaded: Any, config: Any) -> Any:
     return run
 ''',
     "quantization-method": HEADER + '''
-from modelrunner.quantization.methods import Int8Method
+from modelrunner.api import Int8Method
 
 
 class {cls}(Int8Method):
@@ -173,7 +173,7 @@ from collections.abc import Sequence
 
 import torch
 
-from modelrunner.sampling import LogitsProcessor, LogitsRow, banned_mask
+from modelrunner.api import LogitsProcessor, LogitsRow, banned_mask
 
 
 class {cls}(LogitsProcessor):
@@ -207,8 +207,7 @@ def register(registry: Any) -> None:
     "adapter": HEADER + '''
 import torch
 
-from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import DecoderForCausalLM, build_and_load, check_built_for, loaded_for, run_stage
+from modelrunner.api import DecoderForCausalLM, LoadedModel, build_and_load, check_built_for, loaded_for, run_stage
 
 ARCHITECTURE = "{arch}"
 """The ``architectures`` entry of the checkpoints this adapter loads
@@ -254,7 +253,7 @@ def parallelize(loaded: LoadedModel, parallel: Any) -> None:
 import torch
 import torch.nn.functional as F
 
-from modelrunner.quantization import MatmulKernel, QuantizedWeight, WeightFormat, dequantize_planar
+from modelrunner.api import MatmulKernel, QuantizedWeight, WeightFormat, dequantize_planar
 
 
 class {cls}(MatmulKernel):
@@ -292,8 +291,7 @@ from collections.abc import Sequence
 
 import torch
 
-from modelrunner.structured_output import (GrammarBackend, GrammarMatcher, GrammarSpec, bitmask_from_allowed,
-                                           decoded_vocabulary)
+from modelrunner.api import GrammarBackend, GrammarMatcher, GrammarSpec, bitmask_from_allowed, decoded_vocabulary
 
 
 class {cls}Grammar:
@@ -390,7 +388,7 @@ def register(registry: Any) -> None:
 import json
 from collections.abc import Sequence
 
-from modelrunner.tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
+from modelrunner.api import ParsedOutput, ToolCall, ToolParser, json_values
 
 
 class {cls}(ToolParser):
@@ -437,7 +435,7 @@ def register(registry: Any) -> None:
     "proposer": HEADER + '''
 from collections.abc import Sequence
 
-from modelrunner.spec_decode import ProposalRequest, Proposer, ProposerContext
+from modelrunner.api import ProposalRequest, Proposer, ProposerContext
 
 
 class {cls}(Proposer):
@@ -477,7 +475,7 @@ def register(registry: Any) -> None:
     "lora-kernel": HEADER + '''
 import torch
 
-from modelrunner.lora import LoRAKernel, LoRAMapping
+from modelrunner.api import LoRAKernel, LoRAMapping
 
 
 class {cls}(LoRAKernel):
@@ -507,7 +505,7 @@ def register(registry: Any) -> None:
     "executor": HEADER + '''
 import time
 
-from modelrunner.executor import UniprocExecutor
+from modelrunner.api import UniprocExecutor
 
 
 class {cls}(UniprocExecutor):
@@ -552,7 +550,7 @@ from collections.abc import Sequence
 
 import torch
 
-from modelrunner.pooling import PoolingMethod
+from modelrunner.api import PoolingMethod
 
 
 class {cls}(PoolingMethod):
@@ -582,8 +580,7 @@ def register(registry: Any) -> None:
 ADAPTER_TRANSFORMERS = HEADER + """
 import torch
 
-from modelrunner.defaults import transformers_adapter
-from modelrunner.loaded_model import LoadedModel
+from modelrunner.api import LoadedModel, transformers_adapter
 
 ARCHITECTURE = "{arch}"
 \"\"\"The ``architectures`` entry of the checkpoints this adapter loads (transformers' model_type ``{model_type}``).\"\"\"
