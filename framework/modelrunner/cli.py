@@ -168,11 +168,11 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 SUBCOMMAND_GROUP = "modelrunner.subcommands"
-"""Entry-point group of the subcommands that live in modules of their own (the kernel's ``check``,
-``new-plugin`` and ``bench``; ``serve`` from ``modelrunner-serve``): each names a module with
-``add_parser(subparsers)`` and ``run(args) -> int``."""
+"""Entry-point group of the subcommands that live in modules of their own (the kernel's ``check`` and
+``new-plugin``; ``serve`` from ``modelrunner-serve``, ``bench`` from ``modelrunner-bench``): each names a
+module with ``add_parser(subparsers)`` and ``run(args) -> int``."""
 
-ELSEWHERE = {"serve": "modelrunner-serve"}
+ELSEWHERE = {"serve": "modelrunner-serve", "bench": "modelrunner-bench"}
 """Subcommands other distributions provide, with the distribution: when it is not installed, the
 command says what to install instead of being unknown."""
 
