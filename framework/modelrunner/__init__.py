@@ -11,16 +11,11 @@ from typing import Any
 # A library logs; the application decides what is shown (the CLI shows it with MODELRUNNER_DEBUG=1).
 logging.getLogger("modelrunner").addHandler(logging.NullHandler())
 
-PLUGIN_API_VERSION = "1.1"
-"""The version of what plugins implement (hooks, base classes, the model contract); ``CHANGELOG.md``
-records every change to it. A plugin states the range it was built for as a module attribute
-``PLUGIN_API = ">=1.0,<2"`` (a PEP 440 specifier); outside it, the plugin is listed as broken."""
-
 from .config import CacheConfig, CompileConfig, ModelConfig, ParallelConfig, RunnerConfig, SchedulerConfig
 from .errors import (ModelRunnerError, ModelSourceError, PluginConflictError, PluginError, StructuredOutputError,
                      UnknownNameError)
 from .forward_batch import ForwardBatch
-from .hookspecs import hookimpl
+from .hookspecs import PLUGIN_API_VERSION, hookimpl
 from .loaded_model import LoadedModel
 
 __all__ = [

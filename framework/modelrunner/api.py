@@ -8,13 +8,14 @@ plugins use only this module (a test holds them to it), which is how we know it 
 ``CHANGELOG.md`` records every change to what is here, with the one-line migration.
 
 The other public entry points are not for plugins: ``modelrunner`` itself (the offline API: ``LLM``,
-``SamplingParams`` …), ``modelrunner.conformance`` (the kit's suites, for a plugin's tests) and
-``modelrunner.native_build`` (compiling a plugin's C++ from its ``setup.py``).
+``SamplingParams`` …) and ``modelrunner.native_build`` (compiling a plugin's C++ from its ``setup.py``).
+A plugin's tests use the plugin kit, the separate ``modelrunner-kit`` distribution (``modelrunner_kit``:
+the conformance suites, ``modelrunner check`` and ``new-plugin``, test helpers); the kernel never
+imports it.
 """
 
 from __future__ import annotations
 
-from . import PLUGIN_API_VERSION
 from .config import RunnerConfig
 from .defaults import transformers_adapter
 from .distributed import LaunchInfo, collective_timeout, free_port
@@ -22,7 +23,7 @@ from .errors import ModelRunnerError, PluginError, StructuredOutputError, Unknow
 from .executor import MultiprocExecutor, UniprocExecutor, WorkerFailedError, process_state
 from .executor_base import Executor
 from .forward_batch import ForwardBatch, ForwardOutput
-from .hookspecs import hookimpl
+from .hookspecs import PLUGIN_API_VERSION, hookimpl
 from .kv_cache.allocator import BlockAllocator, BlockCopy, KVCacheError, KVCacheStats
 from .kv_cache.paged import PagedBlockAllocator
 from .layers import (Attention, AttentionBackend, ColumnParallelLinear, LinearBase, MergedColumnParallelLinear,

@@ -15,6 +15,7 @@ import torch
 
 from .errors import ModelRunnerError
 from .registry import FALLBACK_ARCHITECTURE
+from .registry import KINDS
 
 
 class UnsupportedCombinationError(ModelRunnerError, ValueError):
@@ -94,7 +95,6 @@ def _check_device(piece: str, caps: dict[str, Any], device: torch.device) -> Non
 def capability_matrix(plugins: Any) -> dict[str, list[dict[str, Any]]]:
     """kind → one row per (name, plugin): ``{"name", "plugin", <capability>: value}`` (None: not
     declared) — what ``modelrunner plugins --matrix`` prints."""
-    from .registry import KINDS
 
     registry = plugins.registry
     out: dict[str, list[dict[str, Any]]] = {}

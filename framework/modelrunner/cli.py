@@ -89,8 +89,8 @@ def _open_images(paths: list[str]) -> list[Any]:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from .engine.sampling_params import SamplingParams
-    from .llm import LLM
+    from .engine.sampling_params import SamplingParams  # lazy: torch (the CLI's help and plugins need none)
+    from .llm import LLM  # lazy: torch
 
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, seed=args.seed)
@@ -138,13 +138,13 @@ def _flatten(values: dict, prefix: str) -> dict:
 
 
 def _plugins(args: argparse.Namespace) -> int:
-    from .plugins import get_plugins
+    from .plugins import get_plugins  # lazy: torch (plugins imports it; `modelrunner --help` needs none)
 
     plugins = get_plugins()
     infos = plugins.list()
     problems = plugins.problems()
     if args.matrix:
-        from .capabilities import capability_matrix, format_matrix
+        from .capabilities import capability_matrix, format_matrix  # lazy: torch
 
         matrix = capability_matrix(plugins)
         print(json.dumps(matrix, indent=2) if args.json else format_matrix(matrix), end="" if not args.json else "\n")
@@ -168,11 +168,12 @@ def _plugins(args: argparse.Namespace) -> int:
 
 
 SUBCOMMAND_GROUP = "modelrunner.subcommands"
-"""Entry-point group of the subcommands that live in modules of their own (the kernel's ``check`` and
-``new-plugin``; ``serve`` from ``modelrunner-serve``, ``bench`` from ``modelrunner-bench``): each names a
-module with ``add_parser(subparsers)`` and ``run(args) -> int``."""
+"""Entry-point group of the subcommands that live in modules of their own (``serve`` from
+``modelrunner-serve``, ``bench`` from ``modelrunner-bench``, ``check`` and ``new-plugin`` from
+``modelrunner-kit``): each names a module with ``add_parser(subparsers)`` and ``run(args) -> int``."""
 
-ELSEWHERE = {"serve": "modelrunner-serve", "bench": "modelrunner-bench"}
+ELSEWHERE = {"serve": "modelrunner-serve", "bench": "modelrunner-bench", "check": "modelrunner-kit",
+             "new-plugin": "modelrunner-kit"}
 """Subcommands other distributions provide, with the distribution: when it is not installed, the
 command says what to install instead of being unknown."""
 

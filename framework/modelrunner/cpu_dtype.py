@@ -27,6 +27,11 @@ from typing import Any
 import attrs
 import torch
 
+from .cache_dir import cache_root
+from .layers.dense import planned_dtype, time_paths
+from .native import cpu_flags
+from .timing_cache import TimingCache
+
 logger = logging.getLogger(__name__)
 
 ENV = "MODELRUNNER_CPU_AUTO_DTYPE"
@@ -55,7 +60,6 @@ class AutoDtype:
 
 def native_bf16_flags() -> tuple[str, ...]:
     """Which of :data:`NATIVE_BF16_FLAGS` this CPU reports (none where ``/proc/cpuinfo`` cannot be read)."""
-    from .native import cpu_flags
 
     flags = cpu_flags()
     return tuple(flag for flag in NATIVE_BF16_FLAGS if flag in flags)
@@ -76,7 +80,6 @@ def decide(times: dict[str, dict[str, float]]) -> tuple[torch.dtype, str]:
 def _measure(rows: int, cols: int) -> dict[str, dict[str, float]]:
     """``times[dtype][bucket]``: seconds of the best path :func:`~modelrunner.layers.dense.dense` can
     take for the dtype on a ``rows`` x ``cols`` weight."""
-    from .layers.dense import planned_dtype, time_paths
 
     out: dict[str, dict[str, float]] = {}
     for dtype in (torch.float32, torch.bfloat16):
@@ -118,8 +121,6 @@ def cpu_auto_dtype(hf_config: Any = None, cache_dir: str | Path | None = None) -
 
 @functools.cache
 def _measured(rows: int, cols: int, flags: tuple[str, ...], cache_dir: str | None) -> AutoDtype:
-    from .cache_dir import cache_root
-    from .timing_cache import TimingCache
 
     cache = TimingCache(cache_root(cache_dir), (f"auto dtype {VERSION}",))
     key = f"auto-dtype:{rows}x{cols}"

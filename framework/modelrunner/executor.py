@@ -52,6 +52,7 @@ from .runner import ModelRunner, resolve_dtype
 from .source import resolve_source
 from .worker import (STEP, STOP, Worker, is_peer_failure, is_timeout, load_rank, rank_config, rank_device,
                      read_failures, run_step)
+from .plugins import get_plugins
 
 SETTLE_S = 5.0
 """After a collective fails, how long the driver waits for the failing rank's report or exit code."""
@@ -142,7 +143,6 @@ def create_executor(config: RunnerConfig | dict[str, Any], plugins: Plugins | No
     :raises ValueError: the executor cannot run ``config`` (e.g. ``uni`` with tensor_parallel_size 2), or
         torchrun started a different number of processes than the sizes multiply to.
     """
-    from .plugins import get_plugins
 
     config = RunnerConfig.from_dict(config) if isinstance(config, dict) else config
     registry = plugins if plugins is not None else get_plugins()

@@ -11,6 +11,11 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import pluggy
 
+PLUGIN_API_VERSION = "1.2"
+"""The version of what plugins implement (hooks, base classes, the model contract); ``CHANGELOG.md``
+records every change to it. A plugin states the range it was built for as a module attribute
+``PLUGIN_API = ">=1.0,<2"`` (a PEP 440 specifier); outside it, the plugin is listed as broken."""
+
 if TYPE_CHECKING:
     import torch
 

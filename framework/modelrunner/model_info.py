@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from .llm import generation_defaults
+
 
 @attrs.frozen
 class ModelInfo:
@@ -29,8 +31,6 @@ class ModelInfo:
 
 def describe_model(llm: Any) -> ModelInfo:
     """Describe a freshly loaded :class:`~modelrunner.LLM`."""
-    from .llm import generation_defaults
-
     runner = getattr(llm.runner, "runner", None)
     source = getattr(runner, "source", None)
     tokenizer = llm.get_tokenizer()

@@ -20,6 +20,7 @@ import pluggy
 import torch
 
 from . import hookspecs
+from .hookspecs import PLUGIN_API_VERSION
 from .errors import PluginError, UnknownNameError
 from .plugin_timeout import IMPORT_TIMEOUT_ENV, PluginTimeoutError, call_bounded, import_timeout
 from .registry import Registry, split_choice
@@ -101,8 +102,6 @@ def check_api(spec: str | None) -> None:
     if spec is None:
         return
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
-
-    from . import PLUGIN_API_VERSION
 
     try:
         accepted = SpecifierSet(spec)

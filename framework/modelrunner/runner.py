@@ -20,12 +20,14 @@ from .article import ArticleAPI
 from .capabilities import check_supported, runs_quantization
 from .cache_dir import cache_root
 from .config import RunnerConfig
+from .cpu_dtype import cpu_auto_dtype
 from .distributed import STAGE_OUTPUTS, min_over_ranks
 from .errors import ModelRunnerError, ModelSourceError
 from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
 from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
+from .lora import LoRAManager
 from .model_size import check_model_fits
 from .models.loader import ModelLoader, adapter_for
 from .parallel_state import ParallelState
@@ -61,8 +63,6 @@ def dtype_choice(name: str, hf_config: Any, device: torch.device, cache_dir: Any
     if name != "auto":
         return getattr(torch, name), "asked for"
     if device.type == "cpu":
-        from .cpu_dtype import cpu_auto_dtype
-
         choice = cpu_auto_dtype(hf_config, cache_dir)
         return choice.dtype, choice.why
     dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
@@ -223,8 +223,6 @@ class ModelRunner(ArticleAPI):
         return loaded
 
     def _lora_manager(self, loaded: LoadedModel) -> Any:
-        from .lora import LoRAManager
-
         cfg = self.config
         if cfg.parallel.pipeline_parallel_size > 1:
             raise ModelRunnerError("enable_lora does not run with pipeline_parallel_size > 1 yet; use tensor "

@@ -17,6 +17,8 @@ import torch
 
 from .cache_dir import cache_root  # re-exported: its home before it had its own module
 from .errors import ModelSourceError
+from .gguf_checkpoint import GGUFCheckpoint
+from .weights import iter_weights
 
 
 @attrs.frozen
@@ -58,8 +60,6 @@ class ModelSource:
         ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`)."""
         if self.gguf is not None:
             return self.gguf
-        from .weights import iter_weights
-
         return iter_weights(self.path, self.weight_renames)
 
     def release_weights(self) -> None:
@@ -148,8 +148,6 @@ def resolve_source(model: str, cache_dir: str | None = None, trust_remote_code: 
     else:
         path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
-        from .gguf_checkpoint import GGUFCheckpoint
-
         checkpoint = GGUFCheckpoint(path)
         if checkpoint.native:
             return ModelSource(model, path, checkpoint.hf_config(), origin="gguf", gguf=checkpoint, cache_dir=cache_dir)

@@ -179,7 +179,7 @@ def test_a_long_chunked_prefill_does_not_stall_running_decodes(fake_runner):
     engine.add_request("long", list(range(1, 50)), SamplingParams(max_tokens=2, **GREEDY))
     done = _drain(engine)
     assert len(done["short"].outputs[0].token_ids) == 10
-    short_id = engine.runner.batches[0].seq_ids[0]
+    short_id = engine.executor.batches[0].seq_ids[0]
     # Every step until "short" finished ran its decode next to a chunk of "long".
     steps_with_short = [b for b in runner.batches[1:] if short_id in b.seq_ids]
     assert len(steps_with_short) == 9

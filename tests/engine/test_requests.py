@@ -99,7 +99,7 @@ def test_text_prompt_and_prompt_dict(fake_runner):
     done = _drain(engine)
     assert done["t"].prompt == "hello" and len(done["t"].prompt_token_ids) == 5
     assert done["d"].prompt is None and done["d"].prompt_token_ids == [1, 2]
-    assert any("images" in b.extra for b in engine.runner.batches)
+    assert any("images" in b.extra for b in engine.executor.batches)
 
 
 @pytest.mark.parametrize(

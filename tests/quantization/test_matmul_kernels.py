@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import importlib
 import sys
-import warnings
 
 import pytest
 import torch
 
-from modelrunner.conformance import suite
-from modelrunner.conformance.matmul import _layer
+from modelrunner_kit.conformance import suite
+from modelrunner_kit.conformance.matmul import _layer
 from modelrunner.errors import UnknownNameError
 from modelrunner.plugins import Plugins
 from modelrunner.quantization.kernels import KernelSelector, layout_of
@@ -147,14 +146,3 @@ def test_the_conformance_suite_fails_a_wrong_kernel(plugins):
     assert results["refuses-unclaimed-formats"].status == "passed"
     layout = suite("matmul_kernels", "test_reversed", plugins=plugins).run()
     assert not [r for r in layout if r.status == "failed"], layout
-
-
-def test_the_old_module_accessor_still_works_with_a_deprecation_warning():
-    from modelrunner.quantization import kernels
-
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        plugin = kernels.quant_cpu()
-    assert any(issubclass(w.category, DeprecationWarning) and "registry.matmul_kernels" in str(w.message)
-               for w in caught)
-    assert plugin is None or hasattr(plugin, "qlinear")

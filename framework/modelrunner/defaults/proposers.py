@@ -6,8 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 from ..hookspecs import hookimpl
-from ..spec_decode.draft import DraftModelProposer
 from ..spec_decode.ngram import NgramProposer
+from .draft_proposer import DraftModelProposer
 
 
 @hookimpl

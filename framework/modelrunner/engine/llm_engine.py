@@ -28,6 +28,7 @@ from ..config import RunnerConfig
 from ..errors import FatalError
 from ..executor import Executor, UniprocExecutor, create_executor
 from ..kv_cache.allocator import KVCacheError
+from ..lora import LoRARequest
 from ..pooling.outputs import PoolingRequestOutput
 from ..pooling.params import PoolingParams
 from ..runner import ModelRunner
@@ -154,11 +155,6 @@ class LLMEngine:
         """The KV block allocator (owned by the scheduler)."""
         return self.scheduler.allocator
 
-    @property
-    def runner(self) -> Executor:
-        """Deprecated name of :attr:`executor`."""
-        return self.executor
-
     # -- requests --------------------------------------------------------------------------------
 
     def add_request(
@@ -238,8 +234,6 @@ class LLMEngine:
         :raises ValueError: not a :class:`~modelrunner.lora.LoRARequest`, LoRA not enabled, or a bad
             adapter (the message names the file and the problem).
         """
-        from ..lora import LoRARequest
-
         if not isinstance(lora_request, LoRARequest):
             raise ValueError(f"lora_request must be a modelrunner.LoRARequest (or None), got "
                              f"{type(lora_request).__name__}")

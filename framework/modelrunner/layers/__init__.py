@@ -6,11 +6,6 @@ tensor-parallel rank's slice of a full checkpoint tensor (see :func:`modelrunner
 
 from __future__ import annotations
 
-import warnings
-from typing import Any
-
-import torch
-
 from .activation import SiluAndMul
 from .attention import Attention
 from .attention_backend import AttentionBackend, AttentionLayer, GraphInputs
@@ -48,24 +43,3 @@ __all__ = [
     "default_weight_loader",
     "rope_parameters",
 ]
-
-
-def select_attention_backend(device: torch.device | str = "cpu", name: str | None = None) -> Any:
-    """Deprecated: a load hook receives the selected backend as its ``attention_backend`` argument.
-
-    Kept for adapters written against plugin API 0.x; picks from the process's default plugins.
-    """
-    warnings.warn("modelrunner.layers.select_attention_backend is deprecated: accept the `attention_backend` "
-                  "argument of the load hook instead (see CHANGELOG.md)", DeprecationWarning, stacklevel=2)
-    from ..plugins import get_plugins
-
-    return get_plugins().attention_backend(device, name)
-
-
-def attention_backends(device: torch.device | str | None = None) -> list[str]:
-    """Deprecated: use ``Plugins.attention_backends(device)`` (``modelrunner.plugins.get_plugins()``)."""
-    warnings.warn("modelrunner.layers.attention_backends is deprecated: use "
-                  "modelrunner.plugins.get_plugins().attention_backends(device)", DeprecationWarning, stacklevel=2)
-    from ..plugins import get_plugins
-
-    return get_plugins().attention_backends(device)

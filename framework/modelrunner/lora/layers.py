@@ -23,6 +23,7 @@ from ..layers.linear import (
     RowParallelLinear,
 )
 from .checkpoint import LoRAError, LoRAWeights
+from .checkpoint import TARGETS
 
 ShardWeights = tuple[torch.Tensor, torch.Tensor]
 """This rank's ``(A [rank, in_local], B [out_rows, rank] · scaling)`` of one packed projection."""
@@ -125,7 +126,6 @@ class LoRALayer:
 def lora_layers(model: nn.Module) -> dict[str, LinearBase]:
     """The model's linear layers that may carry LoRA, by name (those whose own name is a projection
     a LoRA targets, fused or not)."""
-    from .checkpoint import TARGETS
 
     fused = {f for f, _ in packed_mapping(model).values()}
     wanted = set(TARGETS) | fused

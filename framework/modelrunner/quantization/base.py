@@ -21,6 +21,9 @@ import torch
 from torch import nn
 
 from ..errors import did_you_mean
+from ..layers.embedding import VocabParallelEmbedding
+from ..layers.fused_moe import FusedMoE
+from ..layers.linear import LinearBase
 
 logger = logging.getLogger(__name__)
 
@@ -28,9 +31,6 @@ logger = logging.getLogger(__name__)
 def quantizable_layers(model: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """``(name, layer)`` of every kernel layer a quantization method may cover: linear layers,
     vocab-parallel embeddings / LM heads and fused-MoE experts (other stages' placeholders left out)."""
-    from ..layers.embedding import VocabParallelEmbedding
-    from ..layers.fused_moe import FusedMoE
-    from ..layers.linear import LinearBase
 
     for name, module in model.named_modules():
         if isinstance(module, (LinearBase, VocabParallelEmbedding)) and "weight" in module._parameters or isinstance(module, FusedMoE) and "w13_weight" in module._parameters:

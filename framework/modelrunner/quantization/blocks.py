@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from .ggml_formats import PLANAR_FORMS, to_planar
+from .ggml_formats import convert
 
 PLANAR_TYPES = {ggml_type: form.bits for ggml_type, form in PLANAR_FORMS.items()}
 """ggml type → bits of the planar layout it converts to without loss (the formats kept as stored)."""
@@ -164,7 +165,6 @@ class GGMLBlocks:
     def convert(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """:func:`~.ggml_formats.convert`: the planar form's values unpacked (one per byte), scales and
         mins as computed (float32)."""
-        from .ggml_formats import convert
 
         return convert(self.data.contiguous().view(self.shape[0], -1, self.block_bytes), self.ggml_type)
 

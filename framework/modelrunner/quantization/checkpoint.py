@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from typing import Any
+from ..errors import ModelSourceError
 
 
 def checkpoint_quant_method(hf_config: Any) -> str | None:
@@ -28,7 +29,6 @@ def check_checkpoint_quantization(source: Any, plugins: Any) -> str | None:
     :raises ModelSourceError: the checkpoint is quantized with a method no loaded plugin reads (its
         weights would otherwise run without their scales).
     """
-    from ..errors import ModelSourceError
 
     method = checkpoint_quant_method(source.hf_config)
     if method is None:

@@ -33,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from .planar_layout import pack_int4
+from .planar_layout import dequantize_planar
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 = 2, 3, 6, 7, 8
 Q2_K, Q3_K, Q4_K, Q5_K, Q6_K = 10, 11, 12, 13, 14
@@ -224,7 +225,6 @@ def block_bytes(ggml_type: int) -> tuple[int, int]:
 def dequantize_blocks(data: torch.Tensor, ggml_type: int, cols: int, dtype: torch.dtype = torch.float32
                       ) -> torch.Tensor:
     """Rows of ggml blocks (uint8 ``[rows, bytes per row]``, as a file stores them) → float ``[rows, cols]``."""
-    from .planar_layout import dequantize_planar
 
     form = PLANAR_FORMS[ggml_type]
     rows = data.shape[0]

@@ -19,6 +19,7 @@ from .blocks import GGMLBlocks, ggml_type_name
 from .ggml_formats import PLANAR_FORMS, block_bytes, to_planar
 from .planar import PlanarScheme
 from .planar_layout import dequantize_planar
+from .matmul import QuantizedWeight, WeightFormat
 
 
 class GGMLScheme(PlanarScheme):
@@ -85,7 +86,6 @@ class GGMLScheme(PlanarScheme):
         them into (its ``unpack``)."""
         packed_by = getattr(layer.weight, "packed_by", None)
         if packed_by is not None:
-            from .matmul import QuantizedWeight, WeightFormat
 
             rows, cols = layer.weight.logical_shape
             weight = QuantizedWeight(layer.weight, torch.empty(0), None, WeightFormat.of(self), rows, cols,

@@ -42,7 +42,6 @@ and :meth:`~.planar.PlanarScheme.planar_storage` reads it back through the kerne
 from __future__ import annotations
 
 import logging
-import warnings
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +50,7 @@ from typing import Any
 import torch
 
 from ..errors import UnknownNameError
+from ..plugins import get_plugins
 from ..registry import split_choice
 from ..timing_cache import (
     DECODE_ROWS,
@@ -140,8 +140,6 @@ class KernelSelector:
         """
         if self._kernels is None:
             if self.plugins is None:
-                from ..plugins import get_plugins
-
                 self.plugins = get_plugins()
             classes = registered_kernels(self.plugins)
             if self.kernel is not None and self.kernel not in classes:
@@ -459,23 +457,4 @@ class KernelSelector:
         return min(times, key=times.get)
 
 
-def quant_cpu() -> Any:
-    """Deprecated: the plugin module that registered the ``cpu_exact`` matmul kernel, when its kernels
-    load here, else None. Kernels are registered (``registry.matmul_kernels``) and chosen through
-    :class:`KernelSelector`; import a plugin's own helpers from the plugin."""
-    warnings.warn("modelrunner.quantization.kernels.quant_cpu() is deprecated: matmul kernels are registered "
-                  "plugins (registry.matmul_kernels); use the quant-cpu plugin's own module for its helpers",
-                  DeprecationWarning, stacklevel=2)
-    from ..plugins import get_plugins
-
-    plugins = get_plugins()
-    owner = plugins.registry.candidates("matmul_kernels", "cpu_exact")
-    module = plugins.pm.get_plugin(owner[0]) if owner else None
-    try:
-        return module if module is not None and module.available() else None
-    except Exception:  # noqa: BLE001 - a plugin that cannot load its build is as good as absent
-        return None
-
-
-__all__ = ["ACTIVATIONS", "DECODE_ROWS", "KERNEL_VERSION", "KernelSelector", "dequantize_planar", "layout_of",
-           "quant_cpu"]
+__all__ = ["ACTIVATIONS", "DECODE_ROWS", "KERNEL_VERSION", "KernelSelector", "dequantize_planar", "layout_of"]

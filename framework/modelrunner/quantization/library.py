@@ -35,6 +35,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from ..cpu_dtype import native_bf16_flags
 from ..native import cpu_flags
 from .matmul import MatmulKernel, QuantizedWeight, WeightFormat
 from .planar_layout import pack_int4, unpack_int4
@@ -53,8 +54,6 @@ of the same rows, twice that, comes on top while it is made)."""
 
 def native_bf16() -> bool:
     """Whether this CPU computes bfloat16 dot products in hardware (``amx_bf16`` or ``avx512_bf16``)."""
-    from ..cpu_dtype import native_bf16_flags
-
     return bool(native_bf16_flags())
 
 

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from .planar_layout import dequantize_planar
+from .blocks import ggml_type_name
+from .ggml_formats import dequantize_blocks
 
 PLANAR = "planar"
 """The layout every quantized weight is loaded in (see :mod:`.planar`)."""
@@ -54,7 +56,6 @@ class WeightFormat(NamedTuple):
 
     def __str__(self) -> str:
         if self.ggml_type:
-            from .blocks import ggml_type_name
 
             return f"ggml:{ggml_type_name(self.ggml_type)}"
         wide = ":f32" if self.scale_dtype == "float32" else ""
@@ -210,7 +211,6 @@ class ReferenceKernel(MatmulKernel):
         """``x`` times the dequantized weight."""
         fmt = weight.format
         if fmt.ggml_type:
-            from .ggml_formats import dequantize_blocks
 
             return F.linear(x.float(), dequantize_blocks(weight.data, fmt.ggml_type, weight.cols))
         return F.linear(x.float(), dequantize_planar(*weight.storage, fmt.group_size, fmt.bits))

@@ -17,6 +17,7 @@ from torch import nn
 from .blocks import GGMLBlocks
 from .ggml_formats import PLANAR_FORMS, PlanarForm
 from .planar_layout import dequantize_planar, pack_int4, quantize_planar, unpack_int4
+from .matmul import QuantizedWeight, WeightFormat
 
 
 def widen(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, have: PlanarForm, want: PlanarForm
@@ -219,7 +220,6 @@ class PlanarScheme:
         qweight, scales, mins = self.storage(layer)
         packed_by = getattr(qweight, "packed_by", None)  # the matmul kernel that regrouped it in place
         if packed_by is not None:
-            from .matmul import QuantizedWeight, WeightFormat  # module level once matmul reads .planar_layout
 
             rows, cols = qweight.logical_shape
             weight = QuantizedWeight(qweight, scales, mins, WeightFormat.of(self), rows, cols, packed_by.layout)

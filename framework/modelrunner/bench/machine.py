@@ -8,8 +8,7 @@ import platform
 import sys
 from typing import Any
 
-# The CPU model string the kernel's timing cache keys on (internal: modelrunner.timing_cache).
-from modelrunner.timing_cache import cpu_model
+from ..timing_cache import cpu_model
 
 SPREAD_LIMIT = 0.10
 """Repetitions spanning more than this fraction of their median make a run noisy."""
@@ -51,8 +50,7 @@ def versions() -> dict[str, str | None]:
 
 def plugins() -> list[dict[str, Any]]:
     """Every plugin this process loads: name, distribution, version, and its error if it is broken."""
-    # The process's loaded plugins, as `modelrunner plugins` lists them (internal: modelrunner.plugins).
-    from modelrunner.plugins import get_plugins
+    from ..plugins import get_plugins
 
     return [{"name": i.name, "distribution": i.distribution, "version": i.version, "error": i.error}
             for i in get_plugins().list()]

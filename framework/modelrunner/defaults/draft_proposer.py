@@ -13,9 +13,11 @@ from collections.abc import Sequence
 
 import torch
 
+from ..config import RunnerConfig
+from ..executor import create_executor
 from ..forward_batch import ForwardBatch
 from ..kv_cache.paged import PagedBlockAllocator
-from .proposer import ProposalRequest, Proposer, ProposerContext
+from ..spec_decode.proposer import ProposalRequest, Proposer, ProposerContext
 
 
 class DraftModelProposer(Proposer):
@@ -29,9 +31,6 @@ class DraftModelProposer(Proposer):
 
     def __init__(self, context: ProposerContext) -> None:
         super().__init__(context)
-        from ..config import RunnerConfig
-        from ..executor import create_executor
-
         spec = context.config
         if spec.model is None:
             raise ValueError("speculative_config: the draft proposer needs 'model' (the draft checkpoint's path)")
