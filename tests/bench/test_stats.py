@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from modelrunner.bench.stats import bootstrap_median_interval, paired_speed_ratio, spread, summarize, summarize_metrics
+from modelrunner_bench.stats import bootstrap_median_interval, paired_speed_ratio, spread, summarize, summarize_metrics
 
 
 def test_summary_of_known_values():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from modelrunner.bench.workload import Workload, WorkloadSpec, build_workload, read_dataset, synthetic_prompts
+from modelrunner_bench.workload import Workload, WorkloadSpec, build_workload, read_dataset, synthetic_prompts
 
 
 def test_synthetic_prompts_are_reproducible_and_exactly_as_long_as_asked(smollm2_tokenizer):

@@ -1,6 +1,6 @@
 """The CLI finds its subcommands through the ``modelrunner.subcommands`` entry points: the kernel declares
-``bench``, ``check`` and ``new-plugin``, the ``modelrunner-serve`` distribution ``serve``; the kernel
-neither imports the server nor depends on its web stack."""
+``check`` and ``new-plugin``, the ``modelrunner-serve`` distribution ``serve`` and ``modelrunner-bench``
+``bench``; the kernel neither imports the server nor depends on its web stack."""
 
 from __future__ import annotations
 
@@ -43,17 +43,22 @@ def test_the_subcommands_come_from_entry_points():
     declared = {ep.name: ep for ep in entry_points(group=cli.SUBCOMMAND_GROUP)}
     assert {"bench", "check", "new-plugin", "serve"} <= set(declared)
     assert declared["serve"].dist.name == "modelrunner-serve" and declared["serve"].value == "modelrunner_serve.cli"
+    assert declared["bench"].dist.name == "modelrunner-bench" and declared["bench"].value == "modelrunner_bench.cli"
 
 
-def test_serve_without_the_server_says_what_to_install(monkeypatch, capsys):
-    _hide(monkeypatch, "modelrunner-serve")
-    for argv in (["serve"], ["serve", "--model", "smollm2", "--port", "0"], ["serve", "--help"]):
+@pytest.mark.parametrize(("command", "dist", "argvs"), [
+    ("serve", "modelrunner-serve", (["serve"], ["serve", "--model", "smollm2", "--port", "0"], ["serve", "--help"])),
+    ("bench", "modelrunner-bench", (["bench"], ["bench", "compare", "--vary", "compile=false,true"],
+                                    ["bench", "--help"])),
+])
+def test_a_subcommand_without_its_distribution_says_what_to_install(command, dist, argvs, monkeypatch, capsys):
+    _hide(monkeypatch, dist)
+    for argv in argvs:
         code, out, err = _run(argv, capsys)
         assert (code, out) == (2, ""), err
-        assert err == ("modelrunner: error: 'modelrunner serve' needs the modelrunner-serve distribution: "
-                       "pip install modelrunner-serve\n")
+        assert err == f"modelrunner: error: 'modelrunner {command}' needs the {dist} distribution: pip install {dist}\n"
     code, out, _ = _run(["--help"], capsys)
-    assert code == 0 and "not installed: pip install modelrunner-serve" in out
+    assert code == 0 and f"not installed: pip install {dist}" in out
     code, _, err = _run(["plugins", "--no-such-option"], capsys)  # the others still parse their arguments
     assert code == 2 and "unrecognized arguments: --no-such-option" in err
 

@@ -90,7 +90,7 @@ def repetition_records(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def resolved_choices(llm: Any) -> dict[str, Any]:
     """What the configuration turned into once loaded: the adapter, attention backend, compile
     backend, allocator, dtype, device, lengths, KV blocks and grammar backend actually in use."""
-    from ..layers import Attention
+    from modelrunner.api import Attention
 
     engine = llm.engine
     executor = engine.executor
@@ -140,7 +140,7 @@ class BenchSession:
         """
         import torch
 
-        from ..llm import LLM
+        from modelrunner import LLM
 
         if self.spec.threads is not None:
             torch.set_num_threads(self.spec.threads)

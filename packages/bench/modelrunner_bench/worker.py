@@ -1,6 +1,6 @@
 """The process ``bench compare`` runs per configuration, and the parent's handle on it.
 
-Each configuration lives in its own interpreter (``python -m modelrunner.bench.worker``), so
+Each configuration lives in its own interpreter (``python -m modelrunner_bench.worker``), so
 nothing leaks between configurations: not compiled code, plugin registries, thread pools or
 allocator state. The parent keeps every worker alive and asks them in turn for one repetition,
 so the repetitions of different configurations interleave.
@@ -21,7 +21,8 @@ import sys
 import tempfile
 from typing import IO, Any
 
-from ..errors import error_line
+# The kernel's one-line rendering of an error, as its CLI prints it (internal: no public equivalent).
+from modelrunner.errors import error_line
 from .session import BenchSession, BenchSpec
 
 
@@ -79,7 +80,7 @@ class WorkerProcess:
         # The worker's stderr (warnings, tracebacks) is kept to explain a crash, not mixed into ours.
         self._stderr = None if os.environ.get("MODELRUNNER_DEBUG") else tempfile.TemporaryFile()
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "modelrunner.bench.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+            [sys.executable, "-m", "modelrunner_bench.worker"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
             stderr=self._stderr, env=full_env, text=True, encoding="utf-8", bufsize=1,
         )
 

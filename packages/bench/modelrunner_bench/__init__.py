@@ -1,7 +1,7 @@
 """``modelrunner bench``: measure a configuration's latency or throughput, or compare configurations
 (speed ratios with paired bootstrap intervals, and whether their greedy outputs agree).
 
-Names are imported on first use, so ``python -m modelrunner.bench.worker`` starts clean.
+Names are imported on first use, so ``python -m modelrunner_bench.worker`` starts clean.
 """
 
 from __future__ import annotations

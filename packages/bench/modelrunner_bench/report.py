@@ -179,7 +179,7 @@ def plot_compare(result: dict[str, Any], path: str | Path, metric: str = "output
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError as e:
-        raise ValueError("--plot needs matplotlib: pip install matplotlib (or modelrunner[bench])") from e
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or modelrunner-bench[plot])") from e
     entries = result["configurations"]
     fig, ax = plt.subplots(figsize=(max(6.0, 2.0 * len(entries)), 4.8))
     top = 0.0

@@ -8,7 +8,8 @@ import platform
 import sys
 from typing import Any
 
-from ..timing_cache import cpu_model
+# The CPU model string the kernel's timing cache keys on (internal: modelrunner.timing_cache).
+from modelrunner.timing_cache import cpu_model
 
 SPREAD_LIMIT = 0.10
 """Repetitions spanning more than this fraction of their median make a run noisy."""
@@ -50,7 +51,8 @@ def versions() -> dict[str, str | None]:
 
 def plugins() -> list[dict[str, Any]]:
     """Every plugin this process loads: name, distribution, version, and its error if it is broken."""
-    from ..plugins import get_plugins
+    # The process's loaded plugins, as `modelrunner plugins` lists them (internal: modelrunner.plugins).
+    from modelrunner.plugins import get_plugins
 
     return [{"name": i.name, "distribution": i.distribution, "version": i.version, "error": i.error}
             for i in get_plugins().list()]

@@ -83,8 +83,7 @@ class Workload:
     def sampling_params(self) -> list[Any]:
         """Greedy parameters per prompt. An unconstrained prompt ignores EOS, so every run does the same
         work; a constrained one ends where its grammar does (or at its output length)."""
-        from ..sampling.params import SamplingParams
-        from ..sampling.structured import StructuredOutputsParams
+        from modelrunner import SamplingParams, StructuredOutputsParams
 
         constraints = self.constraints or [None] * len(self.prompts)
         return [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=c is None,
@@ -96,7 +95,7 @@ class Workload:
         named by path) or None; None when no prompt names one."""
         if not self.loras or not any(self.loras):
             return None
-        from ..lora import LoRARequest
+        from modelrunner import LoRARequest
 
         ids: dict[str, int] = {}
         for path in self.loras:
@@ -185,7 +184,8 @@ def read_dataset(path: str | Path) -> list[dict[str, Any]]:
 
 def _check_constraint(value: Any, where: str) -> None:
     """:raises ValueError: ``value`` is not a valid set of StructuredOutputsParams fields."""
-    from ..sampling.structured import as_structured_outputs
+    # Validates a constraint as SamplingParams would (internal: modelrunner.sampling.structured).
+    from modelrunner.sampling.structured import as_structured_outputs
 
     if not isinstance(value, dict):
         raise ValueError(f"{where}: structured_outputs must be an object such as {{\"json\": {{...}}}}, "

@@ -9,14 +9,15 @@ from typing import Any
 
 def known_config_keys() -> set[str]:
     """Every key ``LLM(model, **config)`` accepts: the flat keys, ``device`` and vLLM's aliases."""
-    from ..config import FLAT_KEYS, VLLM_ALIASES
+    # The flat config keys and their vLLM aliases (internal: modelrunner.config).
+    from modelrunner.config import FLAT_KEYS, VLLM_ALIASES
 
     return {*FLAT_KEYS, "device", "enforce_eager", *VLLM_ALIASES}
 
 
 def check_config_keys(keys: list[str], option: str) -> None:
     """:raises ValueError: a key ``LLM`` does not accept, naming the option it came from and the closest key."""
-    from ..errors import did_you_mean
+    from modelrunner.api import did_you_mean
 
     known = known_config_keys()
     for key in keys:
@@ -55,7 +56,8 @@ def parse_vary(items: list[str]) -> list[tuple[str, list[Any]]]:
 
     :raises ValueError: a malformed entry, an unknown key, an empty or repeated value, a key given twice.
     """
-    from ..cli import parse_value
+    # A --set value parses as the kernel CLI's does (internal: modelrunner.cli).
+    from modelrunner.cli import parse_value
 
     out: list[tuple[str, list[Any]]] = []
     for item in items:

@@ -11,7 +11,7 @@ import importlib
 import sys
 from typing import Any
 
-from ..errors import ModelRunnerError
+from modelrunner import ModelRunnerError
 
 DEFAULTS = {"batch_size": 8, "num_prompts": 64, "input_len": 32, "output_len": 32}
 """Workload sizes when the options are not given (small: the machine is assumed to be a CPU)."""
@@ -126,7 +126,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, Any]:
-    from ..cli import config_overrides
+    # --set parses as the kernel CLI's own option does (internal: modelrunner.cli).
+    from modelrunner.cli import config_overrides
 
     overrides = config_overrides(args.set)
     if "model" in overrides:
