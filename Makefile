@@ -31,8 +31,11 @@ test: $(STAMP)
 
 # Benchmarks run as users run: without the tests' passive OpenMP threads (they cost small decode
 # steps a quarter of their speed, waking up for every matmul).
+# Every bench/*.py but the helpers the benchmarks start or import (a llama.cpp peer process, the
+# writer of real-size GGUF files), which take arguments of their own.
+BENCHMARKS := $(filter-out bench/gguf_peer.py bench/shaped_gguf.py,$(wildcard bench/*.py))
 bench: $(STAMP) $(VENV)/.installed-llamacpp
-	@for b in bench/*.py; do echo "== $$b"; env -u OMP_WAIT_POLICY $(PY) $$b || exit 1; done
+	@for b in $(BENCHMARKS); do echo "== $$b"; env -u OMP_WAIT_POLICY $(PY) $$b || exit 1; done
 
 # bench/quantized.py's peer; builds llama.cpp from source, once.
 $(VENV)/.installed-llamacpp: $(STAMP)
