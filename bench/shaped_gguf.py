@@ -32,7 +32,7 @@ import time
 
 def save_meta(path: str) -> None:
     """Write the default model's transformers config and GGUF tokenizer fields to ``path`` (JSON)."""
-    from modelrunner.conformance.gguf import tokenizer_fields
+    from modelrunner_kit.conformance.gguf import tokenizer_fields
     from modelrunner.source import resolve_source
 
     source = resolve_source("smollm2")
@@ -48,7 +48,7 @@ def write_stand_in(meta_path: str, out: str) -> None:
     from gguf import GGMLQuantizationType as T
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from modelrunner.conformance.gguf import add_tokenizer, write_gguf
+    from modelrunner_kit.conformance.gguf import add_tokenizer, write_gguf
 
     with open(meta_path) as f:
         meta = json.load(f)
@@ -97,7 +97,7 @@ def write_f16(shape: str, out: str, layers: int | None = None, seed: int = 0, ra
     import numpy as np
     from transformers import LlamaConfig
 
-    from modelrunner.conformance.gguf import add_tokenizer, gguf_name, random_blocks, tokenizer_fields
+    from modelrunner_kit.conformance.gguf import add_tokenizer, gguf_name, random_blocks, tokenizer_fields
     from modelrunner.source import resolve_source
 
     values = dict(SHAPES[shape])

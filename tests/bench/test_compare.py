@@ -173,7 +173,7 @@ def test_lora_kernels_compare_on_a_dataset_of_adapters(bench, tiny_args, tiny_ll
     import subprocess
     import sys
 
-    from modelrunner.scaffold import new_plugin
+    from modelrunner_kit.scaffold import new_plugin
     from peft_adapters import save_peft_adapter
 
     folder = new_plugin("lora-kernel", "gather_lora", tmp_path)

@@ -9,7 +9,7 @@ for Llama only, to keep CI short (the other adapters' tensor parallelism is test
 from __future__ import annotations
 
 import pytest
-from modelrunner.conformance import NotApplicable, suite
+from modelrunner_kit.conformance import NotApplicable, suite
 from modelrunner.plugins import get_plugins
 from modelrunner.registry import FALLBACK_ARCHITECTURE
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 from modelrunner.config import CacheConfig
-from modelrunner.conformance import suite
+from modelrunner_kit.conformance import suite
 from modelrunner.plugins import create_allocator, get_registry
 
 ALLOCATORS = get_registry().names("allocators")

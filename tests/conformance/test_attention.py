@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from modelrunner.conformance import suite
+from modelrunner_kit.conformance import suite
 from modelrunner.plugins import get_plugins
 
 BACKENDS = get_plugins().attention_backends()

@@ -14,8 +14,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-from modelrunner.conformance import suite
-from modelrunner.conformance.base import run_check
+from modelrunner_kit.conformance import suite
+from modelrunner_kit.conformance.base import run_check
 from modelrunner.plugins import Plugins, get_plugins
 from plugin_dists import make_distribution
 

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from modelrunner.conformance import suite
+from modelrunner_kit.conformance import suite
 from modelrunner.plugins import Plugins
 from plugin_dists import make_distribution
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
-from modelrunner.conformance import suite
+from modelrunner_kit.conformance import suite
 from modelrunner.plugins import get_plugins
 from plugin_dists import run_cli
 
@@ -34,8 +34,8 @@ def test_check_json_parses():
 
 
 def test_check_config_values_are_overrides_or_a_path(tmp_path):
-    from modelrunner.conformance.cli import parse_config
-    from modelrunner.conformance.models import tiny_config
+    from modelrunner_kit.conformance.cli import parse_config
+    from modelrunner_kit.conformance.models import tiny_config
 
     assert parse_config(["use_parallel_residual=false", "layer_norm_eps=1e-6", "hidden_act=gelu", "x=None",
                          'rope_parameters={"partial_rotary_factor": 0.5}']) == {
@@ -65,8 +65,8 @@ def test_check_config_naming_an_unknown_field_is_a_usage_error(capsys):
 
 
 def test_check_options_reach_the_suites_that_take_them(tmp_path):
-    from modelrunner.conformance import suites_for_plugin
-    from modelrunner.conformance.models import checkpoint_config
+    from modelrunner_kit.conformance import suites_for_plugin
+    from modelrunner_kit.conformance.models import checkpoint_config
 
     if "llama" not in get_plugins().infos:
         pytest.skip("modelrunner-llama is not installed")
@@ -89,12 +89,12 @@ def test_tiny_checkpoints_go_to_a_folder_of_this_process():
     import subprocess
     import sys
 
-    from modelrunner.conformance.models import scratch_root
+    from modelrunner_kit.conformance.models import scratch_root
 
     root = scratch_root()
     assert root == scratch_root() and root.is_dir() and root.name.startswith("modelrunner-conformance-")
     assert suite("quantization_methods", "int4").root == root
-    probe = "from modelrunner.conformance.models import scratch_root as s; r = s(); print(r, r.is_dir())"
+    probe = "from modelrunner_kit.conformance.models import scratch_root as s; r = s(); print(r, r.is_dir())"
     other = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout.split()
     assert other[0] != str(root) and other[1] == "True"  # another process (a concurrent check) has its own
     assert not Path(other[0]).exists()  # removed when that process ended
@@ -102,7 +102,7 @@ def test_tiny_checkpoints_go_to_a_folder_of_this_process():
 
 def test_check_device_reaches_the_suites_that_run_models_and_bad_values_are_refused():
     import torch
-    from modelrunner.conformance import suites_for_plugin
+    from modelrunner_kit.conformance import suites_for_plugin
 
     if "llama" not in get_plugins().infos:
         pytest.skip("modelrunner-llama is not installed")

@@ -12,7 +12,7 @@ import os
 import re
 
 import pytest
-from modelrunner.conformance import suite
+from modelrunner_kit.conformance import suite
 from modelrunner.plugins import get_registry
 
 BACKENDS = get_registry().names("compile_backends")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 
 import pytest
-from modelrunner.conformance import suite
+from modelrunner_kit.conformance import suite
 
 
 @pytest.mark.parametrize("name", ["ngram", "draft"])

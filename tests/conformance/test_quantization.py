@@ -10,7 +10,7 @@ failure, so the mark is removed with the fix.
 from __future__ import annotations
 
 import pytest
-from modelrunner.conformance import NotApplicable, suite
+from modelrunner_kit.conformance import NotApplicable, suite
 
 CASES = {
     "none": ("none", {"tensor_parallel": False}),

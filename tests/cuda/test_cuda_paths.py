@@ -40,8 +40,8 @@ def _run(suite) -> None:
 
 @pytest.mark.parametrize("architecture", _names("architectures"))
 def test_adapters_conform_on_cuda(architecture):
-    from modelrunner.conformance import suite
-    from modelrunner.conformance.models import tiny_config
+    from modelrunner_kit.conformance import suite
+    from modelrunner_kit.conformance.models import tiny_config
     from modelrunner.registry import FALLBACK_ARCHITECTURE
 
     if architecture != FALLBACK_ARCHITECTURE:
@@ -54,21 +54,21 @@ def test_adapters_conform_on_cuda(architecture):
 
 @pytest.mark.parametrize("backend", _names("attention_backends"))
 def test_attention_backends_conform_on_cuda(backend):
-    from modelrunner.conformance import suite
+    from modelrunner_kit.conformance import suite
 
     _run(suite("attention_backends", backend, device=DEVICE))
 
 
 @pytest.mark.parametrize("backend", _names("compile_backends"))
 def test_compile_backends_conform_on_cuda(backend):
-    from modelrunner.conformance import suite
+    from modelrunner_kit.conformance import suite
 
     _run(suite("compile_backends", backend, device=DEVICE))
 
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    from modelrunner.conformance.models import tiny_checkpoint
+    from modelrunner_kit.conformance.models import tiny_checkpoint
 
     return tiny_checkpoint("LlamaForCausalLM", tmp_path_factory.mktemp("cuda-llama"))
 
@@ -87,7 +87,7 @@ def _greedy(llm, prompts, n=8):
 
 def test_the_engine_keeps_weights_and_cache_on_the_gpu_and_sizes_the_cache_from_its_memory(tiny_llama):
     from modelrunner import LLM
-    from modelrunner.conformance.models import reference_greedy, reference_model
+    from modelrunner_kit.conformance.models import reference_greedy, reference_model
 
     llm = LLM(str(tiny_llama), device=DEVICE, dtype="float32", gpu_memory_utilization=0.05)
     runner = llm.runner.runner  # the executor's model runner (one process)
@@ -113,7 +113,7 @@ def test_too_little_gpu_memory_is_refused_by_name(tiny_llama):
 
 def test_bfloat16_on_cuda_runs_near_float32(tiny_llama):
     from modelrunner import LLM
-    from modelrunner.conformance.models import reference_logits, reference_model
+    from modelrunner_kit.conformance.models import reference_logits, reference_model
 
     llm = LLM(str(tiny_llama), device=DEVICE, dtype="bfloat16", kv_cache_memory=1 << 26)
     assert llm.runner.stats()["dtype"] == {"asked": "bfloat16", "runs": "bfloat16", "why": "asked for"}
@@ -129,7 +129,7 @@ def test_bfloat16_on_cuda_runs_near_float32(tiny_llama):
 
 def test_a_quantized_gguf_file_runs_on_cuda_as_on_the_cpu(tiny_llama, tmp_path):
     from modelrunner import LLM
-    from modelrunner.conformance.gguf import write_llama_gguf
+    from modelrunner_kit.conformance.gguf import write_llama_gguf
 
     path = write_llama_gguf(tiny_llama, tmp_path / "tiny.gguf")
     gpu = LLM(str(path), device=DEVICE, dtype="float32", kv_cache_memory=1 << 26)
@@ -145,7 +145,7 @@ def test_a_quantized_gguf_file_runs_on_cuda_as_on_the_cpu(tiny_llama, tmp_path):
 
 def test_llava_with_images_on_cuda_gives_transformers_greedy_tokens(tmp_path):
     from modelrunner import LLM, SamplingParams
-    from modelrunner.conformance.models import byte_tokenizer
+    from modelrunner_kit.conformance.models import byte_tokenizer
 
     spec = importlib.util.spec_from_file_location("tiny_llava", Path(__file__).parents[1] / "mm" / "checkpoint.py")
     tiny_llava = importlib.util.module_from_spec(spec)

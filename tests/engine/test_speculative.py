@@ -235,7 +235,7 @@ def test_draft_model_greedy_is_plain_decoding(tiny_llms, tiny_llama_dir):
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny_llms, tmp_path):
-    from modelrunner.conformance.models import tiny_checkpoint
+    from modelrunner_kit.conformance.models import tiny_checkpoint
 
     _, _, path = tiny_llms
     other = tiny_checkpoint("LlamaForCausalLM", tmp_path)  # a 256-token vocabulary

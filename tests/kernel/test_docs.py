@@ -9,7 +9,7 @@ from pathlib import Path
 
 import yaml
 
-from modelrunner.scaffold import KINDS
+from modelrunner_kit.scaffold import KINDS
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

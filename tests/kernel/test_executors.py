@@ -37,7 +37,7 @@ def test_names_select_and_bad_ones_are_refused(tiny_llama_dir):
 
 
 def test_the_uni_executor_passes_its_suite():
-    from modelrunner.conformance import suite
+    from modelrunner_kit.conformance import suite
 
     results = {r.check: r.status for r in suite("executors", "uni").run()}
     assert results == {"runs-like-one-process": "passed", "refuses-what-it-cannot-run": "passed"}

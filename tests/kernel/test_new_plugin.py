@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from modelrunner.conformance import SUITES
-from modelrunner.scaffold import KINDS, adapter_architecture, new_plugin
+from modelrunner_kit.conformance import SUITES
+from modelrunner_kit.scaffold import KINDS, adapter_architecture, new_plugin
 
 from plugin_dists import run_cli
 

@@ -13,7 +13,7 @@ import pytest
 
 from modelrunner import LLM, PLUGIN_API_VERSION, SamplingParams
 from modelrunner.capabilities import UnsupportedCombinationError
-from modelrunner.conformance.models import make_llm, tiny_checkpoint
+from modelrunner_kit.conformance.models import make_llm, tiny_checkpoint
 from modelrunner.plugins import Plugins
 
 from plugin_dists import listed, make_distribution, run_cli

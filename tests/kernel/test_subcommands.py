@@ -1,6 +1,7 @@
-"""The CLI finds its subcommands through the ``modelrunner.subcommands`` entry points: the kernel declares
-``check`` and ``new-plugin``, the ``modelrunner-serve`` distribution ``serve`` and ``modelrunner-bench``
-``bench``; the kernel neither imports the server nor depends on its web stack."""
+"""The CLI finds its subcommands through the ``modelrunner.subcommands`` entry points: the
+``modelrunner-serve`` distribution declares ``serve`` and ``modelrunner-bench`` ``bench`` (and
+``modelrunner-kit`` ``check`` and ``new-plugin``: test_kit_distribution.py); the kernel neither imports the
+server nor depends on its web stack."""
 
 from __future__ import annotations
 

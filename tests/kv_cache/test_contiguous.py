@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from modelrunner.config import CacheConfig
-from modelrunner.kv_cache.testing import assert_rejected, check_consistency
+from modelrunner_kit.allocator_contract import assert_rejected, check_consistency
 from modelrunner.plugins import create_allocator, get_plugins
 
 contiguous = pytest.importorskip("modelrunner_kv_contiguous")

@@ -6,7 +6,7 @@ import pytest
 
 from modelrunner.kv_cache import KVCacheError, PagedBlockAllocator
 from modelrunner.kv_cache import paged
-from modelrunner.kv_cache.testing import assert_rejected, check_consistency
+from modelrunner_kit.allocator_contract import assert_rejected, check_consistency
 
 
 @pytest.mark.parametrize("field", ["num_blocks", "block_size", "max_model_len"])

@@ -5,7 +5,7 @@ backend is the conformance suite's (``tests/conformance/test_attention.py``)."""
 from __future__ import annotations
 
 import pytest
-from modelrunner.conformance.attention import CASES, paged_scenario
+from modelrunner_kit.conformance.attention import CASES, paged_scenario
 from modelrunner.errors import UnknownNameError
 from modelrunner.layers import AttentionBackend
 from modelrunner.layers.sdpa_attention import SDPASplitMetadata, TorchSDPABackend

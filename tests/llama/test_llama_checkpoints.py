@@ -13,7 +13,7 @@ from modelrunner.config import RunnerConfig
 from modelrunner.errors import UnknownNameError
 from modelrunner.plugins import get_plugins
 from modelrunner.runner import ModelRunner
-from modelrunner.testing import load_adapter
+from modelrunner_kit.testing import load_adapter
 from modelrunner.weights import CheckpointError
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2
 
 from modelrunner.config import CacheConfig, RunnerConfig
 from modelrunner.plugins import get_plugins
-from modelrunner.testing import PagedDriver, load_adapter
+from modelrunner_kit.testing import PagedDriver, load_adapter
 
 TOLERANCE = 1e-4
 """Largest absolute logit difference accepted in float32."""

@@ -7,7 +7,7 @@ import torch
 
 from modelrunner.config import RunnerConfig
 from modelrunner.plugins import get_plugins
-from modelrunner.testing import PagedDriver, load_adapter
+from modelrunner_kit.testing import PagedDriver, load_adapter
 
 NEW_TOKENS = 64
 

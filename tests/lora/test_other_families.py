@@ -37,7 +37,7 @@ def _ours(path, adapter, prompts) -> tuple[list[list[int]], list[list[int]]]:
 
 
 def test_mixtral_attention_lora_matches_peft(tmp_path):
-    from modelrunner.conformance.models import tiny_checkpoint
+    from modelrunner_kit.conformance.models import tiny_checkpoint
     from transformers import AutoModelForCausalLM
 
     path = tiny_checkpoint("MixtralForCausalLM", tmp_path)

@@ -7,7 +7,7 @@ import attrs
 import pytest
 import torch
 
-from modelrunner.testing import PagedDriver, load_adapter
+from modelrunner_kit.testing import PagedDriver, load_adapter
 
 from .checkpoint import IMAGE_SEQ_LENGTH, random_image
 

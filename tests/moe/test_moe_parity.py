@@ -9,7 +9,7 @@ import torch
 
 from modelrunner.config import CacheConfig, RunnerConfig
 from modelrunner.plugins import get_plugins
-from modelrunner.testing import AdapterUnderTest, PagedDriver, load_adapter
+from modelrunner_kit.testing import AdapterUnderTest, PagedDriver, load_adapter
 
 from .checkpoints import CONFIGS, make_config, make_reference, save_checkpoint
 

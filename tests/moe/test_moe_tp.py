@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from modelrunner.parallel_state import ParallelState
-from modelrunner.testing import PagedDriver, load_adapter
+from modelrunner_kit.testing import PagedDriver, load_adapter
 
 from gloo_ranks import run_ranks
 

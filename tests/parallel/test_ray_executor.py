@@ -72,7 +72,7 @@ def on_head(ray_head, monkeypatch):
 
 def test_ray_executor_passes_its_suite_on_a_ray_head(on_head):
     """``modelrunner check ray``'s checks: TP=2 through a Ray actor gives one process's greedy tokens."""
-    from modelrunner.conformance import suite
+    from modelrunner_kit.conformance import suite
 
     results = {r.check: (r.status, r.message) for r in suite("executors", "ray").run()}
     assert results["runs-like-one-process"] == ("passed", "3 requests, tensor_parallel_size=2"), results

@@ -13,7 +13,7 @@ from modelrunner.distributed import STAGE_INPUTS, STAGE_OUTPUTS, LaunchInfo, sta
 from modelrunner.executor import UniprocExecutor, create_executor
 from modelrunner.models import StageMissingLayer
 from modelrunner.parallel_state import ParallelState
-from modelrunner.testing import PagedDriver, load_adapter
+from modelrunner_kit.testing import PagedDriver, load_adapter
 
 from .conftest import save_tiny_llama
 

@@ -18,7 +18,7 @@ from transformers import GPT2Config
 
 from modelrunner import LLM
 from modelrunner.parallel_state import ParallelState
-from modelrunner.testing import load_adapter
+from modelrunner_kit.testing import load_adapter
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory, smollm2_tokenizer, save_checkpoint):

@@ -18,7 +18,7 @@ MATRYOSHKA = [16, 32, 64]
 @pytest.fixture(scope="session")
 def llama_dir(tmp_path_factory) -> Path:
     """A 2-layer random Llama (hidden 64) with the conformance suites' word-level tokenizer (``t0`` … ``t255``)."""
-    from modelrunner.conformance.models import tiny_checkpoint
+    from modelrunner_kit.conformance.models import tiny_checkpoint
 
     return tiny_checkpoint("LlamaForCausalLM", tmp_path_factory.mktemp("pool-llama"))
 
@@ -41,7 +41,7 @@ def qwen3_embedding_dir(tmp_path_factory) -> Path:
     sentence-transformers modules pool the last token and normalise; ``matryoshka_dimensions`` 16/32/64."""
     from transformers import Qwen3Config
 
-    from modelrunner.conformance.models import VOCAB_SIZE, tiny_checkpoint
+    from modelrunner_kit.conformance.models import VOCAB_SIZE, tiny_checkpoint
 
     config = Qwen3Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                          num_key_value_heads=2, head_dim=16, vocab_size=VOCAB_SIZE, max_position_embeddings=256,
@@ -60,7 +60,7 @@ def bert_dir(tmp_path_factory) -> Path:
     import torch
     from transformers import BertConfig, BertModel
 
-    from modelrunner.conformance.models import VOCAB_SIZE, tiny_tokenizer
+    from modelrunner_kit.conformance.models import VOCAB_SIZE, tiny_tokenizer
 
     path = tmp_path_factory.mktemp("pool-bert")
     config = BertConfig(vocab_size=VOCAB_SIZE, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,

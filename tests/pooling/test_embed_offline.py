@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from modelrunner import LLM, EmbeddingRequestOutput, PoolingParams, SamplingParams
-from modelrunner.conformance.models import reference_model
+from modelrunner_kit.conformance.models import reference_model
 from modelrunner.errors import UnknownNameError
 
 from .conftest import EMBED_CONFIG, MATRYOSHKA

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from modelrunner.conformance import suite
+from modelrunner_kit.conformance import suite
 from modelrunner.plugins import get_plugins
 from modelrunner.pooling import checkpoint_pooling
 

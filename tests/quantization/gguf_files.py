@@ -11,7 +11,7 @@ import gguf
 import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
-from modelrunner.conformance.gguf import add_tokenizer, tokenizer_fields, write_gguf
+from modelrunner_kit.conformance.gguf import add_tokenizer, tokenizer_fields, write_gguf
 from modelrunner.source import resolve_source
 
 
@@ -20,7 +20,7 @@ def write_llama_gguf(model, path: Path, types: dict[str, T] | None = None, defau
 
     :param types: GGUF tensor-name substring → ggml type (first match wins), for 2-D weights;
         others take ``default``. Norms are always F32; the K-quants and IQ4 get random well-formed
-        blocks (gguf-py cannot quantize them: :func:`~modelrunner.conformance.gguf.random_blocks`).
+        blocks (gguf-py cannot quantize them: :func:`~modelrunner_kit.conformance.gguf.random_blocks`).
     """
     state = ((k, v.detach().float().numpy()) for k, v in model.state_dict().items())
     return write_gguf(model.config, state, path, types or {}, default, metadata=_copy_tokenizer, **kwargs)

@@ -21,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from modelrunner import native, native_build
-from modelrunner.conformance.gguf import random_blocks
+from modelrunner_kit.conformance.gguf import random_blocks
 from modelrunner.quantization.matmul import QuantizedWeight, WeightFormat
 
 gguf = pytest.importorskip("gguf")

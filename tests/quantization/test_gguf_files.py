@@ -217,7 +217,7 @@ def test_blocks_are_read_when_the_loader_asks_and_equal_the_file_after_the_readi
 def test_a_vocabulary_that_makes_no_tokenizer_fails_the_load_naming_the_file(tmp_path):
     import gguf
 
-    from modelrunner.conformance.gguf import add_tokenizer, write_gguf
+    from modelrunner_kit.conformance.gguf import add_tokenizer, write_gguf
 
     from .gguf_files import _smollm2_tokenizer
 

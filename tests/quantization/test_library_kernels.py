@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from modelrunner.conformance.matmul import _layer, planar_weight, reference_matmul
+from modelrunner_kit.conformance.matmul import _layer, planar_weight, reference_matmul
 from modelrunner.plugins import Plugins
 from modelrunner.quantization import QuantizedWeight, WeightFormat
 from modelrunner.quantization import library

@@ -12,7 +12,7 @@ from gguf import GGMLQuantizationType as T
 from transformers import LlamaConfig
 
 from modelrunner import LLM, SamplingParams
-from modelrunner.conformance.gguf import add_tokenizer, write_gguf
+from modelrunner_kit.conformance.gguf import add_tokenizer, write_gguf
 
 from .gguf_files import _smollm2_tokenizer
 

@@ -14,7 +14,7 @@ from modelrunner.layers.linear import LinearBase
 from modelrunner.parallel_state import ParallelState
 from modelrunner.quantization.experts import QuantizedExperts
 from modelrunner.quantization.kernels import layout_of
-from modelrunner.testing import PagedDriver, load_adapter
+from modelrunner_kit.testing import PagedDriver, load_adapter
 
 from gloo_ranks import run_ranks
 

@@ -72,7 +72,7 @@ class BlockAllocator(abc.ABC):
     Every method that raises :class:`KVCacheError` leaves the allocator's state unchanged.
 
     Two class attributes declare what the allocator can do; the engine and the contract suite
-    (:mod:`modelrunner.kv_cache.testing`) read them, so leave them at their defaults unless the
+    (:mod:`modelrunner_kit.allocator_contract`) read them, so leave them at their defaults unless the
     allocator really does it:
 
     - ``supports_prefix_caching`` (default False): :meth:`allocate` can report cached leading

@@ -48,7 +48,7 @@ class ExecutorSuite(Suite):
     def _world(self) -> int:
         cls = self.executor_class()
         if cls.launched_externally:
-            from ..distributed import LaunchInfo
+            from modelrunner.api import LaunchInfo
 
             if LaunchInfo.from_env() is None:
                 raise NotApplicable(f"{self.name!r} joins processes a launcher started; run the suite under it "
@@ -57,8 +57,7 @@ class ExecutorSuite(Suite):
         return 2 if cls.parallel else 1
 
     def _greedy(self, **config: Any) -> tuple[Any, list[list[int]]]:
-        from ..llm import LLM
-        from ..sampling.params import SamplingParams
+        from modelrunner import LLM, SamplingParams
 
         llm = LLM(self._checkpoint(), plugins=self.plugins, **CONFIG, **config)
         outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True),
@@ -88,7 +87,7 @@ class ExecutorSuite(Suite):
         cls = self.executor_class()
         if cls.parallel:
             raise NotApplicable(f"{self.name!r} declares parallel = True")
-        from ..config import RunnerConfig
+        from modelrunner.api import RunnerConfig
 
         config = RunnerConfig.from_dict({"model": self._checkpoint(), "tensor_parallel_size": 2,
                                          "distributed_executor_backend": self.name, **CONFIG})

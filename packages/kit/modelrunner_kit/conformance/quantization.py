@@ -139,7 +139,7 @@ class QuantizationMethodSuite(Suite):
 
     def _refusal(self, path: Path) -> str | None:
         """Why the method refuses the checkpoint at ``path`` (None: it runs it)."""
-        from ..source import resolve_source
+        from modelrunner.source import resolve_source  # kernel internal: reads a checkpoint as the runner does
 
         source = resolve_source(str(path))
         try:
@@ -188,15 +188,18 @@ class QuantizationMethodSuite(Suite):
         return config
 
     def model(self, path: Path, quantization: str) -> Any:
-        """``path`` loaded by its adapter with ``quantization`` (an :class:`~modelrunner.testing.AdapterUnderTest`;
+        """``path`` loaded by its adapter with ``quantization`` (an :class:`~modelrunner_kit.testing.AdapterUnderTest`;
         the method instance that prepared it is :meth:`method_of` it)."""
         import attrs
 
-        from ..cache_dir import cache_root
-        from ..capabilities import runs_quantization
-        from ..config import RunnerConfig
-        from ..quantization import select_quantization
-        from ..source import resolve_source
+        from modelrunner.api import RunnerConfig
+
+        # Kernel internals: the model is loaded as the runner loads it.
+        from modelrunner.cache_dir import cache_root  # the kernel's cache folder
+        from modelrunner.capabilities import runs_quantization  # the table `plugins --matrix` prints
+        from modelrunner.quantization import select_quantization  # picks the method as the runner does
+        from modelrunner.source import resolve_source  # reads a checkpoint as the runner does
+
         from ..testing import load_adapter
 
         key = (str(path), quantization)
@@ -228,7 +231,7 @@ class QuantizationMethodSuite(Suite):
 
     def covered(self, model: Any) -> list[tuple[str, Any]]:
         """``(name, layer)`` of the layers the method gave a quantization scheme in ``model``."""
-        from ..quantization.base import quantizable_layers
+        from modelrunner.api import quantizable_layers
 
         return [(n, m) for n, m in quantizable_layers(model.loaded.model) if getattr(m, "quant_scheme", None) is not None]
 
@@ -237,7 +240,7 @@ class QuantizationMethodSuite(Suite):
 
         :raises NotApplicable: the method covers none of its fused-MoE layers.
         """
-        from ..layers.fused_moe import FusedMoE
+        from modelrunner.api import FusedMoE
 
         model = self.quantized(self.mixtral)
         if not any(isinstance(m, FusedMoE) for _, m in self.covered(model)):
@@ -337,9 +340,8 @@ class QuantizationMethodSuite(Suite):
         import torch
         import torch.nn.functional as F
 
-        from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-        from ..layers.fused_moe import FusedMoE
-        from ..quantization.experts import STACKS
+        from modelrunner.api import FusedMoE, ParallelLMHead, VocabParallelEmbedding
+        from modelrunner.quantization.experts import STACKS  # kernel internal: the kernel's stacked expert weights
 
         tolerance = self.method_class.conformance_tolerance
         generator = torch.Generator().manual_seed(0)
@@ -448,7 +450,8 @@ class QuantizationMethodSuite(Suite):
     def check_tensor_parallel(self) -> str:
         """With ``tensor_parallel_size=2`` (a worker process), one prompt's logits within :data:`TP_ATOL` of
         one process's (float activations where the method has an ``activations`` option); returns the difference."""
-        from ..plugins import Plugins, get_plugins
+        from modelrunner.api import Plugins
+        from modelrunner.plugins import get_plugins  # kernel internal: the process's loaded plugins
 
         if not self.tensor_parallel:
             raise NotApplicable("left out by the suite's options (tensor_parallel=False)")
@@ -489,7 +492,7 @@ class QuantizationMethodSuite(Suite):
     def check_weight_bytes(self) -> str:
         """A method that covers layers keeps fewer resident weight bytes (``ModelRunner.stats()``) than the
         dense model; returns the ratio."""
-        from ..runner import ModelRunner
+        from modelrunner import ModelRunner
 
         def resident(quantization: str) -> tuple[int, Any]:
             runner = ModelRunner(dict(self.config(quantization, model=str(self.subject), dtype="float32",

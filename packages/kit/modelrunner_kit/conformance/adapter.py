@@ -21,7 +21,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from ..registry import FALLBACK_ARCHITECTURE
+from modelrunner.registry import FALLBACK_ARCHITECTURE  # kernel internal: the transformers fallback's name
 from .base import Check, ConformanceError, NotApplicable, Suite, expect
 from .models import (
     UnknownConfigField,
@@ -302,7 +302,7 @@ class AdapterSuite(Suite):
 
     def _generate(self, llm: Any, prompts: list[list[int]], max_tokens: list[int] | None = None,
                   **params: Any) -> list[Any]:
-        from ..sampling.params import SamplingParams
+        from modelrunner import SamplingParams
 
         max_tokens = max_tokens or [NEW_TOKENS] * len(prompts)
         sampling = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True, **params) for m in max_tokens]
@@ -323,7 +323,7 @@ class AdapterSuite(Suite):
                     f"generated token {k} on: got {got}, expected {want}")
 
     def _sliding_window(self) -> bool:
-        from ..models.decoder import sliding_windows_of
+        from modelrunner.models.decoder import sliding_windows_of  # kernel internal: the windows the engine reads
 
         try:
             return any(w is not None for w in sliding_windows_of(self.hf_config, self.max_model_len))
@@ -357,8 +357,9 @@ class AdapterSuite(Suite):
 
         import torch
 
-        from ..lora import LoRAError, LoRARequest
-        from ..lora.checkpoint import TARGETS
+        from modelrunner import LoRARequest
+        from modelrunner.lora import LoRAError  # kernel internal: what a bad LoRA request raises
+        from modelrunner.lora.checkpoint import TARGETS  # kernel internal: the modules a LoRA may target
 
         self._require_device()
         try:
@@ -386,7 +387,7 @@ class AdapterSuite(Suite):
             raise NotApplicable(f"the model does not run LoRA adapters: {e}") from None
         prompts = self.prompts[:2]
         sampling = [dict(max_tokens=NEW_TOKENS, temperature=0.0, ignore_eos=True)] * 2
-        from ..sampling.params import SamplingParams
+        from modelrunner import SamplingParams
 
         outputs = llm.generate([{"prompt_token_ids": p} for p in prompts], [SamplingParams(**s) for s in sampling],
                                lora_request=[LoRARequest("conformance", 1, str(folder)), None], use_tqdm=False)
@@ -502,7 +503,7 @@ class AdapterSuite(Suite):
     def check_attention_backend(self, backend: str) -> None:
         """The prompts with ``attention_backend=backend`` and prefill chunks of :data:`CHUNK_TOKENS`:
         transformers' greedy tokens, and every attention layer uses that backend."""
-        from ..layers.attention import Attention
+        from modelrunner.api import Attention
 
         self._require_device()
         if self.capabilities.get("attention_backends") is False:
@@ -526,7 +527,8 @@ class AdapterSuite(Suite):
         """With ``tensor_parallel_size=2`` (a worker process): transformers' greedy tokens for the prompts
         (prefill chunks of :data:`CHUNK_TOKENS`), and one prompt's logits within :data:`TP_LOGITS_ATOL`.
         Returns the largest logit difference."""
-        from ..plugins import Plugins, get_plugins
+        from modelrunner.api import Plugins
+        from modelrunner.plugins import get_plugins  # kernel internal: the process's loaded plugins
 
         self._require_device()
         if not self.tensor_parallel:

@@ -10,7 +10,7 @@ shared by its checks.
 
 In a plugin's own tests, one line::
 
-    test_conformance = modelrunner.conformance.suite("attention_backends", "my_backend").as_pytest()
+    test_conformance = modelrunner_kit.conformance.suite("attention_backends", "my_backend").as_pytest()
 
 and on the command line: ``modelrunner check PLUGIN`` runs every suite of every name the plugin
 registered.
@@ -95,7 +95,7 @@ class Suite:
     """The registry kind this suite checks."""
 
     def __init__(self, name: str, plugins: Any = None, plugin: str | None = None) -> None:
-        from ..plugins import get_plugins
+        from modelrunner.plugins import get_plugins  # kernel internal: the process's loaded plugins
 
         self.name = name
         """The name under test."""

@@ -63,7 +63,7 @@ class LogitsProcessorSuite(Suite):
 
     def _processor(self) -> Any:
         if "processor" not in self._state:
-            from ..sampling import ProcessorContext
+            from modelrunner.sampling import ProcessorContext  # kernel internal: what the engine passes a processor
             from .models import EOS, VOCAB_SIZE, tiny_tokenizer
 
             context = ProcessorContext(vocab_size=VOCAB_SIZE, tokenizer=tiny_tokenizer(),
@@ -73,7 +73,7 @@ class LogitsProcessorSuite(Suite):
 
     def params(self, example: Mapping[str, Any], **sampling: Any) -> tuple[Any, dict[str, Any]]:
         """``(SamplingParams, args)`` of a request using the processor with ``example``."""
-        from ..sampling import SamplingParams
+        from modelrunner import SamplingParams
 
         if self.processor_class().builtin:
             return SamplingParams(**{**sampling, **example}), {}
@@ -111,7 +111,7 @@ class LogitsProcessorSuite(Suite):
     def _batch(self, seed: int = 0) -> tuple[torch.Tensor, list[Any], list[str]]:
         """Logits, rows and a description of each row: :data:`ROWS` rows cycling through the examples,
         each with its own prompt, output so far and logits."""
-        from ..sampling import LogitsRow
+        from modelrunner.api import LogitsRow
         from .models import VOCAB_SIZE
 
         gen = torch.Generator().manual_seed(seed)
@@ -177,7 +177,7 @@ class LogitsProcessorSuite(Suite):
 
     def check_default_requests(self) -> None:
         """A built-in processor is not used by a request that sets none of its fields."""
-        from ..sampling import SamplingParams
+        from modelrunner import SamplingParams
 
         if not self.processor_class().builtin:
             raise NotApplicable("a named processor runs only for the requests that name it")
@@ -207,7 +207,7 @@ class LogitsProcessorSuite(Suite):
     def check_end_to_end(self) -> str:
         """In an ``LLM``: requests using each example complete, and a request beside them that does not
         use the processor gets the completion it gets beside the same requests not using it."""
-        from ..sampling import SamplingParams
+        from modelrunner import SamplingParams
 
         llm = self._llm()
         greedy = {"temperature": 0.0, "max_tokens": 4, "ignore_eos": True}

@@ -42,7 +42,7 @@ class ToolParserSuite(Suite):
         return self._parser
 
     def _calls(self, count: int) -> list[Any]:
-        from ..tool_parser import ToolCall
+        from modelrunner.api import ToolCall
 
         return [ToolCall(name, json.dumps(arguments)) for name, arguments in EXAMPLE_CALLS[:count]]
 

@@ -2,7 +2,7 @@
 
 An allocator plugin tests itself by subclassing :class:`AllocatorContract`::
 
-    from modelrunner.kv_cache.testing import AllocatorContract
+    from modelrunner_kit.allocator_contract import AllocatorContract
 
     class TestMyAllocator(AllocatorContract):
         supports_prefix_caching = False
@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from hypothesis.stateful import run_state_machine_as_test
 
-from .allocator import BlockAllocator, BlockCopy, KVCacheError
+from modelrunner.api import BlockAllocator, BlockCopy, KVCacheError
 
 MakeAllocator = Callable[[int, int, int, bool], BlockAllocator]
 """``(num_blocks, block_size, max_model_len, enable_prefix_caching) -> allocator``."""

@@ -1,4 +1,4 @@
-"""The allocator suite: :class:`~modelrunner.kv_cache.testing.AllocatorContract` as checks.
+"""The allocator suite: :class:`~modelrunner_kit.allocator_contract.AllocatorContract` as checks.
 
 Every ``test_*`` method of the contract becomes one check, run on an instance whose allocators come
 from the plugins (``plugins.create_allocator``), exactly as the engine gets them. What the allocator
@@ -22,7 +22,7 @@ from .base import Check, ConformanceError, NotApplicable, Suite, expect
 def _contract_class() -> type:
     """The contract class; NotApplicable when its test dependencies are missing."""
     try:
-        from ..kv_cache.testing import AllocatorContract
+        from ..allocator_contract import AllocatorContract
     except ImportError as e:
         raise NotApplicable(f"the allocator contract needs pytest and hypothesis: {type(e).__name__}: {e}") from None
     return AllocatorContract
@@ -107,7 +107,7 @@ class AllocatorSuite(Suite):
     def make_allocator(self, num_blocks: int, block_size: int, max_model_len: int,
                        enable_prefix_caching: bool = True) -> Any:
         """A fresh allocator from the plugin, checked to have the asked geometry."""
-        from ..config import CacheConfig
+        from modelrunner import CacheConfig
 
         choice = self._choice()
         config = CacheConfig(block_size=block_size, kv_allocator=choice, enable_prefix_caching=enable_prefix_caching)

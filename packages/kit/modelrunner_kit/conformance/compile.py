@@ -48,7 +48,7 @@ def _token(seq: int, position: int) -> int:
 def run_script(runner: Any) -> list[torch.Tensor]:
     """Each step's logits ``[sequences, vocab]`` of :data:`SCRIPT` through ``runner.execute_model``
     (the scratch allocator's blocks are freed afterwards)."""
-    from ..forward_batch import ForwardBatch
+    from modelrunner.api import ForwardBatch
 
     alloc, done, out = runner.scratch_allocator(), {}, []
     try:
@@ -75,7 +75,7 @@ def run_script(runner: Any) -> list[torch.Tensor]:
 
 def generate_greedy(llm: Any) -> list[list[int]]:
     """The greedy tokens of :data:`GENERATE`'s prompts, generated together."""
-    from ..sampling import SamplingParams
+    from modelrunner import SamplingParams
 
     prompts = [{"prompt_token_ids": [_token(9 + i, p) for p in range(n)]} for i, (n, _) in enumerate(GENERATE)]
     params = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for _, m in GENERATE]

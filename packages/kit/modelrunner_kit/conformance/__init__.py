@@ -13,19 +13,19 @@ from typing import Any
 from .base import Check, CheckResult, ConformanceError, NotApplicable, Suite, expect, expect_close
 
 SUITES = {
-    "architectures": "modelrunner.conformance.adapter:AdapterSuite",
-    "attention_backends": "modelrunner.conformance.attention:AttentionBackendSuite",
-    "allocators": "modelrunner.conformance.allocator:AllocatorSuite",
-    "compile_backends": "modelrunner.conformance.compile:CompileBackendSuite",
-    "quantization_methods": "modelrunner.conformance.quantization:QuantizationMethodSuite",
-    "logits_processors": "modelrunner.conformance.logits:LogitsProcessorSuite",
-    "matmul_kernels": "modelrunner.conformance.matmul:MatmulKernelSuite",
-    "grammar_backends": "modelrunner.conformance.grammar:GrammarBackendSuite",
-    "tool_parsers": "modelrunner.conformance.tool_parser:ToolParserSuite",
-    "proposers": "modelrunner.conformance.proposer:ProposerSuite",
-    "lora_kernels": "modelrunner.conformance.lora:LoRAKernelSuite",
-    "executors": "modelrunner.conformance.executor:ExecutorSuite",
-    "pooling_methods": "modelrunner.conformance.pooling:PoolingMethodSuite",
+    "architectures": "modelrunner_kit.conformance.adapter:AdapterSuite",
+    "attention_backends": "modelrunner_kit.conformance.attention:AttentionBackendSuite",
+    "allocators": "modelrunner_kit.conformance.allocator:AllocatorSuite",
+    "compile_backends": "modelrunner_kit.conformance.compile:CompileBackendSuite",
+    "quantization_methods": "modelrunner_kit.conformance.quantization:QuantizationMethodSuite",
+    "logits_processors": "modelrunner_kit.conformance.logits:LogitsProcessorSuite",
+    "matmul_kernels": "modelrunner_kit.conformance.matmul:MatmulKernelSuite",
+    "grammar_backends": "modelrunner_kit.conformance.grammar:GrammarBackendSuite",
+    "tool_parsers": "modelrunner_kit.conformance.tool_parser:ToolParserSuite",
+    "proposers": "modelrunner_kit.conformance.proposer:ProposerSuite",
+    "lora_kernels": "modelrunner_kit.conformance.lora:LoRAKernelSuite",
+    "executors": "modelrunner_kit.conformance.executor:ExecutorSuite",
+    "pooling_methods": "modelrunner_kit.conformance.pooling:PoolingMethodSuite",
 }
 """Registry kind → ``module:class`` of its suite (imported when used)."""
 
@@ -63,7 +63,7 @@ def suites_for_plugin(plugin: str, plugins: Any = None, **options: Any) -> list[
     :raises ValueError: no such plugin is loaded (the message lists the loaded ones), it is broken, or
         none of its suites takes one of ``options``.
     """
-    from ..plugins import get_plugins
+    from modelrunner.plugins import get_plugins  # kernel internal: the process's loaded plugins
 
     plugins = plugins or get_plugins()
     if plugin not in plugins.infos:

@@ -124,7 +124,7 @@ def random_blocks(ggml_type: int, rows: int, cols: int, seed: int = 0) -> np.nda
     """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-    from ..quantization.ggml_formats import HALF_FIELDS
+    from modelrunner.quantization.ggml_formats import HALF_FIELDS  # kernel internal: GGML blocks' float16 fields
 
     if ggml_type not in HALF_FIELDS:
         raise ValueError(f"no random blocks for ggml type {ggml_type}")
@@ -169,7 +169,7 @@ def write_llama_gguf(checkpoint: str | Path, path: str | Path, types: Mapping[st
     """Write the Llama checkpoint directory ``checkpoint`` to the GGUF file ``path`` (see :func:`write_gguf`)."""
     from transformers import AutoConfig
 
-    from ..weights import SafetensorsCheckpoint
+    from modelrunner.weights import SafetensorsCheckpoint  # kernel internal: reads the tiny checkpoint
 
     config: Any = AutoConfig.from_pretrained(str(checkpoint))
     if config.model_type != "llama":

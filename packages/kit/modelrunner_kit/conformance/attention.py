@@ -68,7 +68,7 @@ def paged_scenario(context_lens: Sequence[int], query_lens: Sequence[int], heads
                    dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> Scenario:
     """Random keys/values per sequence, the first ``context_lens`` of them already in a paged cache
     whose blocks are shuffled, and ``query_lens`` new tokens per sequence for the step."""
-    from ..forward_batch import ForwardBatch
+    from modelrunner.api import ForwardBatch
 
     gen = torch.Generator().manual_seed(seed)
     cache = torch.zeros(2, num_blocks, block_size, kv_heads, head_dim)
@@ -171,7 +171,7 @@ class AttentionBackendSuite(Suite):
         return block, dtype, 1e-5 if dtype == torch.float32 else 3e-2
 
     def _run_case(self, case: str, heads: int, kv_heads: int, window: int | None, compiled: bool) -> None:
-        from ..layers import Attention
+        from modelrunner.api import Attention
 
         backend = self._setup()
         if window is not None and not type(backend).supports_sliding_window:

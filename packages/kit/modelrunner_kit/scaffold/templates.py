@@ -34,7 +34,8 @@ requires-python = ">=3.10"
 dependencies = ["modelrunner"]
 
 [project.optional-dependencies]
-test = ["pytest>=8", "hypothesis>=6"]
+# The conformance suites live in modelrunner-kit (modelrunner_kit.conformance).
+test = ["modelrunner-kit", "pytest>=8", "hypothesis>=6"]
 
 # How modelrunner finds the plugin: the entry point names it, its value is the module with the hooks.
 [project.entry-points.modelrunner]
@@ -50,9 +51,9 @@ README = '''\
 {summary}
 
 ```sh
-pip install -e .                 # installs the plugin; `modelrunner plugins` now lists `{entry}`
+pip install -e '.[test]'         # the plugin, and modelrunner-kit for its tests; `modelrunner plugins` lists `{entry}`
 pytest tests                     # the conformance suite of its kind
-modelrunner check {entry}        # the same suite, from the command line
+modelrunner check {entry}        # the same suite, from the command line (also modelrunner-kit)
 ```
 
 {usage}
@@ -61,7 +62,7 @@ modelrunner check {entry}        # the same suite, from the command line
 TEST = '''\
 """The conformance suite modelrunner ships for this kind, run on this plugin's `{name}`."""
 
-{imports}from modelrunner.conformance import suite
+{imports}from modelrunner_kit.conformance import suite
 
 test_conformance = suite("{kind}", "{name}"{options}).as_pytest()
 '''

@@ -92,7 +92,8 @@ class GrammarBackendSuite(Suite):
 
     def _backend(self) -> Any:
         if "backend" not in self._state:
-            from ..structured_output import GrammarContext
+            # kernel internal: what the engine passes a backend
+            from modelrunner.structured_output import GrammarContext
             from .models import byte_tokenizer
 
             cls = self.backend_class()
@@ -119,8 +120,8 @@ class GrammarBackendSuite(Suite):
         return self._state["tokenizer"].eos_token_id
 
     def _spec(self, **params: Any) -> Any:
-        from ..sampling import StructuredOutputsParams
-        from ..structured_output import GrammarSpec
+        from modelrunner import StructuredOutputsParams
+        from modelrunner.api import GrammarSpec
 
         return GrammarSpec.of(StructuredOutputsParams(**params))
 
@@ -134,7 +135,8 @@ class GrammarBackendSuite(Suite):
         return cache[key]
 
     def _allowed(self, matcher: Any) -> torch.Tensor:
-        from ..structured_output import allocate_bitmask, bitmask_to_bool
+        # kernel internal: the engine's bitmask layout
+        from modelrunner.structured_output import allocate_bitmask, bitmask_to_bool
 
         bitmask = allocate_bitmask(1, self.vocab)
         self._backend().fill_bitmasks([matcher], bitmask, [0])
@@ -244,7 +246,7 @@ class GrammarBackendSuite(Suite):
     def check_batch_fill(self) -> str:
         """``fill_bitmasks`` over several matchers at different points writes each into its row (rows
         given out of order) exactly as filling them one by one, and leaves the other rows alone."""
-        from ..structured_output import allocate_bitmask
+        from modelrunner.structured_output import allocate_bitmask  # kernel internal: the engine's bitmask layout
 
         backend = self._backend()
         kind, constraint, tokens = self._walkable()
@@ -270,7 +272,8 @@ class GrammarBackendSuite(Suite):
         """``apply_bitmask`` (the backend's own kernel, where it overrides the kernel's) masks exactly what
         :func:`~modelrunner.structured_output.apply_bitmask` masks: the given rows (out of order) of
         float32 and bfloat16 logits, with bitmasks filled by the backend and by hand; other rows kept."""
-        from ..structured_output import allocate_bitmask, apply_bitmask, bitmask_from_allowed
+        from modelrunner.api import apply_bitmask, bitmask_from_allowed
+        from modelrunner.structured_output import allocate_bitmask  # kernel internal: the engine's bitmask layout
 
         backend = self._backend()
         kind, constraint, _ = self._walkable()
@@ -293,7 +296,7 @@ class GrammarBackendSuite(Suite):
     def check_refusals(self) -> str:
         """Kinds not declared, the backend's ``unsupported_examples`` and malformed constraints raise
         :class:`~modelrunner.errors.StructuredOutputError` naming the feature and the backend."""
-        from ..errors import StructuredOutputError
+        from modelrunner.api import StructuredOutputError
 
         backend = self._backend()
         cases = [(f"undeclared kind {k}", _params(k, VALID[k][0][0]), k) for k in VALID if k not in backend.constraints]
@@ -343,7 +346,7 @@ class GrammarBackendSuite(Suite):
         """In a tiny ``LLM`` configured with this backend: constrained requests (choice; a small JSON
         schema where declared) beside a free one, greedy and sampled, finish with ``stop`` inside their
         constraint, and the free request generates what it does alone."""
-        from ..sampling import SamplingParams
+        from modelrunner import SamplingParams
 
         backend_cls = self.backend_class()
         if backend_cls.unavailable_reason() is not None:

@@ -316,7 +316,7 @@ def reference_greedy(model: Any, prompt: list[int], max_new_tokens: int) -> list
 
 def make_llm(model: str | Path, plugins: Any = None, **config: Any) -> Any:
     """``LLM(model, **config)`` whose runner routes through ``plugins`` (None: the process's plugins)."""
-    from ..llm import LLM
+    from modelrunner import LLM
 
     return LLM(str(model), plugins=plugins, **config)
 

@@ -10,17 +10,16 @@ from typing import Any
 import attrs
 import torch
 
-from ..cache_dir import cache_root
-from ..config import CacheConfig, RunnerConfig
-from ..forward_batch import ForwardBatch, ForwardOutput
-from ..kv_cache.paged import PagedBlockAllocator
-from ..loaded_model import LoadedModel
-from ..models.loader import ModelLoader
-from ..parallel_state import ParallelState
-from ..plugins import Plugins, get_plugins
-from ..runner import resolve_max_model_len
-from ..quantization import select_quantization
-from ..source import ModelSource, resolve_source
+from modelrunner import CacheConfig
+from modelrunner.api import (ForwardBatch, ForwardOutput, LoadedModel, ModelLoader, PagedBlockAllocator, ParallelState,
+                             Plugins, RunnerConfig)
+
+# Kernel internals: loading a model as the runner does needs the runner's own steps.
+from modelrunner.cache_dir import cache_root  # the kernel's cache folder
+from modelrunner.plugins import get_plugins  # the process's loaded plugins
+from modelrunner.quantization import select_quantization  # picks the method as the runner does
+from modelrunner.runner import resolve_max_model_len  # the runner's context-length rule
+from modelrunner.source import ModelSource, resolve_source  # reads a checkpoint as the runner does
 
 
 @attrs.define

@@ -102,7 +102,7 @@ class ProposerSuite(Suite):
                 "disable_by_batch_size": None}  # every step drafts: what is checked must not depend on timing
 
     def _config(self, k: int = 4, model: Any = None) -> Any:
-        from ..config import SpeculativeConfig
+        from modelrunner.config import SpeculativeConfig  # kernel internal: the engine's speculative config
 
         try:
             return SpeculativeConfig(**self._settings(k, model))
@@ -112,7 +112,7 @@ class ProposerSuite(Suite):
     def proposer(self, k: int = 4, model: Any = None) -> Any:
         """A fresh instance of the proposer under test (``model``: the draft checkpoint it is given;
         default the suite's tiny one)."""
-        from ..spec_decode import ProposerContext
+        from modelrunner.api import ProposerContext
 
         cls = self.plugins.registry.get_class(self.kind, self.name, self.provider())
         return cls(ProposerContext(self._config(k, model), VOCAB, None, self.plugins))
@@ -137,7 +137,7 @@ class ProposerSuite(Suite):
             expect(not bad, f"proposed {bad[:3]} for sequence {request.seq_id}: not token ids below {VOCAB}")
 
     def _check_valid(self) -> str:
-        from ..spec_decode import ProposalRequest
+        from modelrunner.api import ProposalRequest
 
         rng = random.Random(0)
         proposer = self.proposer()
@@ -155,7 +155,7 @@ class ProposerSuite(Suite):
         return f"{proposed} tokens proposed"
 
     def _check_forget(self) -> None:
-        from ..spec_decode import ProposalRequest
+        from modelrunner.api import ProposalRequest
 
         proposer = self.proposer()
         seqs = _sequences(random.Random(1))
@@ -167,7 +167,7 @@ class ProposerSuite(Suite):
         self._expect_valid(again, proposer.propose(again))
 
     def _check_engine(self) -> str:
-        from ..sampling.params import SamplingParams
+        from modelrunner import SamplingParams
         from .models import make_llm
 
         self._config()  # NotApplicable before any work when the suite cannot configure it
@@ -193,7 +193,7 @@ class ProposerSuite(Suite):
         return f"{stats['num_draft_tokens']} proposed, {stats['num_accepted_tokens']} accepted"
 
     def _check_acceptance(self) -> str:
-        from ..sampling.params import SamplingParams
+        from modelrunner import SamplingParams
         from .models import make_llm
 
         self._config()
@@ -227,7 +227,7 @@ class ProposerSuite(Suite):
     def _diagnosis(self, tokens: list[int], start: int, k: int, model: Any) -> str:
         """Why drafts were rejected, when a fresh proposer replayed over the final tokens shows it: its
         first guesses match the token one position later (or earlier) than the one that follows."""
-        from ..spec_decode import ProposalRequest
+        from modelrunner.api import ProposalRequest
 
         try:
             proposer = self.proposer(k, model)

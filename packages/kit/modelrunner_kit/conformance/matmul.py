@@ -37,7 +37,7 @@ APPROX_RTOL = 5e-2
 
 
 def _format(label: str, cols: int = WEIGHT_COLS) -> Any:
-    from ..quantization.matmul import WeightFormat
+    from modelrunner.api import WeightFormat
 
     bits, group, mins, per_row = FORMATS[label]
     return WeightFormat(bits, group or cols, mins, per_row)
@@ -45,8 +45,8 @@ def _format(label: str, cols: int = WEIGHT_COLS) -> Any:
 
 def planar_weight(label: str, rows: int = WEIGHT_ROWS, cols: int = WEIGHT_COLS, seed: int = 0) -> Any:
     """A random ``rows × cols`` weight quantized into format ``label``, planar."""
-    from ..quantization.matmul import QuantizedWeight
-    from ..quantization.planar import quantize_planar
+    from modelrunner.api import QuantizedWeight
+    from modelrunner.quantization.planar import quantize_planar  # kernel internal: the reference quantizer
 
     fmt = _format(label, cols)
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
@@ -55,7 +55,7 @@ def planar_weight(label: str, rows: int = WEIGHT_ROWS, cols: int = WEIGHT_COLS, 
 
 def reference_matmul(weight: Any, x: torch.Tensor) -> torch.Tensor:
     """``x @ W.T`` in float32, ``W`` the float weight a planar :class:`~modelrunner.quantization.QuantizedWeight` encodes."""
-    from ..quantization.planar import dequantize_planar
+    from modelrunner.api import dequantize_planar
 
     return F.linear(x.float(), dequantize_planar(*weight.storage, weight.format.group_size, weight.format.bits))
 
@@ -97,7 +97,8 @@ class MatmulKernelSuite(Suite):
 
     def _weight(self, label: str, rows: int = WEIGHT_ROWS, cols: int = WEIGHT_COLS, seed: int = 0) -> tuple[Any, Any]:
         """(planar weight, the same in the kernel's layout, on the device)."""
-        from ..quantization.matmul import PLANAR, QuantizedWeight
+        from modelrunner.api import QuantizedWeight
+        from modelrunner.quantization.matmul import PLANAR  # kernel internal: the reference weight format
 
         kernel = self._setup()
         planar = planar_weight(label, rows, cols, seed)
@@ -136,8 +137,8 @@ class MatmulKernelSuite(Suite):
         return f"max relative difference {worst:.2g}"
 
     def _check_refuses(self) -> str:
-        from ..quantization.kernels import KernelSelector
-        from ..quantization.matmul import WeightFormat
+        from modelrunner.api import WeightFormat
+        from modelrunner.quantization.kernels import KernelSelector  # kernel internal: picks kernels as the runner
 
         cls = type(self._setup())
         malformed = WeightFormat(3, 32, True)
@@ -204,7 +205,7 @@ def _layer(label: str, selector: Any) -> tuple[Any, Any]:
     """A quantized layer of format ``label`` (``PlanarScheme`` and module), its weights random."""
     from torch import nn
 
-    from ..quantization.planar import PlanarScheme
+    from modelrunner.api import PlanarScheme
 
     bits, group, mins, _ = FORMATS[label]
     scheme = PlanarScheme(bits, group, has_mins=mins, kernels=selector, quantize_floats=True, symmetric=not mins)

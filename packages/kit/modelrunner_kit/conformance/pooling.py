@@ -42,7 +42,8 @@ class PoolingMethodSuite(Suite):
         return self.plugins.registry.get_class(self.kind, self.name, self.provider())
 
     def _method(self) -> Any:
-        from ..pooling.method import PoolingContext
+        # kernel internal: what the engine passes a pooling method
+        from modelrunner.pooling.method import PoolingContext
 
         if "method" not in self._state:
             self._state["method"] = self.method_class()(PoolingContext(HIDDEN))
@@ -50,7 +51,7 @@ class PoolingMethodSuite(Suite):
 
     def check_declares(self) -> str:
         """``reads`` is one of :data:`~modelrunner.pooling.READS`; ``output_size()`` a positive int."""
-        from ..pooling.method import READS
+        from modelrunner.pooling.method import READS  # kernel internal: the rows a pooling method may read
 
         cls = self.method_class()
         expect(cls.reads in READS, f"reads is {cls.reads!r}; expected one of {', '.join(READS)}")
@@ -62,7 +63,7 @@ class PoolingMethodSuite(Suite):
     def check_vectors(self, length: int) -> str:
         """One prompt of ``length`` tokens: a float32 vector of ``output_size()``, finite, the same
         twice, its input untouched (and, for the kernel's methods, their formula)."""
-        from ..pooling.method import rows_read
+        from modelrunner.pooling.method import rows_read  # kernel internal: the rows a pooling method may read
 
         method = self._method()
         gen = torch.Generator().manual_seed(length)
@@ -99,8 +100,8 @@ class PoolingMethodSuite(Suite):
         """Embeddings in a tiny ``LLM`` (prompts whole, chunked over a 16-token budget, and again once
         their prefix is cached; a generating request in the same steps) against transformers' hidden states
         pooled by the method; the default output has length 1."""
-        from ..pooling import PoolingParams, rows_read
-        from ..sampling import SamplingParams
+        from modelrunner import PoolingParams, SamplingParams
+        from modelrunner.pooling import rows_read  # kernel internal: the rows a pooling method may read
 
         llm = self._llm()
         reference = self._state["reference"]
