@@ -19,7 +19,7 @@ import time
 import torch
 
 from modelrunner import LLM, SamplingParams
-from modelrunner.llm import DataParallelLLM
+from modelrunner_data_parallel import DataParallelLLM
 
 PROMPT = "Write a short story about a robot learning to paint, number {i}."
 

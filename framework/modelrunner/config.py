@@ -141,7 +141,7 @@ class ParallelConfig:
     """Stages the layers are split into."""
     data_parallel_size: int = attrs.field(default=1, validator=_positive)
     """Engine replicas, each its own process (and each a tensor × pipeline group of its own); one
-    front spreads requests over them (:mod:`modelrunner.data_parallel`)."""
+    front spreads requests over them (the ``modelrunner-data-parallel`` distribution)."""
     data_parallel_size_local: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     """Replicas this machine runs (None: all of them); the others join from ``--headless`` machines."""
     data_parallel_address: str | None = attrs.field(default=None, validator=_optional_str)

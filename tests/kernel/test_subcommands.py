@@ -98,8 +98,16 @@ def test_the_kernel_neither_imports_nor_requires_the_server():
     assert not [r for r in requires if r.split(">")[0].split("=")[0].replace("-", "_") in SERVER_ONLY]
 
 
+def test_the_kernel_imports_none_of_the_distributions_split_from_it():
+    split = {"modelrunner_serve", "modelrunner_bench", "modelrunner_data_parallel"}
+    kernel = ROOT / "framework" / "modelrunner"
+    offenders = {str(p.relative_to(ROOT)): sorted(_imported_tops(p) & split) for p in kernel.rglob("*.py")}
+    assert not {p: names for p, names in offenders.items() if names}
+    assert not (kernel / "bench").exists() and not (kernel / "data_parallel").exists()
+
+
 def test_the_data_parallel_replica_and_the_cli_load_no_web_stack():
-    code = ("import sys, modelrunner.cli, modelrunner.llm, modelrunner.data_parallel.replica\n"
+    code = ("import sys, modelrunner.cli, modelrunner.llm, modelrunner_data_parallel.replica\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {sorted(SERVER_ONLY)!r}))")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -18,8 +18,7 @@ HUNG_TIMEOUT_S = 4
 
 def test_offline_dp2_equals_dp1_in_order_and_a_hung_replica_fails_alone(tiny_llama, monkeypatch):
     from modelrunner import LLM, SamplingParams
-    from modelrunner.data_parallel import ReplicaFailedError
-    from modelrunner.llm import DataParallelLLM
+    from modelrunner_data_parallel import DataParallelLLM, ReplicaFailedError
 
     monkeypatch.setenv("MODELRUNNER_DIST_TIMEOUT", str(HUNG_TIMEOUT_S))
     prompts = [[1, 5 + i, 9, 17 + 3 * i] for i in range(12)]
@@ -27,7 +26,7 @@ def test_offline_dp2_equals_dp1_in_order_and_a_hung_replica_fails_alone(tiny_lla
     llm = LLM(str(tiny_llama), data_parallel_size=2, **CONFIG)
     assert isinstance(llm, DataParallelLLM) and isinstance(llm, LLM)
     try:
-        started = [p for p in children() if "modelrunner.data_parallel.replica" in " ".join(p.cmdline())]
+        started = [p for p in children() if "modelrunner_data_parallel.replica" in " ".join(p.cmdline())]
         assert len(started) == 2
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [r.served for r in llm.router.replicas] == [6, 6]  # balanced by load
@@ -62,6 +61,25 @@ def test_offline_dp2_equals_dp1_in_order_and_a_hung_replica_fails_alone(tiny_lla
         one.shutdown()
     assert [o.outputs[0].token_ids for o in outputs] == [o.outputs[0].token_ids for o in expected]
     assert [o.prompt_token_ids for o in outputs] == prompts
+
+
+def test_the_kernel_finds_data_parallelism_through_its_entry_point(monkeypatch):
+    """``LLM`` builds the class ``modelrunner-data-parallel`` declares; without that distribution,
+    ``data_parallel_size > 1`` says what to install (and one engine never looks)."""
+    import modelrunner.llm as kernel_llm
+    from modelrunner import ModelRunnerError
+    from modelrunner_data_parallel import DataParallelLLM
+
+    assert kernel_llm.data_parallel_llm() is DataParallelLLM
+    real = kernel_llm.entry_points
+
+    def without(**selection):
+        return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != "modelrunner-data-parallel"]
+
+    monkeypatch.setattr(kernel_llm, "entry_points", without)
+    with pytest.raises(ModelRunnerError, match=r"^data_parallel_size > 1 needs the modelrunner-data-parallel "
+                                               r"distribution: pip install modelrunner-data-parallel$"):
+        kernel_llm.LLM("never-loaded", data_parallel_size=2)
 
 
 def test_dp_options_are_no_longer_refused_and_bad_values_name_themselves():

@@ -15,7 +15,7 @@ from multiprocessing.connection import Client
 import pytest
 
 from modelrunner import channel
-from modelrunner.data_parallel.protocol import SECRET_ENV
+from modelrunner_data_parallel.protocol import SECRET_ENV
 from modelrunner.errors import ModelRunnerError
 
 from .conftest import wait_for_no_children

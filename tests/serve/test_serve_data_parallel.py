@@ -81,7 +81,7 @@ def test_32_concurrent_requests_equal_offline_greedy_and_both_replicas_serve(dp_
 def test_a_stopped_replica_holds_up_neither_health_nor_the_other_replicas_requests(dp_server):
     # Issue 52 item 9: requests were handed to replicas on the event loop, so a SIGSTOPped replica (its
     # socket full) froze /health for up to 43 s and made other requests fail.
-    from modelrunner.data_parallel.client import STALE_S
+    from modelrunner_data_parallel.client import STALE_S
 
     pids = replica_pids(dp_server)
     stopped = psutil.Process(pids[1])

@@ -228,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.headless:
         from modelrunner.config import RunnerConfig
-        from modelrunner.data_parallel import run_headless
+        from modelrunner_data_parallel import run_headless
 
         settings = settings_from_args(args)
         return run_headless(RunnerConfig.from_dict({"model": settings.model, **settings.config}))

@@ -19,7 +19,7 @@ class ReplicaCollector(Collector):
     """One sample per replica and family.
 
     :param model_name: the ``model_name`` label.
-    :param replicas: the front's :class:`~modelrunner.data_parallel.ReplicaClient` objects.
+    :param replicas: the front's :class:`~modelrunner_data_parallel.ReplicaClient` objects.
     """
 
     def __init__(self, model_name: str, replicas: list[Any]) -> None:

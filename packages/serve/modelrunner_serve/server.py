@@ -104,7 +104,7 @@ class ModelOwner(threading.Thread):
             if self._stop_requested.is_set():
                 return
             from modelrunner.engine.loop import EngineLoop
-            from modelrunner.llm import DataParallelLLM
+            from modelrunner_data_parallel import DataParallelLLM
 
             if isinstance(llm, DataParallelLLM):  # the replicas' loops run in their processes
                 model, loop, max_running = ServedModel.from_replicas(llm), llm.router, llm.max_num_seqs

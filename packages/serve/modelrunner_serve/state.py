@@ -49,7 +49,7 @@ class ServedModel:
 
     @classmethod
     def from_replicas(cls, llm: Any) -> ServedModel:
-        """Describe a :class:`~modelrunner.data_parallel.DataParallelLLM` from what replica 0 reported."""
+        """Describe a :class:`~modelrunner_data_parallel.DataParallelLLM` from what replica 0 reported."""
         info = llm.info
         return cls(llm=llm, tokenizer=info["tokenizer"], max_model_len=info["max_model_len"], root=info["root"],
                    defaults=info["defaults"], image_token=info["image_token"], created=now())

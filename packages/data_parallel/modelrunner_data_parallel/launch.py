@@ -7,7 +7,7 @@ deployment's secret, then exchange :mod:`modelrunner.wire` data, never pickles) 
 secret when every replica runs here; :data:`~.protocol.SECRET_ENV` on every machine when some join
 from elsewhere. Every replica, local or remote, connects to it, says which rank it is, loads its
 model and says ``ready`` (or why it failed). Each replica is a fresh ``python -m
-modelrunner.data_parallel.replica`` in its own session that dies with the process that started it.
+modelrunner_data_parallel.replica`` in its own session that dies with the process that started it.
 """
 
 from __future__ import annotations
@@ -25,10 +25,13 @@ from typing import Any
 
 import attrs
 
-from ..channel import Channel, ChannelListener
-from ..config import RunnerConfig
-from ..distributed import collective_timeout
-from ..errors import ModelRunnerError
+from modelrunner import ModelRunnerError, RunnerConfig
+from modelrunner.api import collective_timeout
+# The kernel's authenticated channel (internal: modelrunner.channel).
+from modelrunner.channel import Channel, ChannelListener
+# How a child process ended, as the executor says it (internal: modelrunner.executor).
+from modelrunner.executor import describe_exit
+
 from .client import ReplicaClient
 from .protocol import ReplicaOrders, deployment_secret
 
@@ -50,7 +53,7 @@ def spawn_replica(config: RunnerConfig, rank: int, address: tuple[str, int], aut
     orders = ReplicaOrders(config=one, rank=rank, address=address, authkey=authkey, parent_pid=os.getpid())
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(replica_threads(config)))
-    proc = subprocess.Popen([sys.executable, "-m", "modelrunner.data_parallel.replica"], stdin=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "modelrunner_data_parallel.replica"], stdin=subprocess.PIPE,
                             start_new_session=True, env=env)
     assert proc.stdin is not None
     proc.stdin.write(pickle.dumps((list(sys.path), pickle.dumps(orders))))
@@ -145,8 +148,6 @@ def _gather(listener: ChannelListener, size: int, processes: dict[int, subproces
             time.sleep(0.05)
         for rank, proc in processes.items():
             if rank not in ready and proc.poll() is not None:
-                from ..executor import describe_exit
-
                 raise ModelRunnerError(f"data-parallel replica {rank} (pid {proc.pid}) {describe_exit(proc.returncode)}"
                                        " while starting; its stderr above says why")
         if time.monotonic() > deadline:  # local replicas are watched by their process, joined ones by their connection

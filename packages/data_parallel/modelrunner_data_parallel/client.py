@@ -27,12 +27,15 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from .. import wire
-from ..channel import Channel
-from ..distributed import collective_timeout
-from ..engine.loop import EngineDeadError, LoopSnapshot
-from ..engine.outputs import CompletionOutput, RequestOutput
-from ..executor import WorkerFailedError, describe_exit
+from modelrunner import CompletionOutput, RequestOutput
+from modelrunner.api import WorkerFailedError, collective_timeout
+# Internal modules of the kernel: its authenticated channel and wire format (modelrunner.channel, .wire),
+# the engine loop's interface and failure (modelrunner.engine.loop), and how a child process ended, as
+# the executor says it (modelrunner.executor).
+from modelrunner import wire
+from modelrunner.channel import Channel
+from modelrunner.engine.loop import EngineDeadError, LoopSnapshot
+from modelrunner.executor import describe_exit
 
 logger = logging.getLogger("modelrunner.data_parallel")
 

@@ -20,7 +20,9 @@ from typing import Any
 
 import attrs
 
-from ..engine.loop import EngineDeadError, LoopSnapshot
+# The engine loop's interface the router offers, and its failure (internal: modelrunner.engine.loop).
+from modelrunner.engine.loop import EngineDeadError, LoopSnapshot
+
 from .client import ReplicaClient
 
 AFFINITY_SLACK = 2

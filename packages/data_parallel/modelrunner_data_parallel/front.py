@@ -6,7 +6,7 @@ from typing import Any
 
 import attrs
 
-from ..config import RunnerConfig
+from modelrunner import RunnerConfig
 
 
 @attrs.frozen

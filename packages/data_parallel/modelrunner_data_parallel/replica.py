@@ -1,7 +1,7 @@
 """One data-parallel replica: a whole engine (an :class:`~modelrunner.LLM`, itself possibly a tensor ×
 pipeline group) in a process of its own, driven by the front over one connection.
 
-``python -m modelrunner.data_parallel.replica`` reads its orders from stdin (as a tensor-parallel
+``python -m modelrunner_data_parallel.replica`` reads its orders from stdin (as a tensor-parallel
 worker does), loads the model, connects to the front's listener and says ``ready`` (with what the
 front needs to serve without a model: the tokenizer, sizes, sampling defaults). Then it runs the
 front's commands on its :class:`~modelrunner.engine.loop.EngineLoop` and sends back every output and,
@@ -31,8 +31,10 @@ import threading
 import traceback
 from typing import Any
 
-from ..channel import Channel, connect
-from ..wire import WireError
+# The kernel's authenticated channel and wire format (internal: modelrunner.channel, modelrunner.wire).
+from modelrunner.channel import Channel, connect
+from modelrunner.wire import WireError
+
 from .protocol import CALLS, ENGINE_CALLS, HEARTBEAT_S, ReplicaOrders, tokenizer_files
 
 logger = logging.getLogger("modelrunner.data_parallel")
@@ -62,7 +64,8 @@ class _Link:
 
 def _describe(llm: Any) -> dict[str, Any]:
     """What the front needs to serve this model without loading it."""
-    from ..model_info import describe_model
+    # What a front end needs of a loaded model, as the server describes it (internal: modelrunner.model_info).
+    from modelrunner.model_info import describe_model
 
     model = describe_model(llm)
     return {"pid": os.getpid(), "host": socket.gethostname(), "tokenizer": tokenizer_files(model.tokenizer),
@@ -73,9 +76,11 @@ def _describe(llm: Any) -> dict[str, Any]:
 
 def serve_front(orders: ReplicaOrders) -> int:
     """Load, connect, serve the front's commands; the exit status."""
-    from ..engine.loop import EngineLoop
-    from ..errors import error_line
-    from ..llm import LLM
+    from modelrunner import LLM
+    # The engine loop a replica runs, and the kernel's one-line errors (internal: modelrunner.engine.loop,
+    # modelrunner.errors).
+    from modelrunner.engine.loop import EngineLoop
+    from modelrunner.errors import error_line
 
     conn = connect(tuple(orders.address), orders.authkey)
     link = _Link(conn)
@@ -149,7 +154,7 @@ def _serve_commands(conn: Channel, link: _Link, loop: Any, llm: Any, stop: threa
 def _error_of(future: Any) -> tuple[str, str] | None:
     """``(kind, message)`` of a failed command: ``value`` for the engine's ``ValueError`` (a bad
     request), ``dead`` for a stopped engine loop, ``other`` for anything else; None if it succeeded."""
-    from ..engine.loop import EngineDeadError
+    from modelrunner.engine.loop import EngineDeadError  # internal, as above
 
     exc = future.exception()
     if exc is None:
@@ -159,14 +164,15 @@ def _error_of(future: Any) -> tuple[str, str] | None:
 
 
 def main() -> None:
-    """``python -m modelrunner.data_parallel.replica``: read ``pickle((sys.path, pickle(orders)))`` from
+    """``python -m modelrunner_data_parallel.replica``: read ``pickle((sys.path, pickle(orders)))`` from
     stdin and serve the front until it stops this replica or goes away."""
     path, payload = pickle.loads(sys.stdin.buffer.read())
     for entry in reversed(path):
         if entry not in sys.path:
             sys.path.insert(0, entry)
     orders: ReplicaOrders = pickle.loads(payload)
-    from ..worker import _die_with_parent
+    # Dies with the front as a tensor-parallel worker dies with rank 0 (internal: modelrunner.worker).
+    from modelrunner.worker import _die_with_parent
 
     _die_with_parent(orders.parent_pid)
     try:

@@ -16,8 +16,9 @@ from typing import Any
 
 import attrs
 
-from ..channel import check_secret, is_loopback
-from ..errors import ModelRunnerError
+from modelrunner import ModelRunnerError
+# The kernel's secret and address checks (internal: modelrunner.channel).
+from modelrunner.channel import check_secret, is_loopback
 
 HEARTBEAT_S = 0.25
 """How often a replica sends its snapshot (the front's sign that it still answers)."""
