@@ -174,7 +174,7 @@ def test_p16_bad_input_is_refused_by_name():
         with pytest.raises(ValueError, match="x has 32 features"):
             bind(data, packed_scales, packed_mins, 37, 32, 4)(torch.randn(1, 32))
     part = (data, packed_scales, packed_mins, 37, 32, 4)
-    with pytest.raises(ValueError, match=r"kernel must be one of q8, exact, split, got 'fast'"):
+    with pytest.raises(ValueError, match=r"kernel must be one of q8, exact, split, bf16, got 'fast'"):
         quant.bind_gated_mlp_p16(part, part, kernel="fast")
 
 
@@ -282,8 +282,8 @@ def test_listed_as_a_plugin():
     plugin = {p["name"]: p for p in json.loads(listing.stdout)}["quant-cpu"]
     assert plugin["distribution"] == "modelrunner-quant-cpu"
     assert plugin["error"] is None and plugin["hooks"] == ["register"]
-    assert plugin["provides"] == {"matmul_kernels": ["cpu_exact", "cpu_ggml", "cpu_ggml_bf16", "cpu_p16", "cpu_p16_exact",
-                                                  "cpu_p16_split", "cpu_q8"]}
+    assert plugin["provides"] == {"matmul_kernels": ["cpu_bf16", "cpu_exact", "cpu_ggml", "cpu_ggml_bf16", "cpu_p16",
+                                                  "cpu_p16_bf16", "cpu_p16_exact", "cpu_p16_split", "cpu_q8"]}
 
 
 _CHECK_BUILD = textwrap.dedent("""

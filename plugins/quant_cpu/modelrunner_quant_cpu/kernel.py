@@ -1,7 +1,7 @@
 """The C++ kernels: compiled when the plugin installs (``setup.py``, one build per instruction-set
 variant), loaded on first use as the torch operators
 ``modelrunner_quant_cpu::{dequantize, qlinear, qlinear_q8, pack_p16, qlinear_p16, qlinear_p16_exact,
-qlinear_p16_split, gated_mlp_p16}`` and, from a library of their own (``ggml_matmul.cpp``),
+qlinear_p16_split, qlinear_bf16, qlinear_p16_bf16, gated_mlp_p16}`` and, from a library of their own (``ggml_matmul.cpp``),
 ``modelrunner_quant_cpu::{ggml_qlinear, ggml_linear_bf16, ggml_dequantize, ggml_supported}`` (callable
 from eager code and from torch.compile graphs, through their fake implementations)."""
 
@@ -52,6 +52,8 @@ def load() -> None:
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_exact")(_fake_qlinear_p16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_split")(_fake_qlinear_p16)
     torch.library.register_fake("modelrunner_quant_cpu::gated_mlp_p16")(_fake_gated_mlp_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_bf16")(_fake_qlinear_bf16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_bf16")(_fake_qlinear_p16_bf16)
 
 
 @functools.cache
@@ -96,6 +98,16 @@ def _fake_gated_mlp_p16(x: torch.Tensor, *args: object) -> torch.Tensor:
 def _fake_qlinear_p16(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
                       group_size: int, bits: int) -> torch.Tensor:
     return x.new_empty((x.shape[0], rows), dtype=torch.float32)
+
+
+def _fake_qlinear_bf16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                       group_size: int, bits: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], qweight.shape[0]), dtype=out_dtype or torch.bfloat16)
+
+
+def _fake_qlinear_p16_bf16(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                           rows: int, group_size: int, bits: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return x.new_empty((x.shape[0], rows), dtype=out_dtype or torch.bfloat16)
 
 
 def dequantize(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
@@ -270,20 +282,83 @@ def bind_qlinear_p16_split(data: torch.Tensor, scales: torch.Tensor, mins: torch
     return _bind_p16_op("qlinear_p16_split", data, scales, mins, rows, group_size, bits)
 
 
+def qlinear_bf16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None,
+                 group_size: int, bits: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``x @ W.T`` in bfloat16 arithmetic, ``W`` the planar weight's values (:func:`dequantize`) each
+    rounded to bfloat16 as ``.to(torch.bfloat16)`` rounds them: what ``F.linear`` computes on ``x`` and
+    ``dequantize(...).bfloat16()`` (float32 sums of exact products, up to summation order), without
+    keeping a bfloat16 copy of the weight: tiles of rows are dequantized to bfloat16 per call and
+    multiplied by oneDNN (``at::mm``: AMX or AVX512-BF16 where the CPU has them).
+
+    :param x: bfloat16 ``[M, K]``, contiguous (leading dimensions ``[..., K]`` are flattened and restored).
+    :param qweight: see :func:`dequantize` (as are ``scales``, ``mins``, ``group_size`` and ``bits``).
+    :param out_dtype: ``torch.bfloat16`` (None: the default) or ``torch.float32``.
+    :raises ValueError: a bad dtype, shape or size, or a non-contiguous tensor (the message names it).
+    """
+    if not torch.compiler.is_compiling():
+        load()
+    shape = x.shape
+    flatten = x.dim() != 2 and x.dim() >= 1 and x.is_contiguous()
+    if flatten:
+        x = x.view(-1, shape[-1])
+    y = torch.ops.modelrunner_quant_cpu.qlinear_bf16(x, qweight, scales, mins, group_size, bits, out_dtype)
+    return y.view(*shape[:-1], y.shape[-1]) if flatten else y
+
+
+def bind_qlinear_bf16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
+                      bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`qlinear_bf16` of one weight as a callable of ``x`` (float32 ``[M, K]``, contiguous),
+    rounded to bfloat16 on the way in, the float32 sums handed back (what a matmul kernel takes and
+    gives)."""
+    load()
+    op = torch.ops.modelrunner_quant_cpu.qlinear_bf16
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x.to(torch.bfloat16), qweight, scales, mins, group_size, bits, torch.float32)
+
+    return run
+
+
+def qlinear_p16_bf16(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
+                     group_size: int, bits: int, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """:func:`qlinear_bf16` on a weight in the p16 layout (:func:`pack_p16`) of ``rows`` rows, ``x``
+    bfloat16 ``[M, K]``, contiguous. Where the CPU has AMX, blocks of 64 rows are dequantized into
+    oneDNN's brgemm layout and multiplied by its micro-kernel (as fast as ``F.linear`` on a kept
+    bfloat16 weight on SmolLM2's shapes); elsewhere tiles go through ``at::mm``. Every build has it."""
+    if not torch.compiler.is_compiling():
+        load()
+    return torch.ops.modelrunner_quant_cpu.qlinear_p16_bf16(x, data, scales, mins, rows, group_size, bits, out_dtype)
+
+
+def bind_qlinear_p16_bf16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
+                          group_size: int, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
+    """:func:`qlinear_p16_bf16` of one weight as a callable of ``x`` (float32 ``[M, K]``, contiguous),
+    rounded to bfloat16 on the way in, the float32 sums handed back."""
+    load()
+    op = torch.ops.modelrunner_quant_cpu.qlinear_p16_bf16
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return op(x.to(torch.bfloat16), data, scales, mins, rows, group_size, bits, torch.float32)
+
+    return run
+
+
 P16Part = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None", int, int, int]
 """A p16 weight as :func:`bind_gated_mlp_p16` takes it: ``(data, scales, mins, rows, group_size, bits)``."""
 
 
-P16_KERNELS = ("q8", "exact", "split")
+P16_KERNELS = ("q8", "exact", "split", "bf16")
 """The p16 kernels by name: :func:`bind_qlinear_p16`, :func:`bind_qlinear_p16_exact`,
-:func:`bind_qlinear_p16_split`."""
+:func:`bind_qlinear_p16_split`, :func:`bind_qlinear_p16_bf16`."""
 
 
 def bind_gated_mlp_p16(gate_up: P16Part, down: P16Part, kernel: str = "q8") -> Callable[[torch.Tensor], torch.Tensor]:
     """A gated MLP, ``down(silu(gate(x)) * up(x))``, on p16 weights (:func:`pack_p16`) as one call of
     ``x`` (float32 ``[M, K]``, contiguous) → ``[M, down rows]``: what the p16 ``kernel`` (one of
     :data:`P16_KERNELS`) of each projection and torch's ``silu`` and ``mul`` between them compute,
-    the same numbers, in one operator call. ``gate_up`` holds the gate rows, then the up rows."""
+    the same numbers, in one operator call. ``gate_up`` holds the gate rows, then the up rows.
+    ``bf16``: each projection's input rounded to bfloat16, its float32 sums handed on (``silu`` and
+    ``mul`` in float32), as :func:`bind_qlinear_p16_bf16` computes each."""
     if kernel not in P16_KERNELS:
         raise ValueError(f"kernel must be one of {', '.join(P16_KERNELS)}, got {kernel!r}")
     load()

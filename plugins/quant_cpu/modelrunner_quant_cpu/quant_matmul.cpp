@@ -20,8 +20,10 @@
 // compiler's target (AVX-512 + VNNI, AVX2 + FMA, or portable scalar code).
 
 #include <c10/core/InferenceMode.h>
+#include <c10/util/BFloat16.h>
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
+#include <ATen/native/CPUBlas.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -139,8 +141,9 @@ void check_int8_groups(const QuantWeight& w, const char* kernel) {
                     w.group);
 }
 
-void check_input(const at::Tensor& x, const QuantWeight& w) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+void check_input(const at::Tensor& x, const QuantWeight& w, at::ScalarType dtype = at::kFloat) {
+  TORCH_CHECK_VALUE(x.scalar_type() == dtype, "x must be ", (dtype == at::kFloat ? "float32" : "bfloat16"), ", got ",
+                    x.scalar_type());
   TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be a CPU tensor, got device ", x.device());
   TORCH_CHECK_VALUE(x.is_contiguous(), "x must be contiguous (strides ", x.strides(), ")");
   TORCH_CHECK_VALUE(x.dim() == 2, "x must be 2-D [M, K], got shape ", x.sizes());
@@ -303,14 +306,63 @@ struct Exact {
 #endif
 
 // ---------------------------------------------------------------------------------------------
+// bfloat16 (the bf16 GEMMs below): round_bf16 rounds each float to bfloat16's 8 significant bits, to
+// nearest, ties to even, as torch rounds (c10::BFloat16), and leaves it a float; store_bf16 stores the
+// bfloat16 bits of rounded floats (their high halves). Both as ggml_matmul.cpp has them, which says
+// why the rounding is an addition and a subtraction (no build's flags include AVX512-BF16): adding
+// m = ±2^(e + 16), e the exponent of v, leaves v's bits down to bfloat16's last one in the sum,
+// rounded to nearest even by the addition itself; subtracting m is exact. Exact for every normal
+// float below 2^112, and for zeros; dequantized weights (float16 or small float32 scales times small
+// integers, plus mins) are such floats.
+
+#if defined(MRQ_AVX512)
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v), sign = _mm512_set1_epi32(static_cast<int>(0x80000000));
+  const __m512i exponent = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xff800000)));
+  const __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(exponent, _mm512_set1_epi32(16 << 23)));
+  const __m512i rounded = _mm512_castps_si512(_mm512_sub_ps(_mm512_add_ps(v, m), m));
+  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(rounded, bits, sign, 0xf8));  // rounded | (bits & sign)
+}
+inline void store_bf16(uint16_t* p, __m512 rounded) {
+  const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
+                                        25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+  const __m512i words = _mm512_permutexvar_epi16(high, _mm512_castps_si512(rounded));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(words));
+}
+#endif
+#if defined(MRQ_AVX2)
+inline __m256 round_bf16(__m256 v) {
+  const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(static_cast<int>(0xff800000)));
+  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(16 << 23)));
+  return _mm256_or_ps(_mm256_sub_ps(_mm256_add_ps(v, m), m), _mm256_and_ps(v, _mm256_set1_ps(-0.f)));
+}
+inline void store_bf16(uint16_t* p, __m256 rounded) {
+  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
+  // packus packs within 128-bit lanes, words [0..3, 0..3 | 4..7, 4..7]: quadwords 0 and 2 are in order.
+  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
+}
+#endif
+
+// A vector of dequantized weights stored as floats, or rounded to bfloat16 (uint16_t: its bits).
+#ifdef MRQ_AVX2
+inline void store_weights(float* p, Exact::V v) { Exact::store(p, v); }
+inline void store_weights(uint16_t* p, Exact::V v) { store_bf16(p, round_bf16(v)); }
+#endif
+// One weight, likewise.
+inline void store_weight(float* p, float v) { *p = v; }
+inline void store_weight(uint16_t* p, float v) { *p = c10::BFloat16(v).x; }
+
+// ---------------------------------------------------------------------------------------------
 // Dequantization. With float16 scales, scales * q is exact in float32 (11-bit fp16 mantissa times an
 // integer of at most 8 bits), so a fused or a separate multiply-add rounds the same way; with float32
 // scales the product is rounded before the min is added (kRound). Either way these values equal
 // torch's `scales.float() * q + mins.float()` bit for bit, whatever the compiler contracts.
 // kHalf: groups of 16, two per block.
 
-template <int kBits, bool kMins, bool kHalf = false, bool kRound = false>
-void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K, int64_t group, float* out) {
+// Out: float, or uint16_t for the values rounded to bfloat16 (store_weights).
+template <int kBits, bool kMins, bool kHalf = false, bool kRound = false, typename Out = float>
+void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K, int64_t group, Out* out) {
 #ifdef MRQ_AVX2
   if constexpr (kHalf) {
     for (int64_t b = 0; b < K / kBlock; ++b) {
@@ -318,7 +370,7 @@ void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K,
       const Exact::Group hi = Exact::group<kBits, kMins, kRound>(s[2 * b + 1], kMins ? m[2 * b + 1] : 0.f);
       Exact::V w[Exact::kVecs];
       Exact::unpack2<kBits, kMins, kRound>(q + b * (kBits * kBlock / 8), lo, hi, w);
-      for (int v = 0; v < Exact::kVecs; ++v) Exact::store(out + b * kBlock + v * Exact::kLanes, w[v]);
+      for (int v = 0; v < Exact::kVecs; ++v) store_weights(out + b * kBlock + v * Exact::kLanes, w[v]);
     }
     return;
   }
@@ -328,7 +380,7 @@ void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K,
     for (const int64_t end = b + per_group; b < end; ++b) {
       Exact::V w[Exact::kVecs];
       Exact::unpack<kBits, kMins, kRound>(q + b * (kBits * kBlock / 8), grp, w);
-      for (int v = 0; v < Exact::kVecs; ++v) Exact::store(out + b * kBlock + v * Exact::kLanes, w[v]);
+      for (int v = 0; v < Exact::kVecs; ++v) store_weights(out + b * kBlock + v * Exact::kLanes, w[v]);
     }
   }
 #else
@@ -336,16 +388,16 @@ void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K,
   for (int64_t b = 0; b < K / kBlock; ++b) {
     const int64_t g = b * kBlock / group, g_hi = kHalf ? g + 1 : g;  // elements 0..15, 16..31
     const float sc = s[g], mn = kMins ? m[g] : 0.f, sc_hi = s[g_hi], mn_hi = kMins ? m[g_hi] : 0.f;
-    float* o = out + b * kBlock;
+    Out* o = out + b * kBlock;
     if constexpr (kBits == 4) {
       const uint8_t* p = q + b * 16;
       for (int j = 0; j < 16; ++j) {
         if constexpr (kMins) {
-          o[j] = sc * static_cast<float>(p[j] & 15) + mn;
-          o[j + 16] = sc_hi * static_cast<float>(p[j] >> 4) + mn_hi;
+          store_weight(o + j, sc * static_cast<float>(p[j] & 15) + mn);
+          store_weight(o + j + 16, sc_hi * static_cast<float>(p[j] >> 4) + mn_hi);
         } else {
-          o[j] = sc * static_cast<float>(p[j] & 15);
-          o[j + 16] = sc_hi * static_cast<float>(p[j] >> 4);
+          store_weight(o + j, sc * static_cast<float>(p[j] & 15));
+          store_weight(o + j + 16, sc_hi * static_cast<float>(p[j] >> 4));
         }
       }
     } else {
@@ -353,23 +405,25 @@ void dequantize_row(const uint8_t* q, const float* s, const float* m, int64_t K,
       for (int j = 0; j < 32; ++j) {
         const float sj = j < 16 ? sc : sc_hi, mj = j < 16 ? mn : mn_hi;
         if constexpr (kMins)
-          o[j] = sj * static_cast<float>(p[j]) + mj;
+          store_weight(o + j, sj * static_cast<float>(p[j]) + mj);
         else
-          o[j] = sj * static_cast<float>(p[j]);
+          store_weight(o + j, sj * static_cast<float>(p[j]));
       }
     }
   }
 #endif
 }
 
-// Rows [n0, n1) into out ([n1 - n0][K], contiguous).
-void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, float* out, RowScales& rs) {
+// Rows [n0, n1) into out ([n1 - n0][K], contiguous): floats, or (Out uint16_t) bfloat16 bits.
+template <typename Out = float>
+void dequantize_rows(const QuantWeight& w, int64_t n0, int64_t n1, Out* out, RowScales& rs) {
   if (n1 <= n0) return;
   rs.fetch(w, n0, n1 - n0);
   const auto rows = [&]<int kBits, bool kMins, bool kHalf, bool kRound>() {
     for (int64_t n = n0; n < n1; ++n)
-      dequantize_row<kBits, kMins, kHalf, kRound>(w.row(n), rs.scale(n - n0, w.groups), rs.min(n - n0, w.groups),
-                                                  w.cols, w.group, out + (n - n0) * w.cols);
+      dequantize_row<kBits, kMins, kHalf, kRound, Out>(w.row(n), rs.scale(n - n0, w.groups),
+                                                       rs.min(n - n0, w.groups), w.cols, w.group,
+                                                       out + (n - n0) * w.cols);
   };
   const auto with_bits = [&]<bool kHalf, bool kRound>() {
     if (w.bits == 4)
@@ -1261,6 +1315,14 @@ void exact_gemm(const QuantWeight& w, const at::Tensor& x, at::Tensor& y) {
 
 constexpr int64_t kP16 = 16;
 
+// Word row j of a p16 block, weight e of each dword lane: its column in the block that starts at k0
+// (4-bit: nibble e, elements 4j + e/2 in the low nibbles, 16 + 4j + e/2 in the high ones; 8-bit:
+// byte e, element 4j + e).
+template <int kBits>
+constexpr int64_t p16_column(int64_t k0, int j, int e) {
+  return kBits == 4 ? k0 + (e & 1 ? 16 : 0) + 4 * j + (e >> 1) : k0 + 4 * j + e;
+}
+
 bool p16_supported_bits(int64_t bits) {
 #if defined(MRQ_AVX2) && defined(MRQ_VNNI)
   return bits == 4 || bits == 8;
@@ -1741,14 +1803,6 @@ void p16x_rows(const P16Weight& w, const float* x, const float* sums, int64_t M,
 // mask and a conversion (no 16-entry table in one register here); an 8-bit one as on AVX-512.
 constexpr int p16x_nh(int mt) { return mt == 1 ? 4 : mt == 2 ? 2 : 1; }
 
-// Word row j of a p16 block, weight e of each dword lane: its column in the block that starts at k0
-// (4-bit: nibble e, elements 4j + e/2 in the low nibbles, 16 + 4j + e/2 in the high ones; 8-bit:
-// byte e, element 4j + e).
-template <int kBits>
-constexpr int64_t p16_column(int64_t k0, int j, int e) {
-  return kBits == 4 ? k0 + (e & 1 ? 16 : 0) + 4 * j + (e >> 1) : k0 + 4 * j + e;
-}
-
 // Weight e of each of 8 dword lanes of v as floats: 4-bit, nibble e (a shift, a mask, a conversion);
 // 8-bit, byte e, already flipped back to signed q (a sign extension, a conversion).
 template <int kBits>
@@ -2011,9 +2065,10 @@ void group_sums(const float* x, int64_t M, const QuantWeight& w, float* sums) {
 // ([K][ld]): 8 rows' weights of one element per vector, each scale * q + min as the planar
 // dequantization computes it (the same floats: float32 scales' products rounded before the min is
 // added). S: the scales' type; kHalf: groups of 16, two per block (elements 0..15: the low nibbles
-// or word rows 0..3; 16..31: the high nibbles or word rows 4..7).
-template <int kBits, bool kMins, typename S = at::Half, bool kHalf = false>
-void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* out, int64_t ld) {
+// or word rows 0..3; 16..31: the high nibbles or word rows 4..7). Out: float, or uint16_t for the
+// values rounded to bfloat16.
+template <int kBits, bool kMins, typename S = at::Half, bool kHalf = false, typename Out = float>
+void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, Out* out, int64_t ld) {
   const int64_t per_group = kHalf ? 1 : w.group / kBlock, steps = kHalf ? w.cols / kBlock : w.groups;
   constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
   constexpr bool kRound = kMins && std::is_same_v<S, float>;
@@ -2021,7 +2076,7 @@ void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* o
   for (int64_t t = n0 / kP16; t < (n1 + kP16 - 1) / kP16; ++t) {
     const auto [tile, ts, tm] = p16_tile_parts<S>(w, t);
     for (int64_t half = 0; half < 2; ++half) {
-      float* col = out + t * kP16 - n0 + 8 * half;
+      Out* col = out + t * kP16 - n0 + 8 * half;
       // A step is a group (of a whole number of blocks) or, with kHalf, one block's two groups.
       for (int64_t g = 0, b = 0; g < steps; ++g) {
         const int64_t g0 = kHalf ? 2 * g : g;
@@ -2040,11 +2095,11 @@ void dequantize_p16_columns(const P16Weight& w, int64_t n0, int64_t n1, float* o
               const __m256 q = p16_lanes<kBits>(v, e);
               const bool hi = kHalf && (kBits == 4 ? (e & 1) == 1 : j >= 4);
               const __m256 se = hi ? s_hi : s, me = hi ? m_hi : m;
-              float* out_k = col + p16_column<kBits>(k0, j, e) * ld;
+              Out* out_k = col + p16_column<kBits>(k0, j, e) * ld;
               if constexpr (kRound)
-                _mm256_storeu_ps(out_k, _mm256_add_ps(rounded(_mm256_mul_ps(q, se)), me));
+                store_weights(out_k, _mm256_add_ps(rounded(_mm256_mul_ps(q, se)), me));
               else
-                _mm256_storeu_ps(out_k, kMins ? _mm256_fmadd_ps(q, se, me) : _mm256_mul_ps(q, se));
+                store_weights(out_k, kMins ? _mm256_fmadd_ps(q, se, me) : _mm256_mul_ps(q, se));
             }
           }
         }
@@ -2230,6 +2285,324 @@ at::Tensor qlinear_p16_split(const at::Tensor& x, const at::Tensor& data, const 
 
 bool p16_split_supported(int64_t bits) { return p16_split_supported_bits(bits); }
 
+// ---------------------------------------------------------------------------------------------
+// bfloat16 GEMMs ("bf16", planar; "p16 bf16"): x bfloat16 [M, K] times the weight's values (the
+// floats scales * q + mins that dequantize computes) rounded to bfloat16, as
+// F.linear(x, dequantize(...).bfloat16()) computes it: float32 sums of exact products, up to
+// summation order. Tiles of rows are dequantized straight to bfloat16 into a per-thread buffer and
+// multiplied by at::mm, which oneDNN runs on AMX or AVX512-BF16 where the CPU has them; no bfloat16
+// copy of the weight is kept. ggml_matmul.cpp's ggml_linear_bf16 does the same for GGUF blocks, and
+// its measurements set the tile sizes here. Planar rows go into the buffer as rows ([tile][K], the
+// product with its transpose); p16 tiles as columns ([K][tile]), where one vector holds 16 rows'
+// values of one element (oneDNN ran both orientations within 10% of each other on SmolLM2's shapes).
+// On AMX, p16 weights skip at::mm: blocks of 64 rows are dequantized into brgemm's VNNI layout and
+// multiplied by its micro-kernel (p16_brgemm, 2x faster than the tiles; it says what it measured).
+// Every build has them (portable scalar code without AVX2).
+
+#ifdef MRQ_AVX512
+// Rows [n0, n1) of a p16 weight (n0 a multiple of 16, whole tiles written) as bfloat16 columns of out
+// ([K][ld]): 16 rows' weights of one element per vector, each scale * q + min as dequantize computes
+// it (float32 scales' products rounded before the min is added), rounded to bfloat16. 4-bit: a
+// permute of the table 0..15 reads the low 4 bits of each lane, as in p16x_tile.
+template <int kBits, bool kMins, typename S, bool kHalf>
+void dequantize_p16_columns_bf16(const P16Weight& w, int64_t n0, int64_t n1, uint16_t* out, int64_t ld) {
+  const int64_t per_group = kHalf ? 1 : w.group / kBlock, steps = kHalf ? w.cols / kBlock : w.groups;
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  constexpr bool kRound = kMins && std::is_same_v<S, float>;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  for (int64_t t = n0 / kP16; t < (n1 + kP16 - 1) / kP16; ++t) {
+    const auto [tile, ts, tm] = p16_tile_parts<S>(w, t);
+    uint16_t* col = out + t * kP16 - n0;
+    // A step is a group (of a whole number of blocks) or, with kHalf, one block's two groups.
+    for (int64_t g = 0, b = 0; g < steps; ++g) {
+      const int64_t g0 = kHalf ? 2 * g : g;
+      const __m512 s = load16(ts + g0 * kP16);
+      const __m512 m = kMins ? load16(tm + g0 * kP16) : _mm512_setzero_ps();
+      const __m512 s_hi = kHalf ? load16(ts + (g0 + 1) * kP16) : s;
+      const __m512 m_hi = kHalf && kMins ? load16(tm + (g0 + 1) * kP16) : m;
+      for (const int64_t end = b + per_group; b < end; ++b) {
+        const int64_t k0 = b * kBlock;
+#pragma GCC unroll 8
+        for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
+          __m512i v = _mm512_loadu_si512(tile + b * kBlockBytes + j * 64);
+          if constexpr (kBits == 8) v = _mm512_xor_si512(v, flip);
+#pragma GCC unroll 8
+          for (int e = 0; e < (kBits == 4 ? 8 : 4); ++e) {
+            __m512 q;
+            if constexpr (kBits == 4)
+              q = _mm512_permutexvar_ps(e == 0 ? v : _mm512_srli_epi32(v, 4 * e), iota);
+            else
+              q = _mm512_cvtepi32_ps(_mm512_srai_epi32(e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e), 24));
+            const bool hi = kHalf && (kBits == 4 ? (e & 1) == 1 : j >= 4);
+            const __m512 se = hi ? s_hi : s, me = hi ? m_hi : m;
+            __m512 value;
+            if constexpr (kRound)
+              value = _mm512_add_ps(rounded(_mm512_mul_ps(q, se)), me);
+            else
+              value = kMins ? _mm512_fmadd_ps(q, se, me) : _mm512_mul_ps(q, se);
+            store_bf16(col + p16_column<kBits>(k0, j, e) * ld, round_bf16(value));
+          }
+        }
+      }
+    }
+  }
+}
+#endif
+
+#if defined(MRQ_AVX512) && defined(CPUBLAS_BRGEMM_BF16BF16F32)
+#define MRQ_BRGEMM 1
+// oneDNN's brgemm micro-kernel (at::native::cpublas::brgemm: AMX) takes B in its VNNI layout, element
+// pairs (2i, 2i + 1) of a column side by side: [K/2][ld][2], ld at most 64 columns.
+constexpr int64_t kVnniCols = 64;
+// Rows of x per micro-kernel call. Measured (see p16_brgemm): 16 up to 1.3x slower than 32; 64 the same.
+constexpr int64_t kBrgemmRows = 32;
+
+// Tiles [t0, t0 + count) of a p16 weight as bfloat16 columns of out in that layout (ld kVnniCols): each
+// element pair of 16 rows one 64-byte store, both values rounded to bfloat16 by one conversion
+// (vcvtne2ps2bf16: to nearest even, as torch rounds; it flushes subnormal floats, which dequantized
+// weights never are) and interleaved by one permute. 4-bit: nibble e read from a permute of the table
+// 0..15, as in dequantize_p16_columns_bf16 (masking the nibble in place and dividing the scale by 16^e
+// instead measured the same: not kept). Only called where brgemm runs, on AMX CPUs, which all have
+// AVX512-BF16; no build's flags include it, hence the function's target.
+template <int kBits, bool kMins, typename S, bool kHalf>
+__attribute__((target("avx512bf16"))) void dequantize_p16_vnni(const P16Weight& w, int64_t t0, int64_t count,
+                                                               uint16_t* out) {
+  const int64_t per_group = kHalf ? 1 : w.group / kBlock, steps = kHalf ? w.cols / kBlock : w.groups;
+  constexpr int64_t kBlockBytes = kBits * kBlock * kP16 / 8;
+  constexpr bool kRound = kMins && std::is_same_v<S, float>;
+  const __m512 iota = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i flip = _mm512_set1_epi32(static_cast<int32_t>(0x80808080u));
+  const __m512i interleave = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                              6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  for (int64_t t = t0; t < t0 + count; ++t) {
+    const auto [tile, ts, tm] = p16_tile_parts<S>(w, t);
+    uint16_t* col = out + (t - t0) * kP16 * 2;
+    // A step is a group (of a whole number of blocks) or, with kHalf, one block's two groups.
+    for (int64_t g = 0, b = 0; g < steps; ++g) {
+      const int64_t g0 = kHalf ? 2 * g : g;
+      const __m512 s = load16(ts + g0 * kP16);
+      const __m512 m = kMins ? load16(tm + g0 * kP16) : _mm512_setzero_ps();
+      const __m512 s_hi = kHalf ? load16(ts + (g0 + 1) * kP16) : s;
+      const __m512 m_hi = kHalf && kMins ? load16(tm + (g0 + 1) * kP16) : m;
+      for (const int64_t end = b + per_group; b < end; ++b) {
+        const int64_t k0 = b * kBlock;
+#pragma GCC unroll 8
+        for (int j = 0; j < (kBits == 4 ? 4 : 8); ++j) {
+          __m512i v = _mm512_loadu_si512(tile + b * kBlockBytes + j * 64);
+          if constexpr (kBits == 8) v = _mm512_xor_si512(v, flip);
+          // Weight e of the 16 lanes, scale * q + min as dequantize computes it.
+          const auto value = [&](int e) {
+            __m512 q;
+            if constexpr (kBits == 4)
+              q = _mm512_permutexvar_ps(e == 0 ? v : _mm512_srli_epi32(v, 4 * e), iota);
+            else
+              q = _mm512_cvtepi32_ps(_mm512_srai_epi32(e == 3 ? v : _mm512_slli_epi32(v, 24 - 8 * e), 24));
+            const bool hi = kHalf && (kBits == 4 ? (e & 1) == 1 : j >= 4);
+            const __m512 se = hi ? s_hi : s, me = hi ? m_hi : m;
+            if constexpr (kRound) return _mm512_add_ps(rounded(_mm512_mul_ps(q, se)), me);
+            return kMins ? _mm512_fmadd_ps(q, se, me) : _mm512_mul_ps(q, se);
+          };
+          // Element pairs: 4-bit, nibbles e and e + 2 (elements 4j + e/2 and the next, or 16 more);
+          // 8-bit, bytes e and e + 1.
+#pragma GCC unroll 4
+          for (int i = 0; i < (kBits == 4 ? 4 : 2); ++i) {
+            const int e = kBits == 4 ? (i & 1) + 4 * (i >> 1) : 2 * i;
+            const int e2 = kBits == 4 ? e + 2 : e + 1;
+            const __m512i halves = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(value(e2), value(e)));
+            const __m512i pair = _mm512_permutexvar_epi16(interleave, halves);
+            _mm512_storeu_si512(col + p16_column<kBits>(k0, j, e) / 2 * kVnniCols * 2, pair);
+          }
+        }
+      }
+    }
+  }
+}
+
+// x (bfloat16 [M, K]) times a p16 weight's rows rounded to bfloat16 through brgemm: the threads share
+// out blocks of kVnniCols rows; each block is dequantized into the thread's buffer (K x 64 bfloat16,
+// 72 KB at K = 576: L2-resident) and the micro-kernel (compiled once per size and thread, cached by
+// torch) runs on it for kBrgemmRows rows of x at a time, float32 sums straight into y or, for a
+// bfloat16 y, through a small buffer rounded on the way out.
+//
+// Measured on Sapphire Rapids (AMX), one thread on a loaded machine, best of 30, SmolLM2's 4-bit
+// shapes at 64 and 256 rows of x: within 0.7-1.1x the time of F.linear on a kept bfloat16 copy of the
+// weight (960 x 576, 3072 x 576, 576 x 1536), 0.5-0.6x that of gemm_tiles_bf16 (dequantized tiles
+// multiplied by at::mm, the path of CPUs without AMX) and 0.1-0.2x that of the exact float32 p16
+// kernel; the 8-bit LM head (49152 x 576) 0.6x F.linear's time at 64 rows, about the same at 256.
+// Dequantizing 4 blocks before multiplying them (a wider micro-kernel call) measured up to 2x slower.
+void p16_brgemm(const P16Weight& w, const at::Tensor& x, at::Tensor& y) {
+  const int64_t M = x.size(0), K = w.cols, N = w.valid_rows, blocks = (N + kVnniCols - 1) / kVnniCols;
+  const bool direct = y.scalar_type() == at::kFloat;
+  const at::BFloat16* xp = x.const_data_ptr<at::BFloat16>();
+  float* yf = direct ? y.data_ptr<float>() : nullptr;
+  uint16_t* yb = direct ? nullptr : reinterpret_cast<uint16_t*>(y.data_ptr<at::BFloat16>());
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<at::BFloat16> buffer(K * kVnniCols);
+    std::vector<float> product(direct ? 0 : kBrgemmRows * kVnniCols);
+    for (int64_t blk = b0; blk < b1; ++blk) {
+      const int64_t n0 = blk * kVnniCols, n = std::min(kVnniCols, N - n0);
+      with_format(w, [&]<typename S, bool kHalf>() {
+        uint16_t* out = reinterpret_cast<uint16_t*>(buffer.data());
+        const int64_t t0 = n0 / kP16, count = (n + kP16 - 1) / kP16;
+        if (w.bits == 4)
+          w.mins ? dequantize_p16_vnni<4, true, S, kHalf>(w, t0, count, out)
+                 : dequantize_p16_vnni<4, false, S, kHalf>(w, t0, count, out);
+        else
+          w.mins ? dequantize_p16_vnni<8, true, S, kHalf>(w, t0, count, out)
+                 : dequantize_p16_vnni<8, false, S, kHalf>(w, t0, count, out);
+      });
+      for (int64_t m0 = 0; m0 < M; m0 += kBrgemmRows) {
+        const int64_t mb = std::min(kBrgemmRows, M - m0);
+        float* c = direct ? yf + m0 * N + n0 : product.data();
+        at::native::cpublas::brgemm(mb, n, K, K, kVnniCols, direct ? N : kVnniCols, /*add_C=*/false, xp + m0 * K,
+                                    buffer.data(), c, /*is_vnni=*/true);
+        if (direct) continue;
+        for (int64_t r = 0; r < mb; ++r) {
+          const float* pr = product.data() + r * kVnniCols;
+          uint16_t* yr = yb + (m0 + r) * N + n0;
+          int64_t i = 0;
+          for (; i + 16 <= n; i += 16) store_bf16(yr + i, round_bf16(_mm512_loadu_ps(pr + i)));
+          for (; i < n; ++i) yr[i] = c10::BFloat16(pr[i]).x;
+        }
+      }
+    }
+    at::native::cpublas::brgemm_release();
+  });
+}
+#endif
+
+// The same one weight at a time, in portable code (builds without AVX2). Out: float or bfloat16 bits.
+template <typename S, typename Out>
+void dequantize_p16_columns_scalar(const P16Weight& w, int64_t n0, int64_t n1, Out* out, int64_t ld) {
+  const int64_t words = w.bits == 4 ? 4 : 8, block_bytes = w.bits * kBlock * kP16 / 8, blocks = w.cols / kBlock;
+  const S* scales = w.scales_as<S>();
+  const S* mins = w.mins_as<S>();
+  for (int64_t t = n0 / kP16; t < (n1 + kP16 - 1) / kP16; ++t) {
+    const uint8_t* tile = w.data + t * w.tile_bytes;
+    const S* ts = scales + t * w.groups * kP16;
+    const S* tm = mins ? mins + t * w.groups * kP16 : nullptr;
+    for (int64_t r = 0; r < kP16; ++r) {
+      Out* col = out + t * kP16 + r - n0;
+      const auto put = [&](int64_t k, float q) {
+        const int64_t g = k / w.group;
+        const float product = static_cast<float>(ts[g * kP16 + r]) * q;
+        store_weight(col + k * ld, tm ? product + static_cast<float>(tm[g * kP16 + r]) : product);
+      };
+      for (int64_t b = 0; b < blocks; ++b)
+        for (int64_t j = 0; j < words; ++j) {
+          const uint8_t* word = tile + b * block_bytes + (j * kP16 + r) * 4;
+          for (int i = 0; i < 4; ++i) {
+            if (w.bits == 4) {
+              put(b * kBlock + 4 * j + i, static_cast<float>(word[i] & 15));
+              put(b * kBlock + 16 + 4 * j + i, static_cast<float>(word[i] >> 4));
+            } else {
+              put(b * kBlock + 4 * j + i, static_cast<float>(static_cast<int8_t>(word[i] ^ 0x80)));
+            }
+          }
+        }
+    }
+  }
+}
+
+// Rows [n0, n1) of a p16 weight as bfloat16 columns of out ([K][ld]), in this build's code.
+void dequantize_p16_bf16(const P16Weight& w, int64_t n0, int64_t n1, uint16_t* out, int64_t ld) {
+  with_format(w, [&]<typename S, bool kHalf>() {
+#if defined(MRQ_AVX512)
+    if (w.bits == 4)
+      w.mins ? dequantize_p16_columns_bf16<4, true, S, kHalf>(w, n0, n1, out, ld)
+             : dequantize_p16_columns_bf16<4, false, S, kHalf>(w, n0, n1, out, ld);
+    else
+      w.mins ? dequantize_p16_columns_bf16<8, true, S, kHalf>(w, n0, n1, out, ld)
+             : dequantize_p16_columns_bf16<8, false, S, kHalf>(w, n0, n1, out, ld);
+#elif defined(MRQ_AVX2)
+    if (w.bits == 4)
+      w.mins ? dequantize_p16_columns<4, true, S, kHalf, uint16_t>(w, n0, n1, out, ld)
+             : dequantize_p16_columns<4, false, S, kHalf, uint16_t>(w, n0, n1, out, ld);
+    else
+      w.mins ? dequantize_p16_columns<8, true, S, kHalf, uint16_t>(w, n0, n1, out, ld)
+             : dequantize_p16_columns<8, false, S, kHalf, uint16_t>(w, n0, n1, out, ld);
+#else
+    dequantize_p16_columns_scalar<S>(w, n0, n1, out, ld);
+#endif
+  });
+}
+
+// Tiles of a weight's N rows, dequantized to bfloat16 by each thread into a buffer of its own
+// (dequantize(n0, n1, out, ld, scratch) writes rows [n0, n1) with n0 a multiple of 32; kColumns: as
+// columns of out, [K][ld], up to the next multiple of 16 rows; else as rows, [n1 - n0][K]) and
+// multiplied by at::mm into a product buffer, copied into the tile's columns of y (bfloat16 or
+// float32). As ggml_matmul.cpp's gemm_rows_bf16, which says what measured this: tiles of at least 256
+// rows, about 1 MB; each at::mm single-threaded inside the parallel region; the product buffered,
+// because at::mm into y's columns (rows N apart) page-faults in oneDNN where N is large.
+template <bool kColumns, typename Dequantize>
+void gemm_tiles_bf16(int64_t N, int64_t K, const at::Tensor& x, at::Tensor& y, Dequantize&& dequantize) {
+  constexpr int64_t kTileBytes = 1 << 20, kMinTileRows = 256;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t max_tile = std::max<int64_t>(kMinTileRows, kTileBytes / (2 * K) / 32 * 32);
+  int64_t tiles = (N + max_tile - 1) / max_tile;
+  tiles = std::min((tiles + threads - 1) / threads * threads, (N + 31) / 32);  // every thread busy
+  const int64_t tile = ((N + tiles - 1) / tiles + 31) / 32 * 32;
+  tiles = (N + tile - 1) / tile;
+  const bool inference = c10::InferenceMode::is_enabled();  // see gemm_tiles
+  at::parallel_for(0, tiles, 1, [&](int64_t t0, int64_t t1) {
+    c10::InferenceMode guard(inference);
+    at::Tensor buffer = kColumns ? at::empty({K, tile}, x.options()) : at::empty({tile, K}, x.options());
+    at::Tensor product = at::empty({x.size(0), tile}, x.options());
+    uint16_t* b = reinterpret_cast<uint16_t*>(buffer.data_ptr<at::BFloat16>());
+    RowScales scratch;
+    for (int64_t t = t0; t < t1; ++t) {
+      const int64_t n0 = t * tile, n1 = std::min(N, n0 + tile);
+      dequantize(n0, n1, b, tile, scratch);
+      at::Tensor out = product.narrow(1, 0, n1 - n0);
+      at::mm_out(out, x, kColumns ? buffer.narrow(1, 0, n1 - n0) : buffer.narrow(0, 0, n1 - n0).t());
+      y.narrow(1, n0, n1 - n0).copy_(out);
+    }
+  });
+}
+
+// The result's dtype: bfloat16 (the default) or float32 (what the matmul kernels hand back: the
+// bfloat16 sums widened, one pass fewer than converting afterwards).
+at::ScalarType bf16_output(std::optional<at::ScalarType> out_dtype) {
+  const at::ScalarType dtype = out_dtype.value_or(at::kBFloat16);
+  TORCH_CHECK_VALUE(dtype == at::kBFloat16 || dtype == at::kFloat, "out_dtype must be bfloat16 or float32, got ",
+                    dtype);
+  return dtype;
+}
+
+// x (bfloat16 [M, K]) times a planar weight's values rounded to bfloat16: [M, N] in out_dtype.
+at::Tensor qlinear_bf16(const at::Tensor& x, const at::Tensor& qweight, const at::Tensor& scales,
+                        const std::optional<at::Tensor>& mins, int64_t group_size, int64_t bits,
+                        std::optional<at::ScalarType> out_dtype) {
+  const QuantWeight w = check_weight(qweight, scales, mins, group_size, bits);
+  check_input(x, w, at::kBFloat16);
+  at::Tensor y = at::empty({x.size(0), w.rows}, x.options().dtype(bf16_output(out_dtype)));
+  if (x.size(0) == 0 || w.rows == 0) return y;
+  gemm_tiles_bf16<false>(w.rows, w.cols, x, y, [&](int64_t n0, int64_t n1, uint16_t* out, int64_t, RowScales& rs) {
+    dequantize_rows(w, n0, n1, out, rs);
+  });
+  return y;
+}
+
+// The same on a p16 weight: [M, rows] in out_dtype.
+at::Tensor qlinear_p16_bf16(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales,
+                            const std::optional<at::Tensor>& mins, int64_t rows, int64_t group_size, int64_t bits,
+                            std::optional<at::ScalarType> out_dtype) {
+  const P16Weight w = check_p16(data, scales, mins, rows, group_size, bits);
+  check_input(x, w, at::kBFloat16);
+  at::Tensor y = at::empty({x.size(0), w.valid_rows}, x.options().dtype(bf16_output(out_dtype)));
+  if (x.size(0) == 0 || w.valid_rows == 0) return y;
+#ifdef MRQ_BRGEMM
+  if (at::native::cpublas::could_pack(at::kBFloat16)) {  // AMX: p16_brgemm says what it measured
+    p16_brgemm(w, x, y);
+    return y;
+  }
+#endif
+  gemm_tiles_bf16<true>(w.valid_rows, w.cols, x, y, [&](int64_t n0, int64_t n1, uint16_t* out, int64_t ld,
+                                                        RowScales&) { dequantize_p16_bf16(w, n0, n1, out, ld); });
+  return y;
+}
+
 // A gated MLP on p16 weights, down(silu(gate(x)) * up(x)), in one operator call (with the p16 kernel
 // named: q8, exact or split): the two matmuls and the activation between them (torch's silu and
 // mul, as the unfused layers compute it), without the two extra dispatches and the Python between
@@ -2240,8 +2613,18 @@ at::Tensor gated_mlp_p16(const at::Tensor& x, const at::Tensor& gu_data, const a
                          const std::optional<at::Tensor>& down_mins, int64_t down_rows, int64_t down_group,
                          int64_t down_bits, c10::string_view kernel) {
   TORCH_CHECK_VALUE(gu_rows % 2 == 0, "the gate/up projection must have an even number of rows, got ", gu_rows);
-  TORCH_CHECK_VALUE(kernel == "q8" || kernel == "exact" || kernel == "split",
-                    "kernel must be 'q8', 'exact' or 'split', got '", std::string(kernel), "'");
+  TORCH_CHECK_VALUE(kernel == "q8" || kernel == "exact" || kernel == "split" || kernel == "bf16",
+                    "kernel must be 'q8', 'exact', 'split' or 'bf16', got '", std::string(kernel), "'");
+  if (kernel == "bf16") {  // float32 x and result, as the bf16 matmul kernel takes and gives them
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat, "x must be float32, got ", x.scalar_type());
+    const at::Tensor gate_up = qlinear_p16_bf16(x.to(at::kBFloat16), gu_data, gu_scales, gu_mins, gu_rows, gu_group,
+                                                gu_bits, at::kFloat);
+    const int64_t inter = gu_rows / 2;
+    at::Tensor hidden = at::silu(gate_up.narrow(1, 0, inter));
+    hidden.mul_(gate_up.narrow(1, inter, inter));
+    return qlinear_p16_bf16(hidden.to(at::kBFloat16), down_data, down_scales, down_mins, down_rows, down_group,
+                            down_bits, at::kFloat);
+  }
   const auto matmul = kernel == "exact" ? qlinear_p16_exact : kernel == "split" ? qlinear_p16_split : qlinear_p16;
   const at::Tensor gate_up = matmul(x, gu_data, gu_scales, gu_mins, gu_rows, gu_group, gu_bits);
   const int64_t inter = gu_rows / 2;
@@ -2348,6 +2731,10 @@ TORCH_LIBRARY(modelrunner_quant_cpu, m) {
   m.def("qlinear_p16_split(Tensor x, Tensor data, Tensor scales, Tensor? mins, int rows, int group_size, int bits) "
         "-> Tensor");
   m.def("p16_split_supported(int bits) -> bool");
+  m.def("qlinear_bf16(Tensor x, Tensor qweight, Tensor scales, Tensor? mins, int group_size, int bits, "
+        "ScalarType? out_dtype=None) -> Tensor");
+  m.def("qlinear_p16_bf16(Tensor x, Tensor data, Tensor scales, Tensor? mins, int rows, int group_size, int bits, "
+        "ScalarType? out_dtype=None) -> Tensor");
   m.def("simd() -> str");
 }
 
@@ -2360,6 +2747,8 @@ TORCH_LIBRARY_IMPL(modelrunner_quant_cpu, CPU, m) {
   m.impl("qlinear_p16_exact", &qlinear_p16_exact);
   m.impl("qlinear_p16_split", &qlinear_p16_split);
   m.impl("gated_mlp_p16", &gated_mlp_p16);
+  m.impl("qlinear_bf16", &qlinear_bf16);
+  m.impl("qlinear_p16_bf16", &qlinear_p16_bf16);
 }
 
 // simd() takes no tensor, so it has no dispatch key to route by: registered for every backend.
