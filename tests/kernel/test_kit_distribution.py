@@ -12,32 +12,14 @@ from pathlib import Path
 
 import pytest
 
+from cli_runs import hide_distribution, run_main
+
 from modelrunner import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 KERNEL = ROOT / "framework" / "modelrunner"
 KIT = ROOT / "packages" / "kit"
 KIT_COMMANDS = {"check": "modelrunner_kit.conformance.cli", "new-plugin": "modelrunner_kit.scaffold.cli"}
-
-
-def _hide_the_kit(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Make the CLI see the installed entry points except the kit's (as if it were not installed)."""
-    real = cli.entry_points
-
-    def visible(**selection):
-        return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != "modelrunner-kit"]
-
-    monkeypatch.setattr(cli, "entry_points", visible)
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:  # argparse's --help and usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_check_and_new_plugin_are_the_kits_entry_points():
@@ -53,16 +35,16 @@ def test_check_and_new_plugin_are_the_kits_entry_points():
 @pytest.mark.parametrize("argv", [["check"], ["check", "default-paged", "--json"], ["check", "--help"],
                                   ["new-plugin"], ["new-plugin", "allocator", "my_alloc"], ["new-plugin", "--help"]])
 def test_without_the_kit_check_and_new_plugin_say_what_to_install(argv, monkeypatch, capsys):
-    _hide_the_kit(monkeypatch)
-    code, out, err = _run(argv, capsys)
+    hide_distribution(monkeypatch, "modelrunner-kit")
+    code, out, err = run_main(argv, capsys)
     assert (code, out) == (2, ""), err
     assert err == (f"modelrunner: error: 'modelrunner {argv[0]}' needs the modelrunner-kit distribution: "
                    "pip install modelrunner-kit\n")
 
 
 def test_without_the_kit_help_lists_its_commands_as_not_installed(monkeypatch, capsys):
-    _hide_the_kit(monkeypatch)
-    code, out, _ = _run(["--help"], capsys)
+    hide_distribution(monkeypatch, "modelrunner-kit")
+    code, out, _ = run_main(["--help"], capsys)
     assert code == 0 and out.count("not installed: pip install modelrunner-kit") == 2, out
 
 

@@ -14,30 +14,12 @@ from pathlib import Path
 
 import pytest
 
+from cli_runs import hide_distribution, run_main
+
 from modelrunner import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_ONLY = {"modelrunner_serve", "fastapi", "starlette", "uvicorn", "prometheus_client", "httpx"}
-
-
-def _hide(monkeypatch: pytest.MonkeyPatch, dist: str) -> None:
-    """Make the CLI see the installed entry points except ``dist``'s (as if it were not installed)."""
-    real = cli.entry_points
-
-    def visible(**selection):
-        return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != dist]
-
-    monkeypatch.setattr(cli, "entry_points", visible)
-
-
-def _run(argv: list[str], capsys: pytest.CaptureFixture) -> tuple[int, str, str]:
-    capsys.readouterr()
-    try:
-        code = cli.main(argv)
-    except SystemExit as e:  # argparse's --help and usage errors
-        code = e.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_the_subcommands_come_from_entry_points():
@@ -53,14 +35,14 @@ def test_the_subcommands_come_from_entry_points():
                                     ["bench", "--help"])),
 ])
 def test_a_subcommand_without_its_distribution_says_what_to_install(command, dist, argvs, monkeypatch, capsys):
-    _hide(monkeypatch, dist)
+    hide_distribution(monkeypatch, dist)
     for argv in argvs:
-        code, out, err = _run(argv, capsys)
+        code, out, err = run_main(argv, capsys)
         assert (code, out) == (2, ""), err
         assert err == f"modelrunner: error: 'modelrunner {command}' needs the {dist} distribution: pip install {dist}\n"
-    code, out, _ = _run(["--help"], capsys)
+    code, out, _ = run_main(["--help"], capsys)
     assert code == 0 and f"not installed: pip install {dist}" in out
-    code, _, err = _run(["plugins", "--no-such-option"], capsys)  # the others still parse their arguments
+    code, _, err = run_main(["plugins", "--no-such-option"], capsys)  # the others still parse their arguments
     assert code == 2 and "unrecognized arguments: --no-such-option" in err
 
 
@@ -71,11 +53,11 @@ def test_a_subcommand_that_fails_to_import_is_reported_by_name(tmp_path, monkeyp
     (info / "entry_points.txt").write_text("[modelrunner.subcommands]\nexplode = exploding_command\n")
     (tmp_path / "exploding_command.py").write_text("raise ImportError('no wheel for this platform')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    code, out, err = _run(["explode", "--anything"], capsys)
+    code, out, err = run_main(["explode", "--anything"], capsys)
     assert (code, out) == (2, "")
     assert err == ("modelrunner: error: modelrunner-exploding installs it, but exploding_command failed to import: "
                    "ImportError: no wheel for this platform\n")
-    code, out, _ = _run(["--help"], capsys)
+    code, out, _ = run_main(["--help"], capsys)
     assert code == 0 and "broken (modelrunner-exploding)" in out
 
 
