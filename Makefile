@@ -5,7 +5,7 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 PACKAGES := $(sort $(dir $(wildcard adapters_*/pyproject.toml packages/*/pyproject.toml plugins/*/pyproject.toml \
                                    tests/plugins/*/pyproject.toml)))
 # C++ sources: pip compiles them when their package installs (setup.py), so a change reinstalls.
-NATIVE := $(wildcard framework/modelrunner/layers/*.cpp plugins/*/*/*.cpp)
+NATIVE := $(wildcard framework/modelrunner/layers/*.cpp plugins/*/*/*.cpp plugins/*/*/*.h)
 STAMP := $(VENV)/.installed
 
 export HF_HUB_OFFLINE := 1

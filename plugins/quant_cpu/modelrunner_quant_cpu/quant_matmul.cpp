@@ -306,43 +306,8 @@ struct Exact {
 #endif
 
 // ---------------------------------------------------------------------------------------------
-// bfloat16 (the bf16 GEMMs below): round_bf16 rounds each float to bfloat16's 8 significant bits, to
-// nearest, ties to even, as torch rounds (c10::BFloat16), and leaves it a float; store_bf16 stores the
-// bfloat16 bits of rounded floats (their high halves). Both as ggml_matmul.cpp has them, which says
-// why the rounding is an addition and a subtraction (no build's flags include AVX512-BF16): adding
-// m = ±2^(e + 16), e the exponent of v, leaves v's bits down to bfloat16's last one in the sum,
-// rounded to nearest even by the addition itself; subtracting m is exact. Exact for every normal
-// float below 2^112, and for zeros; dequantized weights (float16 or small float32 scales times small
-// integers, plus mins) are such floats.
-
-#if defined(MRQ_AVX512)
-inline __m512 round_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v), sign = _mm512_set1_epi32(static_cast<int>(0x80000000));
-  const __m512i exponent = _mm512_and_si512(bits, _mm512_set1_epi32(static_cast<int>(0xff800000)));
-  const __m512 m = _mm512_castsi512_ps(_mm512_add_epi32(exponent, _mm512_set1_epi32(16 << 23)));
-  const __m512i rounded = _mm512_castps_si512(_mm512_sub_ps(_mm512_add_ps(v, m), m));
-  return _mm512_castsi512_ps(_mm512_ternarylogic_epi32(rounded, bits, sign, 0xf8));  // rounded | (bits & sign)
-}
-inline void store_bf16(uint16_t* p, __m512 rounded) {
-  const __m512i high = _mm512_set_epi16(63, 61, 59, 57, 55, 53, 51, 49, 47, 45, 43, 41, 39, 37, 35, 33, 31, 29, 27,
-                                        25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
-  const __m512i words = _mm512_permutexvar_epi16(high, _mm512_castps_si512(rounded));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_castsi512_si256(words));
-}
-#endif
-#if defined(MRQ_AVX2)
-inline __m256 round_bf16(__m256 v) {
-  const __m256i exponent = _mm256_and_si256(_mm256_castps_si256(v), _mm256_set1_epi32(static_cast<int>(0xff800000)));
-  const __m256 m = _mm256_castsi256_ps(_mm256_add_epi32(exponent, _mm256_set1_epi32(16 << 23)));
-  return _mm256_or_ps(_mm256_sub_ps(_mm256_add_ps(v, m), m), _mm256_and_ps(v, _mm256_set1_ps(-0.f)));
-}
-inline void store_bf16(uint16_t* p, __m256 rounded) {
-  const __m256i high = _mm256_srli_epi32(_mm256_castps_si256(rounded), 16);
-  // packus packs within 128-bit lanes, words [0..3, 0..3 | 4..7, 4..7]: quadwords 0 and 2 are in order.
-  const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(words));
-}
-#endif
+// bfloat16 (the bf16 GEMMs below): round_bf16 and store_bf16, shared with ggml_matmul.cpp.
+#include "bf16_round.h"
 
 // A vector of dequantized weights stored as floats, or rounded to bfloat16 (uint16_t: its bits).
 #ifdef MRQ_AVX2
