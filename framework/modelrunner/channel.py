@@ -5,7 +5,7 @@ challenge, the client answers with its HMAC-SHA256 under the secret and a challe
 the listener answers in turn (so neither end talks to an impostor). The handshake has a deadline, so
 a peer that connects and says nothing cannot hold the listener. Afterwards every message is one
 frame: an 8-byte length, then :func:`.wire.encode`'s bytes; a frame longer than ``max_frame`` bytes
-closes the connection. Nothing received is ever unpickled.
+closes the connection. What arrives is only ever decoded by :func:`.wire.decode` (data).
 """
 
 from __future__ import annotations

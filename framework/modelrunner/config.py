@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 
 from .errors import did_you_mean
+from .wire import register as _wire_type
 
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
@@ -80,6 +81,7 @@ def _device(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
     raise ValueError(f"device must be 'auto', 'cpu', 'cuda', 'cuda:N' or a GPU index, got {value!r}")
 
 
+@_wire_type
 @attrs.frozen
 class ModelConfig:
     """Which checkpoint to run and how to read it."""
@@ -114,6 +116,7 @@ class ModelConfig:
     """Seed for random initialisation and for sampling requests that do not give their own."""
 
 
+@_wire_type
 @attrs.frozen
 class CacheConfig:
     """The paged KV cache: block size, allocator, budget."""
@@ -131,6 +134,7 @@ class CacheConfig:
     """Fraction of GPU memory this process may use (weights + activations + KV cache)."""
 
 
+@_wire_type
 @attrs.frozen
 class ParallelConfig:
     """How many processes share the model."""
@@ -160,6 +164,7 @@ class ParallelConfig:
         return self.tensor_parallel_size * self.pipeline_parallel_size
 
 
+@_wire_type
 @attrs.frozen
 class CompileConfig:
     """Which compile backend produces the callable the runner executes."""
@@ -198,6 +203,7 @@ first. ``cpu_fused`` (plugin ``modelrunner-compile-cpu-fused``) adds fused CPU o
 and prepacked weights to the plain model; elsewhere the default is ``eager``."""
 
 
+@_wire_type
 @attrs.frozen
 class SchedulerConfig:
     """How the engine packs requests into steps."""
@@ -213,6 +219,7 @@ def _positive_or_none(instance: Any, attribute: attrs.Attribute, value: Any) -> 
         _positive(instance, attribute, value)
 
 
+@_wire_type
 @attrs.frozen
 class RequestLimits:
     """How large each list-valued sampling field of one request may be.
@@ -241,6 +248,7 @@ class RequestLimits:
     """Most entries in ``logits_processors``."""
 
 
+@_wire_type
 @attrs.frozen
 class StructuredOutputsConfig:
     """How requests with ``structured_outputs`` are constrained (vLLM's ``structured_outputs_config``,
@@ -287,6 +295,7 @@ def _batch_limit(instance: Any, attribute: attrs.Attribute, value: Any) -> None:
         raise ValueError(f"{attribute.name} must be a positive integer, 'auto' or None, got {value!r}")
 
 
+@_wire_type
 @attrs.frozen
 class SpeculativeConfig:
     """Speculative decoding (vLLM's ``speculative_config``): a proposer guesses the next tokens of each
@@ -345,6 +354,7 @@ class SpeculativeConfig:
         except ValueError as e:
             msg = str(e)
             raise ValueError(msg if msg.startswith("speculative_config") else f"speculative_config: {msg}") from None
+@_wire_type
 @attrs.frozen
 class LoRAConfig:
     """LoRA adapters served over the base model (vLLM's ``enable_lora`` and its limits)."""
@@ -383,6 +393,7 @@ def _optional_bool(instance: Any, attribute: attrs.Attribute, value: Any) -> Non
         raise ValueError(f"{attribute.name} must be True, False or None, got {value!r}")
 
 
+@_wire_type
 @attrs.frozen
 class PoolerConfig:
     """How embedding requests pool a prompt's hidden states (vLLM's ``pooler_config``, also accepted as
@@ -401,6 +412,7 @@ def _device_default() -> str:
     return "auto"
 
 
+@_wire_type
 @attrs.frozen
 class RunnerConfig:
     """Everything the runner needs; build it directly or with :meth:`from_dict`."""

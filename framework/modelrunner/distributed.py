@@ -63,6 +63,7 @@ STAGE_OUTPUTS = "stage_outputs"
 tensors for the next stage (its logits are then an empty ``[0, vocab]`` tensor)."""
 
 
+@wire.register
 @attrs.frozen
 class LaunchInfo:
     """Where this process sits in the world and where the rendezvous store is."""

@@ -19,7 +19,6 @@ workers. The executor is unusable afterwards; create a new one.
 from __future__ import annotations
 
 import os
-import pickle
 import signal
 import socket
 import subprocess
@@ -51,7 +50,7 @@ from .model_size import check_model_fits
 from .runner import ModelRunner, resolve_dtype
 from .source import resolve_source
 from .worker import (STEP, STOP, Worker, is_peer_failure, is_timeout, load_rank, rank_config, rank_device,
-                     read_failures, run_step)
+                     read_failures, run_step, start_child)
 from .plugins import get_plugins
 
 SETTLE_S = 5.0
@@ -237,14 +236,7 @@ class WorkerProcesses:
             for rank in range(1, world):
                 launch = LaunchInfo(rank=rank, world_size=world, local_rank=rank, master_addr=master_addr,
                                     master_port=master_port)
-                # sys.path travels first and apart, so the child can find whatever the config pickles refer to.
-                payload = pickle.dumps((list(sys.path), pickle.dumps((launch, config, os.getpid()))))
-                proc = subprocess.Popen([sys.executable, "-m", "modelrunner.worker"], stdin=subprocess.PIPE,
-                                        start_new_session=True)
-                processes[rank] = proc
-                assert proc.stdin is not None
-                proc.stdin.write(payload)
-                proc.stdin.close()
+                processes[rank] = start_child("modelrunner.worker", (launch, config, os.getpid()))
         except BaseException:
             cls(processes).kill()
             raise

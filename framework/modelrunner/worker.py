@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import pickle
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -25,6 +25,7 @@ import attrs
 import torch
 import torch.distributed as dist
 
+from . import wire
 from .config import RunnerConfig
 from .distributed import (
     STAGE_INPUTS,
@@ -222,7 +223,31 @@ def limit_threads(world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def start_child(module: str, orders: Any, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start ``python -m module`` in a session of its own and hand it ``orders`` on its stdin, as
+    :mod:`.wire` data (never a pickle), with this process's ``sys.path`` (:func:`read_orders` reads them)."""
+    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, start_new_session=True, env=env)
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(wire.encode({"sys_path": list(sys.path), "orders": orders}))
+        proc.stdin.close()
+    except BaseException:
+        proc.kill()
+        raise
+    return proc
+
+
+def read_orders() -> Any:
+    """In a process :func:`start_child` started: the orders from stdin, after putting the parent's
+    ``sys.path`` entries in front of this one's (so the plugins it found are found here too)."""
+    message = wire.decode(sys.stdin.buffer.read())
+    for entry in reversed(message["sys_path"]):
+        if entry not in sys.path:
+            sys.path.insert(0, entry)
+    return message["orders"]
+
+
+def die_with_parent(parent_pid: int) -> None:
     """Kill this process group (this worker and anything it started) as soon as the parent is gone.
 
     On Linux the kernel also delivers SIGKILL when the parent dies (``PR_SET_PDEATHSIG``), which
@@ -268,7 +293,7 @@ def worker_main(launch: LaunchInfo, config: RunnerConfig, parent_pid: int) -> No
 
     The process (started by rank 0 in a session of its own) kills itself when rank 0 disappears.
     """
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     try:
         serve_rank(launch, config)
     except BaseException:
@@ -284,13 +309,9 @@ def worker_main(launch: LaunchInfo, config: RunnerConfig, parent_pid: int) -> No
 
 
 def main() -> None:
-    """``python -m modelrunner.worker``: read ``pickle((sys.path, pickle((launch, config, parent_pid))))``
-    from stdin, then :func:`worker_main`."""
-    path, payload = pickle.loads(sys.stdin.buffer.read())
-    for entry in reversed(path):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    launch, config, parent_pid = pickle.loads(payload)
+    """``python -m modelrunner.worker``: read ``(launch, config, parent_pid)`` from stdin
+    (:func:`read_orders`), then :func:`worker_main`."""
+    launch, config, parent_pid = read_orders()
     worker_main(launch, config, parent_pid)
 
 

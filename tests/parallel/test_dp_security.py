@@ -8,6 +8,8 @@ import os
 import pickle
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 from multiprocessing.connection import Client
@@ -129,3 +131,14 @@ def test_wire_refuses_what_it_cannot_send_and_unregistered_types():
     params = SamplingParams(max_tokens=3, temperature=0, stop=["x"], logit_bias={5: 1.0},
                             structured_outputs={"regex": "[ab]+"})
     assert wire.decode(wire.encode(params)) == params
+
+
+@pytest.mark.parametrize("module", ["modelrunner.worker", "modelrunner_data_parallel.replica"])
+def test_a_started_child_reads_its_orders_as_data_and_refuses_a_pickle(module, tmp_path):
+    """A worker or replica reads its orders from the parent's pipe as wire data: a pickle there is refused
+    before anything in it runs."""
+    ran = tmp_path / "child-ran-code"
+    proc = subprocess.run([sys.executable, "-m", module], input=pickle.dumps(_Payload(str(ran))),
+                          capture_output=True, timeout=60)
+    assert proc.returncode != 0 and not ran.exists()
+    assert b"WireError" in proc.stderr, proc.stderr.decode()[-2000:]

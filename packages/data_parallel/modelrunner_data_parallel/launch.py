@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import queue
 import subprocess
 import sys
@@ -31,6 +30,7 @@ from modelrunner.api import collective_timeout
 from modelrunner.channel import Channel, ChannelListener
 # How a child process ended, as the executor says it (internal: modelrunner.executor).
 from modelrunner.executor import describe_exit
+from modelrunner.worker import start_child  # kernel internal: starts a child with data orders on stdin
 
 from .client import ReplicaClient
 from .protocol import ReplicaOrders, deployment_secret
@@ -53,12 +53,7 @@ def spawn_replica(config: RunnerConfig, rank: int, address: tuple[str, int], aut
     orders = ReplicaOrders(config=one, rank=rank, address=address, authkey=authkey, parent_pid=os.getpid())
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(replica_threads(config)))
-    proc = subprocess.Popen([sys.executable, "-m", "modelrunner_data_parallel.replica"], stdin=subprocess.PIPE,
-                            start_new_session=True, env=env)
-    assert proc.stdin is not None
-    proc.stdin.write(pickle.dumps((list(sys.path), pickle.dumps(orders))))
-    proc.stdin.close()
-    return proc
+    return start_child("modelrunner_data_parallel.replica", orders, env)
 
 
 def local_ranks(config: RunnerConfig) -> range:

@@ -18,6 +18,7 @@ import attrs
 
 from modelrunner import ModelRunnerError
 # The kernel's secret and address checks (internal: modelrunner.channel).
+from modelrunner import wire  # kernel internal: the data codec, so a replica's orders are never a pickle
 from modelrunner.channel import check_secret, is_loopback
 
 HEARTBEAT_S = 0.25
@@ -29,6 +30,7 @@ ENGINE_CALLS = ("add_lora", "remove_lora")
 replica from the same path."""
 
 
+@wire.register
 @attrs.frozen
 class ReplicaOrders:
     """What a replica process is told at start.

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import socket
 import sys
 import threading
@@ -34,6 +33,7 @@ from typing import Any
 # The kernel's authenticated channel and wire format (internal: modelrunner.channel, modelrunner.wire).
 from modelrunner.channel import Channel, connect
 from modelrunner.wire import WireError
+from modelrunner.worker import die_with_parent, read_orders  # kernel internal: how a started child begins
 
 from .protocol import CALLS, ENGINE_CALLS, HEARTBEAT_S, ReplicaOrders, tokenizer_files
 
@@ -164,17 +164,10 @@ def _error_of(future: Any) -> tuple[str, str] | None:
 
 
 def main() -> None:
-    """``python -m modelrunner_data_parallel.replica``: read ``pickle((sys.path, pickle(orders)))`` from
-    stdin and serve the front until it stops this replica or goes away."""
-    path, payload = pickle.loads(sys.stdin.buffer.read())
-    for entry in reversed(path):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    orders: ReplicaOrders = pickle.loads(payload)
-    # Dies with the front as a tensor-parallel worker dies with rank 0 (internal: modelrunner.worker).
-    from modelrunner.worker import _die_with_parent
-
-    _die_with_parent(orders.parent_pid)
+    """``python -m modelrunner_data_parallel.replica``: read its :class:`ReplicaOrders` from stdin (wire
+    data, :func:`modelrunner.worker.read_orders`) and serve the front until it stops this replica or goes away."""
+    orders: ReplicaOrders = read_orders()
+    die_with_parent(orders.parent_pid)  # as a tensor-parallel worker dies with rank 0
     try:
         status = serve_front(orders)
     except BaseException:  # noqa: BLE001
