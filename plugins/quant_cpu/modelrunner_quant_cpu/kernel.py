@@ -55,6 +55,17 @@ def load() -> None:
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_bf16")(_fake_qlinear_bf16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_bf16")(_fake_qlinear_p16_bf16)
 
+def on_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """``matmul`` (of a 2-D ``[M, K]`` x) on ``x`` of any leading dimensions ``[..., K]``: a contiguous x is
+    viewed as rows and the result viewed back; a strided one reaches the operator as it is, which refuses
+    it (it is never copied behind the caller's back)."""
+    shape = x.shape
+    if x.dim() == 2 or x.dim() < 1 or not x.is_contiguous():
+        return matmul(x)
+    y = matmul(x.view(-1, shape[-1]))
+    return y.view(*shape[:-1], y.shape[-1])
+
+
 
 @functools.cache
 def available() -> bool:
@@ -169,19 +180,18 @@ def qlinear(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: 
     """
     if not torch.compiler.is_compiling():
         load()
-    shape = x.shape
-    flatten = x.dim() != 2 and x.dim() >= 1 and x.is_contiguous()  # a strided x is refused, not copied
-    if flatten:
-        x = x.view(-1, shape[-1])
-    if mode == "exact":
-        y = torch.ops.modelrunner_quant_cpu.qlinear(x, qweight, scales, mins, group_size, bits,
-                                                    GEMM_ROWS if gemm_rows is None else gemm_rows)
-    elif mode == "q8":
-        y = torch.ops.modelrunner_quant_cpu.qlinear_q8(x, qweight, scales, mins, group_size, bits,
-                                                       PACKED_ROWS if packed_rows is None else packed_rows)
-    else:
-        raise ValueError(f"mode must be 'exact' or 'q8', got {mode!r}")
-    return y.view(*shape[:-1], y.shape[-1]) if flatten else y
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        if mode == "exact":
+            return torch.ops.modelrunner_quant_cpu.qlinear(x, qweight, scales, mins, group_size, bits,
+                                                           GEMM_ROWS if gemm_rows is None else gemm_rows)
+        elif mode == "q8":
+            return torch.ops.modelrunner_quant_cpu.qlinear_q8(x, qweight, scales, mins, group_size, bits,
+                                                              PACKED_ROWS if packed_rows is None else packed_rows)
+        else:
+            raise ValueError(f"mode must be 'exact' or 'q8', got {mode!r}")
+
+    return on_rows(x, matmul)
 
 
 P16_ROWS = 16
@@ -297,12 +307,11 @@ def qlinear_bf16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
     """
     if not torch.compiler.is_compiling():
         load()
-    shape = x.shape
-    flatten = x.dim() != 2 and x.dim() >= 1 and x.is_contiguous()
-    if flatten:
-        x = x.view(-1, shape[-1])
-    y = torch.ops.modelrunner_quant_cpu.qlinear_bf16(x, qweight, scales, mins, group_size, bits, out_dtype)
-    return y.view(*shape[:-1], y.shape[-1]) if flatten else y
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.modelrunner_quant_cpu.qlinear_bf16(x, qweight, scales, mins, group_size, bits, out_dtype)
+
+    return on_rows(x, matmul)
 
 
 def bind_qlinear_bf16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
@@ -457,13 +466,12 @@ def ggml_qlinear(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, gemm_row
     """
     if not torch.compiler.is_compiling():
         load_ggml()
-    shape = x.shape
-    flatten = x.dim() != 2 and x.dim() >= 1 and x.is_contiguous()
-    if flatten:
-        x = x.view(-1, shape[-1])
-    y = torch.ops.modelrunner_quant_cpu.ggml_qlinear(x, blocks, ggml_type,
-                                                     GGML_GEMM_ROWS if gemm_rows is None else gemm_rows)
-    return y.view(*shape[:-1], y.shape[-1]) if flatten else y
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.modelrunner_quant_cpu.ggml_qlinear(x, blocks, ggml_type,
+                                                            GGML_GEMM_ROWS if gemm_rows is None else gemm_rows)
+
+    return on_rows(x, matmul)
 
 
 def bind_ggml_qlinear(blocks: torch.Tensor, ggml_type: int, cols: int) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -506,13 +514,12 @@ def ggml_linear_bf16(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, gemm
     """
     if not torch.compiler.is_compiling():
         load_ggml()
-    shape = x.shape
-    flatten = x.dim() != 2 and x.dim() >= 1 and x.is_contiguous()
-    if flatten:
-        x = x.view(-1, shape[-1])
-    y = torch.ops.modelrunner_quant_cpu.ggml_linear_bf16(x, blocks, ggml_type,
-                                                         GGML_BF16_GEMM_ROWS if gemm_rows is None else gemm_rows)
-    return y.view(*shape[:-1], y.shape[-1]) if flatten else y
+
+    def matmul(x: torch.Tensor) -> torch.Tensor:
+        rows = GGML_BF16_GEMM_ROWS if gemm_rows is None else gemm_rows
+        return torch.ops.modelrunner_quant_cpu.ggml_linear_bf16(x, blocks, ggml_type, rows)
+
+    return on_rows(x, matmul)
 
 
 def bind_ggml_linear_bf16(blocks: torch.Tensor, ggml_type: int, cols: int) -> Callable[[torch.Tensor], torch.Tensor]:
