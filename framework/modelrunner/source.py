@@ -101,7 +101,7 @@ class ModelSource:
 
     def _build_tokenizer(self) -> Any:
         if self.gguf is not None:
-            return self.gguf.tokenizer()
+            return self.gguf.tokenizer(cache_root(self.cache_dir))
         if not any((Path(self.path) / name).is_file() for name in TOKENIZER_FILES):
             return None
         from transformers import AutoTokenizer

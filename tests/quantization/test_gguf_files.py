@@ -245,3 +245,32 @@ def wait_for_no_tokenizer_threads() -> bool:
             return False
         time.sleep(0.05)
     return True
+
+
+def test_a_saved_tokenizer_reads_back_equal_to_the_one_built_and_a_damaged_copy_is_rebuilt(tmp_path):
+    # A GGUF vocabulary is converted once and saved under a digest of the file's metadata; later loads
+    # read the saved copy. It must tokenize, decode and template exactly as the one built from the file.
+    from modelrunner.gguf_checkpoint import GGUFCheckpoint
+    from modelrunner.source import _alias_file
+
+    checkpoint = GGUFCheckpoint(_alias_file("smollm2"))
+    built = checkpoint.tokenizer()
+    first = checkpoint.tokenizer(tmp_path)
+    (saved,) = (tmp_path / "tokenizers").iterdir()
+    assert (saved / "tokenizer.json").is_file() and not saved.name.startswith(".partial")
+    again = checkpoint.tokenizer(tmp_path)
+    texts = ["Hello world!", "  spaces\tand\nnewlines  ", "<|im_start|>user\nhé ünïcode 日本<|im_end|>", ""]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
+    for tokenizer in (first, again):
+        for text in texts:
+            ids = built.encode(text)
+            assert tokenizer.encode(text) == ids, text
+            assert tokenizer.decode(ids, skip_special_tokens=True) == built.decode(ids, skip_special_tokens=True)
+        assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
+            built.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, len(tokenizer)) == \
+            (built.bos_token_id, built.eos_token_id, len(built))
+    (saved / "tokenizer.json").write_text("{not json")
+    rebuilt = checkpoint.tokenizer(tmp_path)  # the damaged copy is replaced by a fresh one
+    assert rebuilt.encode(texts[2]) == built.encode(texts[2])
+    assert checkpoint.tokenizer(tmp_path).encode(texts[2]) == built.encode(texts[2])
