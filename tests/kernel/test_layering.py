@@ -98,3 +98,17 @@ def test_no_import_points_up_a_layer_and_function_level_imports_are_marked_lazy(
     assert unmarked == [], ("imports inside functions without a '# lazy: <the heavy dependency>' comment (move "
                             "them to the top of the module; a cycle is removed by moving code, not by hiding "
                             "an import):\n" + "\n".join(unmarked))
+
+
+def test_the_engine_step_is_schedule_forward_update_and_the_engine_stays_small():
+    # Issue 54's bound: LLMEngine keeps requests and the loop; the work of a step lives in the scheduler,
+    # BatchForward and StepUpdate (one call each).
+    source = (KERNEL / "engine" / "llm_engine.py").read_text()
+    tree = ast.parse(source)
+    (engine,) = [node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "LLMEngine"]
+    lines = engine.end_lineno - engine.lineno + 1
+    assert lines <= 420, f"LLMEngine is {lines} lines (bound 420, module 450): move work into its parts"
+    assert len(source.splitlines()) <= 450
+    (step,) = [node for node in engine.body if isinstance(node, ast.FunctionDef) and node.name == "_run_step"]
+    calls = {ast.unparse(node.func) for node in ast.walk(step) if isinstance(node, ast.Call)}
+    assert {"self.scheduler.schedule", "self.forward.run", "self.update.apply"} <= calls

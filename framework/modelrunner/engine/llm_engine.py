@@ -25,14 +25,12 @@ import torch
 
 from .. import article
 from ..config import RunnerConfig
-from ..errors import FatalError
 from ..executor import Executor, UniprocExecutor, create_executor
-from ..kv_cache.allocator import KVCacheError
 from ..lora import LoRARequest
 from ..pooling.outputs import PoolingRequestOutput
 from ..pooling.params import PoolingParams
 from ..runner import ModelRunner
-from ..sampling.chooser import Chosen, TokenChooser, sampling_error
+from ..sampling.chooser import TokenChooser
 from ..sampling.logits_processor import ProcessorContext
 from ..sampling.params import SamplingParams
 from ..sampling.processors import ProcessorPipeline
@@ -46,9 +44,10 @@ from .forward import BatchForward
 from .input_processor import InputProcessor
 from .outputs import RequestMetrics, RequestOutput
 from .pooling import EnginePooler
-from .reporting import request_output
-from .scheduler import ScheduledSequence, Scheduler, SchedulerOutput
-from .sequence import Request, Sequence, child_seed
+from .reporting import memory_stats, request_output
+from .scheduler import Scheduler
+from .sequence import Request, Sequence
+from .step_update import StepUpdate
 from .stop_checker import StopChecker
 
 logger = logging.getLogger(__name__)
@@ -138,7 +137,9 @@ class LLMEngine:
             self.speculator = Speculator.create(config, executor, allocator, self.vocab_size, self.tokenizer)
             self.speculator.excluded = self.constrained.is_slow
             self.scheduler.speculator = self.speculator
-        self._shares_kv_on_fork = executor.kv_cache_spec is not None
+        self.update = StepUpdate(self.scheduler, executor, self.chooser, self.stop_checker, self.constrained,
+                                 self.pooler, self.speculator, self._fail, self.next_seq_id)
+        """Advances each step's sequences from its logits (sampling, drafts, pooling, stop conditions)."""
         self._requests: dict[str, Request] = {}
         self._unclaimed: list[RequestOutput] = []
         self._consumers: dict[str, OutputConsumer] = {}
@@ -211,12 +212,7 @@ class LLMEngine:
             prompt_logprobs=None if p.params.prompt_logprobs is None else [None] * len(p.token_ids),
             grammar=grammar, pooling=pooling,
         )
-        seed = p.params.seed
-        generator = None if seed is None else torch.Generator().manual_seed(child_seed(seed, 0))
-        seq = Sequence(seq_id=next(self._seq_ids), request=request, index=0, token_ids=list(p.token_ids),
-                       generator=generator)
-        if p.params.logprobs is not None:
-            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        seq = Sequence.first_of(request, next(self._seq_ids))
         start_detokenizer(seq)
         request.seqs.append(seq)
         self._requests[request_id] = request
@@ -343,34 +339,9 @@ class LLMEngine:
                 self.executor.copy_blocks(out.block_copies)
             executed = self.forward.run(out, lambda request, reason: self._fail(request, reason, outputs))
             if executed is not None:
-                logits, owners, scheduled = executed
-                # The forward wrote these tokens' KV. From here on every sequence that reached its last
-                # token either gets its next token or its request fails: none is left half-advanced.
-                for item in scheduled:
-                    item.seq.num_computed_tokens = item.start + item.num_new_tokens
-                self._finish_pooled(scheduled, changed, outputs)
-                prompt_rows = [(r, o) for r, o in enumerate(owners) if not o.samples]
-                self.chooser.prompt_logprobs(logits, [r for r, _ in prompt_rows],
-                                             [scheduled[o.item].seq for _, o in prompt_rows],
-                                             [o.position for _, o in prompt_rows])
-                sampled: list[tuple[int, Sequence]] = []
-                speculated: dict[int, list[int]] = {}  # scheduled item → its rows (last token, then drafts)
-                for r, o in enumerate(owners):
-                    if o.samples:
-                        if scheduled[o.item].draft:
-                            speculated.setdefault(o.item, []).append(r)
-                        else:
-                            sampled.append((r, scheduled[o.item].seq))
-                chosen = self._sample([r for r, _ in sampled], [seq for _, seq in sampled], logits, outputs)
-                for seq, choice in chosen:
-                    self._append(seq, choice, changed, outputs)
-                verified = [self._verify(scheduled[index], logits[rows], changed, outputs)
-                            for index, rows in speculated.items()]  # tokens each appended
-                if self.speculator is not None and all(item.num_new_tokens == 1 for item in scheduled):
-                    self.speculator.observe(bool(speculated), time.perf_counter() - started,
-                                            [1] * len(chosen) + verified)
+                self.update.apply(executed, changed, outputs, started)
             if self.speculator is not None:
-                self._release_lookahead(out)
+                self.update.release_lookahead(out)
         self.constrained.advance()
         for request in changed.values():
             if request.request_id in self._requests:
@@ -380,177 +351,6 @@ class LLMEngine:
                     self.constrained.release(request)
         self.scheduler.drop_finished()
         return outputs
-
-    # -- forward -------------------------------------------------------------------------------
-
-    def _finish_pooled(self, scheduled: list[ScheduledSequence], changed: dict[str, Request],
-                       outputs: list[Any]) -> None:
-        """End the pooling requests whose whole prompt is now computed, with their embedding."""
-        for item in scheduled:
-            seq, request = item.seq, item.seq.request
-            if request.pooling is None or seq.is_finished or seq.num_computed_tokens < len(seq.token_ids):
-                continue
-            try:
-                self.pooler.finish(request)
-            except Exception as exc:  # noqa: BLE001 - a pooling method's bug fails its request only
-                self._fail(request, f"pooling failed: {type(exc).__name__}: {exc}", outputs)
-                continue
-            self.scheduler.finish(seq, "stop")
-            request.metrics.finished_time = time.monotonic()
-            changed[request.request_id] = request
-
-    # -- sampling --------------------------------------------------------------------------------
-
-    def _sample(self, rows: list[int], seqs: list[Sequence], logits: torch.Tensor,
-                outputs: list[RequestOutput]) -> list[tuple[Sequence, Chosen]]:
-        """Choose the next token of every sequence that reached its last token (forking ``n > 1``
-        requests at their first token). Nothing here changes a sequence: if choosing fails for the
-        whole batch, each request's rows are chosen alone (generators rewound first), and a request
-        that fails again fails by itself, naming the cause."""
-        targets: list[Sequence] = []
-        row_of: list[int] = []
-        for row, seq in zip(rows, seqs):
-            if seq.is_finished:
-                continue
-            targets.append(seq)
-            row_of.append(row)
-            request = seq.request
-            if not request.forked:
-                if request.params.n > 1:
-                    for child in self._fork(seq):
-                        targets.append(child)
-                        row_of.append(row)
-                request.forked = True
-        if not targets:
-            return []
-        raw = logits.index_select(0, torch.tensor(row_of, dtype=torch.long)) if row_of != list(range(len(logits))) \
-            else logits
-        try:
-            with self.chooser.rewind_on_failure(targets):
-                return list(zip(targets, self.chooser.choose(raw, targets)))
-        except FatalError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - isolated below
-            logger.warning("sampling %d rows failed (%s: %s); sampling each request alone", len(targets),
-                           type(exc).__name__, exc)
-        chosen: list[tuple[Sequence, Chosen]] = []
-        for request in dict.fromkeys(seq.request for seq in targets):
-            mine = [i for i, seq in enumerate(targets) if seq.request is request]
-            try:
-                with self.chooser.rewind_on_failure([targets[i] for i in mine]):
-                    picks = self.chooser.choose(raw[mine], [targets[i] for i in mine])
-            except FatalError:
-                raise
-            except Exception as exc:  # noqa: BLE001
-                self._fail(request, sampling_error(exc), outputs)
-                continue
-            chosen += [(targets[i], pick) for i, pick in zip(mine, picks)]
-        return chosen
-
-    # -- speculative decoding ----------------------------------------------------------------------
-
-    def _verify(self, item: ScheduledSequence, raw: torch.Tensor, changed: dict[str, Request],
-                outputs: list[RequestOutput]) -> int:
-        """Check ``item``'s drafts against the target's logits ``raw`` (its last token's row, then one per
-        draft) and append what survives: the accepted drafts and one token of the target's. Greedy
-        rows accept the drafts matching the argmax; sampled rows use rejection sampling, which keeps the
-        target's distribution. The accepted drafts' KV, already in the lookahead slots, becomes the
-        sequence's; the prefix cache sees only those. Returns the number of tokens appended."""
-        seq = item.seq
-        if seq.is_finished:
-            return 0
-        draft = item.draft
-        try:
-            with self.chooser.rewind_on_failure([seq]):
-                tokens, entries, complete_after = self.chooser.accept(raw, seq, draft)
-        except FatalError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - fails this request only
-            self._fail(seq.request, sampling_error(exc), outputs)
-            return 0
-        accepted = len(tokens) - 1
-        self.speculator.record(seq, len(draft), accepted, len(tokens))
-        complete = complete_after is not None and accepted == complete_after
-        if complete:  # its grammar is complete after the accepted drafts: the target's token after them is dropped
-            tokens, entries = tokens[:accepted], entries[:accepted]
-        if accepted:
-            copies = self.allocator.append_slots(seq.seq_id, tokens[:accepted])  # into the lookahead slots
-            self.scheduler.owners.appended(seq.seq_id, seq.num_computed_tokens + accepted, copies)
-            if copies:  # none from the paged allocator: the slots are the sequence's alone
-                self.executor.copy_blocks(copies)
-            seq.num_computed_tokens += accepted
-        appended = 0
-        for token, entry in zip(tokens, entries):
-            self._append(seq, Chosen(token, entry), changed, outputs)
-            appended += 1
-            if seq.is_finished:
-                break  # EOS, a stop string or max_tokens inside the accepted run: the rest is dropped
-        if complete and not seq.is_finished:
-            self.scheduler.finish(seq, "stop")  # nothing but the constraint's end may follow
-            if seq.request.is_finished:
-                seq.request.metrics.finished_time = time.monotonic()
-            changed[seq.request.request_id] = seq.request
-        return appended
-
-    def _release_lookahead(self, out: SchedulerOutput) -> None:
-        """Give back the lookahead slots of this step's drafts (the accepted ones hold tokens now), and
-        let the speculator forget the sequences that ended or were preempted."""
-        for item in out.scheduled:
-            seq_id = item.seq.seq_id
-            if item.draft and seq_id in self.allocator:
-                self.allocator.release_lookahead(seq_id)
-                self.scheduler.owners.trimmed(seq_id)
-        ended = [item.seq.seq_id for item in out.scheduled if item.seq.is_finished]
-        self.speculator.forget([*out.finished_seq_ids, *ended])
-
-    def _append(self, seq: Sequence, choice: Chosen, changed: dict[str, Request],
-                outputs: list[RequestOutput]) -> None:
-        request = seq.request
-        if seq.is_finished:
-            return
-        try:
-            finish = self.stop_checker.append_token(seq, choice.token)
-        except Exception as exc:  # noqa: BLE001 - e.g. a tokenizer that cannot decode the token
-            self._fail(request, f"appending token {choice.token} failed: {type(exc).__name__}: {exc}", outputs)
-            return
-        if seq.grammar is not None and finish is None:  # its cursor accepts it after the step
-            self.constrained.note(seq, choice.token)
-        if choice.logprobs is not None and seq.logprobs is not None:
-            seq.logprobs.append(choice.logprobs)
-            seq.cumulative_logprob += choice.logprobs[choice.token].logprob
-        now = time.monotonic()
-        metrics = request.metrics
-        metrics.first_token_time = metrics.first_token_time or now
-        metrics.last_token_time = now
-        metrics.num_generated_tokens += 1
-        if finish is not None:
-            self.scheduler.finish(seq, *finish)
-            if request.is_finished:
-                metrics.finished_time = now
-        changed[request.request_id] = request
-
-    def _fork(self, parent: Sequence) -> list[Sequence]:
-        """Create completions 1 … n-1 sharing the parent's freshly prefilled prompt blocks."""
-        children = []
-        for index in range(1, parent.request.params.n):
-            child = parent.fork(next(self._seq_ids), index)
-            if parent.grammar is not None:
-                self.constrained.fork(parent, child)
-            parent.request.seqs.append(child)
-            children.append(child)
-            if self._shares_kv_on_fork:
-                try:
-                    copies = self.allocator.fork(parent.seq_id, child.seq_id)
-                    self.scheduler.owners.forked(parent.seq_id, child.seq_id)
-                    self.executor.copy_blocks(copies)
-                    self.scheduler.add_running(child)
-                    continue
-                except KVCacheError:
-                    pass
-            # No shared KV (model keeps its own cache, or no blocks): compute the child from scratch.
-            child.reset_for_recompute()
-            self.scheduler.waiting.appendleft(child)
-        return children
 
     def _fail(self, request: Request, reason: str, outputs: list[RequestOutput]) -> None:
         logger.warning("request %r failed: %s", request.request_id, reason)
@@ -627,15 +427,7 @@ class LLMEngine:
     def memory_stats(self) -> dict[str, Any]:
         """The KV-cache pool's statistics (blocks used/free/cached, peak, prefix hits, fragmentation),
         its size in bytes, and the engine's queue lengths."""
-        stats = dict(self.allocator.stats().as_dict())
-        spec = self.executor.kv_cache_spec
-        stats["allocator"] = self.config.cache.kv_allocator
-        stats["kv_cache_bytes"] = self.executor.kv_cache_bytes
-        stats["bytes_per_token"] = spec.bytes_per_token if spec else 0
-        stats["num_waiting_seqs"] = len(self.scheduler.waiting)
-        stats["num_running_seqs"] = len(self.scheduler.running)
-        stats["num_preemptions"] = self.scheduler.num_preemptions
-        return stats
+        return memory_stats(self.allocator, self.scheduler, self.executor, self.config.cache.kv_allocator)
 
     def stats(self) -> dict[str, Any]:
         """Everything measured: ``kv_cache`` (:meth:`memory_stats`) plus the executor's ``model``,

@@ -8,8 +8,6 @@ from ..sampling.logprobs import Logprob, PositionLogprobs  # noqa: F401 - Logpro
 from ..wire import register as _wire_type
 
 
-
-
 @_wire_type
 @attrs.define
 class RequestMetrics:

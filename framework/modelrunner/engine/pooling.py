@@ -24,7 +24,12 @@ import attrs
 import torch
 
 from ..config import PoolerConfig
-from ..forward_batch import HIDDEN_STATES, RETURN_HIDDEN_STATES, ForwardBatch, ForwardOutput
+from ..forward_batch import (
+    HIDDEN_STATES,
+    RETURN_HIDDEN_STATES,
+    ForwardBatch,
+    ForwardOutput,
+)
 from ..pooling.checkpoint import DEFAULT_METHOD, checkpoint_pooling
 from ..pooling.method import PoolingContext, PoolingMethod, finish_embedding, rows_read
 from ..pooling.outputs import PoolingOutput, PoolingRequestOutput

@@ -1,9 +1,10 @@
-"""A request's :class:`~.outputs.RequestOutput`: its text and tokens so far, and what is new since the
-last one it reported."""
+"""What the engine reports: a request's :class:`~.outputs.RequestOutput` (its text and tokens so far,
+and what is new since the last one it reported) and the KV-cache pool's statistics."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import attrs
 
@@ -49,3 +50,17 @@ def request_output(request: Request, longest_stop_string: Callable[[Sequence], i
 
 
 __all__ = ["request_output"]
+
+
+def memory_stats(allocator: Any, scheduler: Any, executor: Any, allocator_name: str) -> dict[str, Any]:
+    """The KV-cache pool's statistics (blocks used/free/cached, peak, prefix hits, fragmentation), its
+    size in bytes, and the scheduler's queue lengths (``LLMEngine.memory_stats``)."""
+    stats = dict(allocator.stats().as_dict())
+    spec = executor.kv_cache_spec
+    stats["allocator"] = allocator_name
+    stats["kv_cache_bytes"] = executor.kv_cache_bytes
+    stats["bytes_per_token"] = spec.bytes_per_token if spec else 0
+    stats["num_waiting_seqs"] = len(scheduler.waiting)
+    stats["num_running_seqs"] = len(scheduler.running)
+    stats["num_preemptions"] = scheduler.num_preemptions
+    return stats

@@ -128,6 +128,18 @@ class Sequence:
         self.num_computed_tokens = 0
         self.status = SequenceStatus.WAITING
 
+    @classmethod
+    def first_of(cls, request: Request, seq_id: int) -> Sequence:
+        """A new request's first (or only) completion: its prompt, a generator of its own when the
+        request is seeded, log-probability lists when it asks for them."""
+        seed = request.params.seed
+        generator = None if seed is None else torch.Generator().manual_seed(child_seed(seed, 0))
+        seq = cls(seq_id=seq_id, request=request, index=0, token_ids=list(request.prompt_token_ids),
+                  generator=generator)
+        if request.params.logprobs is not None:
+            seq.logprobs, seq.cumulative_logprob = [], 0.0
+        return seq
+
     def fork(self, seq_id: int, index: int) -> Sequence:
         """A copy of this sequence as completion ``index`` of the same request."""
         seed = self.request.params.seed
