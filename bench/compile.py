@@ -250,7 +250,7 @@ def tiny_model() -> str:
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     tok = resolve_source("smollm2").load_tokenizer()  # built from the GGUF file's metadata
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

@@ -81,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     prompt_len, batch, many, new_tokens, single = (64, 8, 16, 8, 16) if args.quick else (256, 64, 256, 64, 128)
 
     from modelrunner.quantization.library import cpu_flags, native_bf16
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
     from modelrunner.timing_cache import cpu_model
 
     bf16 = native_bf16()

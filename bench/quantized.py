@@ -277,7 +277,7 @@ def main(argv: list[str] | None = None) -> int:
     rate = stream_rate(args.threads)
     print(f"streaming read rate: {rate:.1f} GB/s")
 
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     source = resolve_source("smollm2")
     path, dense_dir = str(source.path), str(source.directory)  # the file, and its float32 conversion

@@ -31,7 +31,7 @@ def tiny_llama(directory: str) -> str:
     """A 2-layer random Llama with SmolLM2's tokenizer, saved to ``directory``."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     tokenizer = AutoTokenizer.from_pretrained(str(resolve_source("smollm2").directory))
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

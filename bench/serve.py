@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     clients, count, input_len, output_len = (8, 16, 32, 16) if args.quick else (16, 48, 64, 64)
 
     from modelrunner_serve.loadgen import print_summary
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     machine_report()
     tokenizer = resolve_source("smollm2").load_tokenizer()

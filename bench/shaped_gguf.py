@@ -33,7 +33,7 @@ import time
 def save_meta(path: str) -> None:
     """Write the default model's transformers config and GGUF tokenizer fields to ``path`` (JSON)."""
     from modelrunner_kit.conformance.gguf import tokenizer_fields
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     source = resolve_source("smollm2")
     tokenizer = tokenizer_fields(source.path)
@@ -98,7 +98,7 @@ def write_f16(shape: str, out: str, layers: int | None = None, seed: int = 0, ra
     from transformers import LlamaConfig
 
     from modelrunner_kit.conformance.gguf import add_tokenizer, gguf_name, random_blocks, tokenizer_fields
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     values = dict(SHAPES[shape])
     theta = values.pop("rope_theta")

@@ -211,7 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from modelrunner import LLM
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     machine_report()
     source = resolve_source("smollm2")

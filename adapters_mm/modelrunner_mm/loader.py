@@ -67,7 +67,7 @@ def build_vision(hf_config: Any, path: str | Path, device: torch.device,
                  dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
     """The vision tower and multi-modal projector with the checkpoint's weights, in eval mode.
 
-    :raises modelrunner.weights.CheckpointError: a tensor is missing or has the wrong shape.
+    :raises modelrunner.loading.weights.CheckpointError: a tensor is missing or has the wrong shape.
     """
     from transformers import AutoModel
     from transformers.initialization import no_init_weights

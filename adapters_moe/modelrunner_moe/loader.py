@@ -10,7 +10,7 @@ Checkpoints come in three spellings of the same experts, all accepted:
   ``block_sparse_moe.gate.weight``.
 
 :class:`MoeCheckpoint` renames them onto :class:`~modelrunner.layers.fused_moe.FusedMoE`'s
-parameters, and :func:`modelrunner.weights.load_weights` does the rest (shapes, missing tensors).
+parameters, and :func:`modelrunner.loading.weights.load_weights` does the rest (shapes, missing tensors).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def model_tensor_name(name: str) -> str:
 class MoeCheckpoint:
     """A checkpoint's ``(name, tensor)`` pairs with expert tensors renamed by :func:`model_tensor_name`.
 
-    :param weights: the checkpoint as :func:`modelrunner.weights.iter_weights` reads it.
+    :param weights: the checkpoint as :func:`modelrunner.loading.weights.iter_weights` reads it.
     """
 
     def __init__(self, weights: Any) -> None:
@@ -91,7 +91,7 @@ def build_moe_model(source: Any, loader: ModelLoader) -> MoeForCausalLM:
     built with ``loader``'s device, dtype, ranks, attention backend and ``max_model_len``.
 
     :raises ValueError: an invalid MoE config (see :meth:`~.spec.MoeSpec.from_config`).
-    :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor
+    :raises modelrunner.loading.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor
         (expert tensors included, with the accepted layouts in the message).
     """
     try:

@@ -38,8 +38,8 @@ from .layers.moe_router import check_top_k
 from .layers.sdpa_attention import SDPAMetadata, store_kv
 from .loaded_model import LoadedModel
 from .lora import LoRAKernel, LoRAMapping
-from .models import (DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, ModelLoader, TextModel,
-                     build_and_load, check_built_for, loaded_for, run_stage)
+from .loading import (CheckpointError, ModelLoader, build_and_load, iter_weights, load_weights, loaded_for)
+from .models import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, TextModel, check_built_for, run_stage
 from .native import NativeBuildError, load_library
 from .parallel_state import ParallelState
 from .plugins import Plugins
@@ -56,7 +56,6 @@ from .spec_decode import ProposalRequest, Proposer, ProposerContext
 from .structured_output import (MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask,
                                 bitmask_from_allowed, decoded_vocabulary)
 from .tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
-from .weights import CheckpointError, iter_weights, load_weights
 from .worker import rank_device, serve_rank
 
 __all__ = [

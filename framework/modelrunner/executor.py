@@ -48,7 +48,7 @@ from .loaded_model import LoadedModel
 from .plugins import Plugins
 from .model_size import check_model_fits
 from .runner import ModelRunner, resolve_dtype
-from .source import resolve_source
+from .loading.source import resolve_source
 from .worker import (STEP, STOP, Worker, is_peer_failure, is_timeout, load_rank, rank_config, rank_device,
                      read_failures, run_step, start_child)
 from .plugins import get_plugins

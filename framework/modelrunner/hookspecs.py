@@ -24,10 +24,10 @@ if TYPE_CHECKING:
     from .kv_cache.allocator import BlockAllocator
     from .layers.attention_backend import AttentionBackend
     from .loaded_model import LoadedModel
-    from .models.loader import ModelLoader
+    from .loading.loader import ModelLoader
     from .parallel_state import ParallelState
     from .registry import Registry
-    from .source import ModelSource
+    from .loading.source import ModelSource
 
 hookspec = pluggy.HookspecMarker("modelrunner")
 hookimpl = pluggy.HookimplMarker("modelrunner")

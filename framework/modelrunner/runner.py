@@ -29,11 +29,11 @@ from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
 from .lora import LoRAManager
 from .model_size import check_model_fits
-from .models.loader import ModelLoader, adapter_for
+from .loading.loader import ModelLoader, adapter_for
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
 from .quantization import select_quantization, weight_bytes
-from .source import ModelSource, one_line, resolve_source
+from .loading.source import ModelSource, one_line, resolve_source
 
 logger = logging.getLogger(__name__)
 

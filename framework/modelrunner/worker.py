@@ -42,7 +42,7 @@ from .distributed import (
 from .errors import ModelRunnerError
 from .forward_batch import HIDDEN_STATES, ForwardBatch, ForwardOutput
 from .runner import ModelRunner, resolve_device
-from .source import resolve_source
+from .loading.source import resolve_source
 
 STEP = "step"
 """Message kind: ``(STEP, batch, block_copies)`` — run one step."""

@@ -52,7 +52,7 @@ def _checkpoint(tiny_llama_dir: Path, root: Path, **config_changes) -> Path:
 @pytest.fixture(scope="module")
 def bad_files(tmp_path_factory, tiny_llama_dir):
     root = tmp_path_factory.mktemp("bad")
-    from modelrunner.source import DEFAULT_MODEL_ALIASES, _alias_file
+    from modelrunner.loading.source import DEFAULT_MODEL_ALIASES, _alias_file
 
     gguf = _alias_file(next(iter(DEFAULT_MODEL_ALIASES)))
     (root / "truncated.gguf").write_bytes(gguf.read_bytes()[:3_000_000])

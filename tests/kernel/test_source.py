@@ -7,7 +7,7 @@ import time
 import pytest
 
 from modelrunner.errors import ModelSourceError
-from modelrunner.source import convert_gguf, resolve_source
+from modelrunner.loading.source import convert_gguf, resolve_source
 
 
 def test_hub_id_fails_at_once_saying_no_download_happens():

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from modelrunner.layers import ParallelLMHead, QKVParallelLinear, RotaryEmbedding, VocabParallelEmbedding
-from modelrunner.weights import CheckpointError, iter_weights, load_weights, materialize
+from modelrunner.loading.weights import CheckpointError, iter_weights, load_weights, materialize
 
 
 class Tiny(nn.Module):

@@ -14,7 +14,7 @@ from modelrunner.errors import UnknownNameError
 from modelrunner.plugins import get_plugins
 from modelrunner.runner import ModelRunner
 from modelrunner_kit.testing import load_adapter
-from modelrunner.weights import CheckpointError
+from modelrunner.loading.weights import CheckpointError
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False)

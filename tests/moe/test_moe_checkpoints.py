@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from modelrunner.plugins import get_plugins
-from modelrunner.weights import CheckpointError
+from modelrunner.loading.weights import CheckpointError
 from modelrunner_moe import MoeSpec
 
 from .checkpoints import CONFIGS, make_config, make_reference, save_checkpoint

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as T
 from modelrunner_kit.conformance.gguf import add_tokenizer, tokenizer_fields, write_gguf
-from modelrunner.source import resolve_source
+from modelrunner.loading.source import resolve_source
 
 
 def write_llama_gguf(model, path: Path, types: dict[str, T] | None = None, default: T = T.Q8_0, **kwargs) -> Path:

@@ -17,7 +17,7 @@ from gguf import GGMLQuantizationType as T
 
 from modelrunner import LLM
 from modelrunner.errors import ModelSourceError
-from modelrunner.source import convert_gguf, resolve_source
+from modelrunner.loading.source import convert_gguf, resolve_source
 
 from .gguf_files import tiny_llama, write_llama_gguf
 
@@ -57,9 +57,9 @@ def test_metadata_and_tokenizer_fields_read_as_transformers_reads_them():
     from transformers.integrations.gguf import get_gguf_tokenizer
     from transformers.integrations.gguf.reader import read_gguf_metadata
 
-    from modelrunner.gguf_checkpoint import GGUFCheckpoint
-    from modelrunner.gguf_metadata import read_metadata
-    from modelrunner.source import _alias_file
+    from modelrunner.loading.gguf_file import GGUFCheckpoint
+    from modelrunner.loading.gguf_metadata import read_metadata
+    from modelrunner.loading.source import _alias_file
 
     path = str(_alias_file("smollm2"))
     arrays = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges")
@@ -77,8 +77,8 @@ def test_a_llama_files_config_equals_transformers_llama_config(values):
     # Built without importing LlamaConfig (a second of a cold start): every field must be its.
     from transformers import LlamaConfig
 
-    from modelrunner.gguf_checkpoint import GGUFCheckpoint, llama_config
-    from modelrunner.source import _alias_file
+    from modelrunner.loading.gguf_file import GGUFCheckpoint, llama_config
+    from modelrunner.loading.source import _alias_file
 
     if values is None:
         values = GGUFCheckpoint(_alias_file("smollm2")).config_values()
@@ -250,8 +250,8 @@ def wait_for_no_tokenizer_threads() -> bool:
 def test_a_saved_tokenizer_reads_back_equal_to_the_one_built_and_a_damaged_copy_is_rebuilt(tmp_path):
     # A GGUF vocabulary is converted once and saved under a digest of the file's metadata; later loads
     # read the saved copy. It must tokenize, decode and template exactly as the one built from the file.
-    from modelrunner.gguf_checkpoint import GGUFCheckpoint
-    from modelrunner.source import _alias_file
+    from modelrunner.loading.gguf_file import GGUFCheckpoint
+    from modelrunner.loading.source import _alias_file
 
     checkpoint = GGUFCheckpoint(_alias_file("smollm2"))
     built = checkpoint.tokenizer()

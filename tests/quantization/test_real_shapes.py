@@ -50,7 +50,7 @@ def _write(tmp_path, shape: str):
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 def test_one_layer_of_a_real_size_q4_k_m_decodes_and_equals_the_file_dequantized(tmp_path, shape):
-    from modelrunner.gguf_metadata import read_tensor_table
+    from modelrunner.loading.gguf_metadata import read_tensor_table
 
     path = _write(tmp_path, shape)
     types = {t.name: t.ggml_type for t in read_tensor_table(path).tensors}

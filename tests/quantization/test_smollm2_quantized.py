@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from modelrunner import LLM, SamplingParams
-from modelrunner.source import resolve_source
+from modelrunner.loading.source import resolve_source
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,",
            "Water boils at"]

@@ -138,7 +138,7 @@ def serve_tokenizer_dir(tmp_path_factory) -> Path:
 
     (Read through modelrunner's own source, which also works when SmolLM2 is a GGUF file read natively.)
     """
-    from modelrunner.source import resolve_source
+    from modelrunner.loading.source import resolve_source
 
     path = tmp_path_factory.mktemp("smollm2-tokenizer")
     resolve_source("smollm2").load_tokenizer().save_pretrained(str(path))

@@ -1,7 +1,7 @@
 """Building blocks that model adapters compose: paged attention, RoPE, RMSNorm, parallel linear layers.
 
 Every parameter carries a ``weight_loader(param, loaded_weight, shard_id=None)`` that copies this
-tensor-parallel rank's slice of a full checkpoint tensor (see :func:`modelrunner.weights.load_weights`).
+tensor-parallel rank's slice of a full checkpoint tensor (see :func:`modelrunner.loading.weights.load_weights`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ class VocabParallelEmbedding(nn.Module):
         """How a quantization method stores this table (and multiplies it, as an LM head); None: floats."""
         self.compute_dtype: torch.dtype | None = None
         """The dtype a quantized table's rows are returned in: the model's (set by
-        :func:`~modelrunner.weights.materialize`); None: as the scheme dequantizes them (float32)."""
+        :func:`~modelrunner.loading.weights.materialize`); None: as the scheme dequantizes them (float32)."""
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:
         """Copy this rank's vocabulary rows of the full checkpoint table; padding rows become zero."""

@@ -12,7 +12,7 @@ Weights use vLLM's layout and names: ``w13_weight`` ``[experts, 2 * intermediate
 rows then up rows, transformers 5's ``experts.gate_up_proj``) and ``w2_weight``
 ``[experts, hidden, intermediate]`` (``experts.down_proj``). Their weight loaders take either the
 fused 3-D checkpoint tensor (``shard_id=None``) or one expert's 2-D projection, with ``shard_id``
-its index in :meth:`FusedMoE.packed_modules_mapping` (so :func:`modelrunner.weights.load_weights`
+its index in :meth:`FusedMoE.packed_modules_mapping` (so :func:`modelrunner.loading.weights.load_weights`
 both routes per-expert tensors and reports the missing ones by name).
 
 Tensor parallelism is *expert parallelism*: rank ``r`` of ``tp_size`` holds experts
@@ -183,7 +183,7 @@ class FusedMoE(nn.Module):
         }
 
     def reset_buffers(self) -> None:
-        """Zero the expert token counters (after :func:`modelrunner.weights.materialize`)."""
+        """Zero the expert token counters (after :func:`modelrunner.loading.weights.materialize`)."""
         self.expert_token_counts.zero_()
 
     def _load(self, which: str, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Any = None) -> None:

@@ -1,5 +1,5 @@
-"""What model adapters share: the pre-norm decoder, pipeline-stage helpers, building and loading a
-model, running a step, and the protocols adapters rely on in each other's models.
+"""What model adapters share: the pre-norm decoder, pipeline-stage helpers, running a step, and the
+protocols adapters rely on in each other's models (building and loading one: :mod:`modelrunner.loading`).
 
 No adapter imports another adapter; whatever two of them need lives here.
 """
@@ -15,8 +15,6 @@ from .decoder import (
     tp_args,
 )
 from .forward import run_stage
-from .loader import ModelLoader
-from .loading import build_and_load, kv_cache_spec_for, load_tokenizer, loaded_for
 from .protocols import TextModel
 from .stages import StageMissingLayer, StageWeights, check_built_for
 
@@ -26,16 +24,11 @@ __all__ = [
     "DecoderLayer",
     "DecoderModel",
     "GatedMLP",
-    "ModelLoader",
     "StageMissingLayer",
     "StageWeights",
     "TextModel",
-    "build_and_load",
     "check_built_for",
     "head_dim_of",
-    "kv_cache_spec_for",
-    "load_tokenizer",
-    "loaded_for",
     "run_stage",
     "sliding_windows_of",
     "tp_args",

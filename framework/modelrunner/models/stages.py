@@ -32,7 +32,7 @@ class StageMissingLayer(nn.Module):
 class StageWeights:
     """The checkpoint tensors of the modules on ``model``'s pipeline stage; other stages' are skipped.
 
-    :param weights: ``(name, tensor)`` pairs, e.g. :meth:`modelrunner.source.ModelSource.iter_weights`.
+    :param weights: ``(name, tensor)`` pairs, e.g. :meth:`modelrunner.loading.source.ModelSource.iter_weights`.
     :param model: a model built for one pipeline stage (other stages' modules are :class:`StageMissingLayer`).
     """
 

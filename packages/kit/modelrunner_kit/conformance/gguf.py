@@ -169,7 +169,7 @@ def write_llama_gguf(checkpoint: str | Path, path: str | Path, types: Mapping[st
     """Write the Llama checkpoint directory ``checkpoint`` to the GGUF file ``path`` (see :func:`write_gguf`)."""
     from transformers import AutoConfig
 
-    from modelrunner.weights import SafetensorsCheckpoint  # kernel internal: reads the tiny checkpoint
+    from modelrunner.loading.weights import SafetensorsCheckpoint  # kernel internal: reads the tiny checkpoint
 
     config: Any = AutoConfig.from_pretrained(str(checkpoint))
     if config.model_type != "llama":

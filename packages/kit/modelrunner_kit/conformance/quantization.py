@@ -139,7 +139,7 @@ class QuantizationMethodSuite(Suite):
 
     def _refusal(self, path: Path) -> str | None:
         """Why the method refuses the checkpoint at ``path`` (None: it runs it)."""
-        from modelrunner.source import resolve_source  # kernel internal: reads a checkpoint as the runner does
+        from modelrunner.loading.source import resolve_source  # kernel internal: reads a checkpoint as the runner does
 
         source = resolve_source(str(path))
         try:
@@ -198,7 +198,7 @@ class QuantizationMethodSuite(Suite):
         from modelrunner.cache_dir import cache_root  # the kernel's cache folder
         from modelrunner.capabilities import runs_quantization  # the table `plugins --matrix` prints
         from modelrunner.quantization import select_quantization  # picks the method as the runner does
-        from modelrunner.source import resolve_source  # reads a checkpoint as the runner does
+        from modelrunner.loading.source import resolve_source  # reads a checkpoint as the runner does
 
         from ..testing import load_adapter
 

@@ -19,7 +19,7 @@ from modelrunner.cache_dir import cache_root  # the kernel's cache folder
 from modelrunner.plugins import get_plugins  # the process's loaded plugins
 from modelrunner.quantization import select_quantization  # picks the method as the runner does
 from modelrunner.runner import resolve_max_model_len  # the runner's context-length rule
-from modelrunner.source import ModelSource, resolve_source  # reads a checkpoint as the runner does
+from modelrunner.loading.source import ModelSource, resolve_source  # reads a checkpoint as the runner does
 
 
 @attrs.define

@@ -9,7 +9,7 @@ import torch
 
 from modelrunner import hookimpl
 from modelrunner.loaded_model import LoadedModel
-from modelrunner.models import build_and_load, loaded_for
+from modelrunner.api import build_and_load, loaded_for
 
 from .model import GPT2LMHeadModel
 

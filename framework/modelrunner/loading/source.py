@@ -15,9 +15,9 @@ from typing import Any
 import attrs
 import torch
 
-from .cache_dir import cache_root  # re-exported: its home before it had its own module
-from .errors import ModelSourceError
-from .gguf_checkpoint import GGUFCheckpoint
+from ..cache_dir import cache_root
+from ..errors import ModelSourceError
+from .gguf_file import GGUFCheckpoint
 from .weights import iter_weights
 
 
@@ -35,7 +35,7 @@ class ModelSource:
     """``hf`` for a directory, ``gguf`` for a GGUF file read in place, ``gguf-converted`` for one
     transformers converted to a directory (architectures not read natively)."""
     gguf: Any = None
-    """The :class:`~modelrunner.gguf_checkpoint.GGUFCheckpoint` of a GGUF file read in place."""
+    """The :class:`~modelrunner.loading.gguf_file.GGUFCheckpoint` of a GGUF file read in place."""
     quantization: Any = None
     """The :class:`~modelrunner.quantization.QuantizationMethod` the model's layers are built with
     (set by the runner; None: dense floats). :func:`modelrunner.models.build_and_load` applies it."""
@@ -55,7 +55,7 @@ class ModelSource:
         return archs[0] if archs else ""
 
     def iter_weights(self) -> Any:
-        """This source's ``(name, tensor)`` pairs (see :func:`modelrunner.weights.iter_weights`),
+        """This source's ``(name, tensor)`` pairs (see :func:`modelrunner.loading.weights.iter_weights`),
         restricted and renamed by :attr:`weight_renames`; a GGUF file's tensors in place (quantized
         ones as :class:`~modelrunner.quantization.blocks.GGMLBlocks`)."""
         if self.gguf is not None:

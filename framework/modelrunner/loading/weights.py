@@ -16,9 +16,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from .errors import ModelRunnerError
-from .layers.linear import default_weight_loader
-from .quantization.blocks import GGMLBlocks
+from ..errors import ModelRunnerError
+from ..layers.linear import default_weight_loader
+from ..quantization.blocks import GGMLBlocks
 
 INDEX_FILE = "model.safetensors.index.json"
 """The index of a sharded checkpoint (``weight_map``: tensor name → file)."""

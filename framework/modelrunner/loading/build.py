@@ -11,8 +11,8 @@ from torch import nn
 from ..kv_cache.spec import KVCacheSpec
 from ..layers.attention import Attention
 from ..loaded_model import LoadedModel
-from ..weights import load_weights, materialize
-from .stages import StageWeights
+from .weights import load_weights, materialize
+from ..models.stages import StageWeights
 
 Weights = Iterable[tuple[str, torch.Tensor]]
 """``(name, tensor)`` pairs of a checkpoint."""
@@ -31,12 +31,12 @@ def build_and_load(factory: Callable[[], nn.Module], source: Any, device: torch.
     covers quantized storage before anything is allocated, and finishes them after loading — so an
     adapter built on this function gets quantization without code of its own.
 
-    :param source: the :class:`~modelrunner.source.ModelSource`; its ``iter_weights()`` (which honours
+    :param source: the :class:`~modelrunner.loading.source.ModelSource`; its ``iter_weights()`` (which honours
         ``weight_renames``) is read unless ``weights`` is given.
     :param transform: renames or regroups the tensors before loading (e.g. an MoE expert layout).
     :param packed_modules_mapping: default ``model.packed_modules_mapping``.
     :param ignore: checkpoint name suffixes to skip; default ``model.ignored_weights``.
-    :raises modelrunner.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor.
+    :raises modelrunner.loading.weights.CheckpointError: missing weight file, wrong-shaped or missing tensor.
     """
     with torch.device("meta"):
         model = factory()

@@ -1,6 +1,6 @@
 """A GGUF file read as a checkpoint, in place: config, tokenizer and tensors from the file itself.
 
-The metadata and the tensor table are parsed by :mod:`~modelrunner.gguf_metadata` (no tensor data is
+The metadata and the tensor table are parsed by :mod:`~modelrunner.loading.gguf_metadata` (no tensor data is
 touched); each tensor is read from the file when the loader asks for it, so loading never holds
 more than the model's own storage and one tensor of the file.
 :meth:`GGUFCheckpoint.iter_weights` yields them under Hugging Face names, undoing llama.cpp's layout
@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
-from .errors import ModelSourceError
+from ..errors import ModelSourceError
 from .gguf_metadata import read_metadata, read_tensor_table
-from .quantization.blocks import FLOAT_TYPES, GGML_BLOCK, GGMLBlocks, ggml_type_name
+from ..quantization.blocks import FLOAT_TYPES, GGML_BLOCK, GGMLBlocks, ggml_type_name
 
 logger = logging.getLogger(__name__)
 
@@ -304,7 +304,7 @@ class GGUFCheckpoint:
     def tokenizer_fields(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(tokenizer_dict, tokenizer_config)`` as transformers' ``get_gguf_tokenizer`` returns them
         (its key mapping, its defaults for ``add_bos_token``), from this reader's metadata: the
-        vocabulary and merges read once, with :func:`~modelrunner.gguf_metadata.read_metadata`."""
+        vocabulary and merges read once, with :func:`~modelrunner.loading.gguf_metadata.read_metadata`."""
         from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING
 
         full = read_metadata(self.path, _STRING_ARRAYS)  # every key, the string arrays in full

@@ -13,7 +13,7 @@ from ..errors import PluginError, PluginWarning, UnknownNameError
 from ..loaded_model import LoadedModel
 from ..plugin_timeout import LOAD_TIMEOUT_ENV, call_bounded, load_timeout
 from ..registry import FALLBACK_ARCHITECTURE
-from ..weights import unset_buffers, unset_buffers_message
+from .weights import unset_buffers, unset_buffers_message
 
 
 class ModelLoader:
@@ -52,7 +52,7 @@ class ModelLoader:
 
         :raises UnknownNameError: no plugin loads the checkpoint.
         :raises PluginError: the plugin that registered the architecture returned nothing (or exited), or
-            its model has buffers that :func:`~modelrunner.weights.materialize` allocated and nothing set
+            its model has buffers that :func:`~modelrunner.loading.weights.materialize` allocated and nothing set
             (named, with what to do).
         :raises PluginTimeoutError: its load hook ran past ``$MODELRUNNER_LOAD_TIMEOUT``.
         """
