@@ -22,7 +22,7 @@ from plugin_dists import make_distribution
 TRANSPOSED_O_PROJ = '''
 """modelrunner-llama's Llama with every o_proj weight loaded transposed (square here: no shape error)."""
 from modelrunner import hookimpl
-from modelrunner.models import build_and_load, loaded_for
+from modelrunner.api import build_and_load, loaded_for
 from modelrunner_llama import forward, parallelize  # the real adapter's other hooks
 from modelrunner_llama.model import LlamaForCausalLM
 
@@ -49,7 +49,7 @@ NO_SLIDING_WINDOW = '''
 import copy
 
 from modelrunner import hookimpl
-from modelrunner.models import build_and_load, loaded_for
+from modelrunner.api import build_and_load, loaded_for
 from modelrunner_llama import forward, parallelize
 from modelrunner_llama.model import LlamaForCausalLM
 
@@ -253,7 +253,7 @@ import torch
 from torch import nn
 
 from modelrunner import hookimpl
-from modelrunner.models import build_and_load, loaded_for
+from modelrunner.api import build_and_load, loaded_for
 from modelrunner_llama import forward, parallelize
 from modelrunner_llama.model import LlamaForCausalLM
 

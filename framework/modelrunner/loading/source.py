@@ -38,7 +38,7 @@ class ModelSource:
     """The :class:`~modelrunner.loading.gguf_file.GGUFCheckpoint` of a GGUF file read in place."""
     quantization: Any = None
     """The :class:`~modelrunner.quantization.QuantizationMethod` the model's layers are built with
-    (set by the runner; None: dense floats). :func:`modelrunner.models.build_and_load` applies it."""
+    (set by the runner; None: dense floats). :func:`modelrunner.loading.build_and_load` applies it."""
     weight_renames: tuple[tuple[str, str], ...] = ()
     """For one part of a composite checkpoint (e.g. the language model inside a LLaVA checkpoint):
     ``(checkpoint prefix, replacement)`` pairs, the first match wins; tensors that match none are
