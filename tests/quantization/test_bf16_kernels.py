@@ -201,6 +201,12 @@ def test_the_matmul_kernels(cls):
             for how, y in (("run", kernel().run(weight, x)), ("bind", bound(x))):
                 assert y.dtype == torch.float32, how
                 assert_bf16(y, x, w, f"{cls} int{bits} {how} M={M}")
+            # A bfloat16 engine's activations as they are (input_dtypes): the same sums, rounded once.
+            xb = x.bfloat16()
+            want = bound(xb.float()).bfloat16()
+            for how, y in (("run", kernel().run(weight, xb)), ("bind", bound(xb))):
+                assert y.dtype == torch.bfloat16 and torch.equal(y, want), f"{cls} int{bits} {how} M={M} bf16"
+    assert torch.bfloat16 in kernel.input_dtypes
 
 
 def test_the_bf16_gated_mlp_is_its_three_calls():

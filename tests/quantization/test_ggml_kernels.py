@@ -110,6 +110,23 @@ def test_bf16_every_shape_against_torch(ggml_type):
     check_bf16_type(ggml_type)
 
 
+def test_the_bf16_matmul_kernel_takes_a_bf16_engines_activations_as_they_are():
+    # cpu_ggml_bf16 computes in bfloat16: a bfloat16 engine hands it bfloat16 (input_dtypes) and gets
+    # bfloat16 back, the very values it returns as float32 for the same activations.
+    kernel = quant.matmul.CPUGGMLBF16
+    assert torch.bfloat16 in kernel.input_dtypes
+    blocks = torch.from_numpy(random_blocks(Q4_K, 40, 512))
+    q4_k = WeightFormat(4, 32, True, scale_dtype="float32", ggml_type=Q4_K)
+    weight = QuantizedWeight(blocks, torch.empty(0), None, q4_k, 40, 512)
+    bound = kernel().bind(weight)
+    for rows in (1, 100):
+        x = torch.randn(rows, 512).bfloat16()
+        want = bound(x.float())
+        assert want.dtype == torch.float32
+        for how, y in (("run", kernel().run(weight, x)), ("bind", bound(x))):
+            assert y.dtype == torch.bfloat16 and torch.equal(y.float(), want), (how, rows)
+
+
 def test_bf16_leading_dimensions_empty_inputs_and_inference_mode():
     blocks = torch.from_numpy(random_blocks(Q6_K, 5, 512))
     w = quant.ggml_dequantize(blocks, Q6_K)

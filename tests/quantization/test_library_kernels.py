@@ -176,6 +176,41 @@ def test_in_a_bf16_engine_bf16_kernels_are_exact_and_weight_rounding_ones_run_ba
     assert relative(scheme.apply(layer, x, None), x @ scheme.dequantized(layer).T) < BF16_RTOL
 
 
+@needs_int4pack
+@pytest.mark.parametrize("pinned", [None, "reference"])
+def test_a_bf16_engine_hands_its_activations_to_a_kernel_as_they_are(plugins, monkeypatch, pinned):
+    # A bfloat16 engine's layer takes and gives bfloat16. A kernel that takes them (input_dtypes:
+    # torch_int4pack, oneDNN) gets them as they are and rounds its float32 sums once; one that does not
+    # (the reference) gets float32 and its output is rounded; with a bias, float32 throughout, the bias
+    # added before the one rounding. Each equals the float32 path on the same values, rounded.
+    monkeypatch.setattr(OneDNNBF16, "timed", True)
+    monkeypatch.setattr(OneDNNBF16Int4Pack, "timed", True)
+    seen: list[torch.dtype] = []
+    for cls in (TorchInt4Pack, OneDNNBF16Int4Pack, OneDNNBF16, type(KernelSelector("float", plugins=plugins)
+                                                                   .candidates["reference"])):
+        original = cls.bind
+
+        def spy(self, weight, original=original):
+            run = original(self, weight)
+            return lambda x: (seen.append(x.dtype), run(x))[1]
+        monkeypatch.setattr(cls, "bind", spy)
+    selector = KernelSelector("float", plugins=plugins, kernel=pinned)
+    selector.dtype = torch.bfloat16
+    scheme, layer = _layer("int4:g32:mins", selector)
+    selector.prepare(scheme, layer)
+    bias = torch.randn(layer.weight.logical_shape[0]).bfloat16()
+    for rows in (1, 40):
+        x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).bfloat16()
+        float_path = scheme.apply(layer, x.float(), None)
+        seen.clear()
+        got = scheme.apply(layer, x, None)
+        assert got.dtype == torch.bfloat16 and torch.equal(got, float_path.bfloat16()), rows
+        assert seen == [torch.float32 if pinned else torch.bfloat16], (rows, seen)
+        seen.clear()
+        with_bias = scheme.apply(layer, x, bias)
+        assert torch.equal(with_bias, (float_path + bias).bfloat16()) and seen == [torch.float32], rows
+
+
 def test_in_a_bf16_engine_families_are_timed_without_weight_rounding_on_one_row(monkeypatch):
     every = Plugins()  # the quant-cpu plugin's families too, where its kernels load
     monkeypatch.setattr(OneDNNBF16, "timed", True)

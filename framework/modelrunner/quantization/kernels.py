@@ -345,7 +345,8 @@ class KernelSelector:
         self._copies.pop(layer, None)
 
     def bound(self, scheme: Any, layer: Any) -> Callable[[torch.Tensor], torch.Tensor]:
-        """``layer``'s matmul as one callable of a 2-D, contiguous float32 ``x``, bound to its storage on
+        """``layer``'s matmul as one callable of a 2-D, contiguous ``x`` — float32 or the engine's dtype
+        (:attr:`dtype`), the output in ``x``'s dtype — bound to its storage on
         first use (storage is written in place, never replaced, once loaded), so a step pays no
         lookups. Where both buckets chose the same kernel it is that kernel alone: no branch on the
         row count."""
@@ -399,13 +400,21 @@ class KernelSelector:
         decode, batch = self._choice(scheme, layer, "decode"), self._choice(scheme, layer, "batch")
         name = decode if decode == batch or x.shape[0] <= DECODE_ROWS else batch
         kernel = self.candidates[name]
-        return kernel.run(self._weight(scheme, layer, kernel), x)
+        if x.dtype is torch.float32 or x.dtype in kernel.input_dtypes:
+            return kernel.run(self._weight(scheme, layer, kernel), x)
+        return kernel.run(self._weight(scheme, layer, kernel), x.float()).to(x.dtype)
 
     def _bind(self, scheme: Any, layer: Any, bucket_name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         kernel = self.candidates[self._choice(scheme, layer, bucket_name)]
         if kernel.layout != PLANAR and layout_of(layer) == PLANAR and getattr(layer, "quant_scheme", None) is scheme:
             self._pack_in_place(scheme, layer, kernel)  # a layer bound before it was prepared
-        return kernel.bind(self._weight(scheme, layer, kernel))
+        run = kernel.bind(self._weight(scheme, layer, kernel))
+        if self.dtype is torch.float32 or self.dtype in kernel.input_dtypes:
+            return run
+
+        def via_float32(x: torch.Tensor) -> torch.Tensor:  # the engine's activations, converted both ways
+            return run(x) if x.dtype is torch.float32 else run(x.float()).to(x.dtype)
+        return via_float32
 
     def _choice(self, scheme: Any, layer: Any, bucket_name: str) -> str:
         key = self.key(scheme, layer, bucket_name)

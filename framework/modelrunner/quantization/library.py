@@ -19,9 +19,10 @@ first; hand-written code stays where it wins by a measured margin).
   ``torch_int4pack`` (one row) runs oneDNN on many. Both round the weights to bfloat16
   (``rounds_weights``): under the exact setting they run only the batch bucket of a bfloat16 engine.
 
-All three round the activations to bfloat16 and return bfloat16 sums as float32 (about 4e-3 of the
-largest output against the float reference): not exact. They form the ``bf16`` family of
-activations, which runs only where the method's ``activations`` option is ``bf16``, or ``auto`` where
+All of them round the activations to bfloat16 and return bfloat16 sums (about 4e-3 of the largest
+output against the float reference): not exact. They give float32 activations their sums back as
+float32, and take a bfloat16 engine's activations and give back bfloat16 as they are
+(``input_dtypes``). They form the ``bf16`` family of activations, which runs only where the method's ``activations`` option is ``bf16``, or ``auto`` where
 a bf16 kernel measures fastest. The packed ops also take float32 activations (then exact) but run
 them 4-36x slower at 1-8 rows (an AMD Zen 3; 30-100x on a Xeon: ``bench/quant_kernels.py``), so the
 kernels don't.
@@ -126,6 +127,7 @@ class TorchInt4Pack(MatmulKernel):
     activations, on the ``int4pack`` layout (4-bit groups of 32-256 with mins, where the ops run)."""
 
     name = "torch_int4pack"
+    input_dtypes = (torch.float32, torch.bfloat16)
     devices = ("cpu",)
     layout = "int4pack"
     exact = False
@@ -181,15 +183,15 @@ class TorchInt4Pack(MatmulKernel):
                                                          weight.format.group_size, weight.scales)
         if out.shape[1] != weight.rows:
             out = out[:, :weight.rows]
-        return out.float().contiguous()
+        return out.to(x.dtype).contiguous()
 
     def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         """:meth:`run` with the op and its operands looked up once."""
         op, data, group, scale_zeros, rows = (torch.ops.aten._weight_int4pack_mm_for_cpu.default, weight.data,
                                               weight.format.group_size, weight.scales, weight.rows)
         if data.shape[0] == rows:
-            return lambda x: op(x.to(torch.bfloat16).contiguous(), data, group, scale_zeros).float()
-        return lambda x: op(x.to(torch.bfloat16).contiguous(), data, group, scale_zeros)[:, :rows].float().contiguous()
+            return lambda x: op(x.to(torch.bfloat16).contiguous(), data, group, scale_zeros).to(x.dtype)
+        return lambda x: op(x.to(torch.bfloat16).contiguous(), data, group, scale_zeros)[:, :rows].to(x.dtype).contiguous()
 
 
 class TorchInt8Pack(MatmulKernel):
@@ -197,6 +199,7 @@ class TorchInt8Pack(MatmulKernel):
     activations, on planar per-channel int8 (one scale per row: the ``int8`` method's format)."""
 
     name = "torch_int8pack"
+    input_dtypes = (torch.float32, torch.bfloat16)
     devices = ("cpu",)
     exact = False
     activations = "bf16"
@@ -215,13 +218,13 @@ class TorchInt8Pack(MatmulKernel):
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """``x`` and the row scales in bfloat16 through the op."""
         return torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16).contiguous(), weight.data,
-                                                  weight.scales.reshape(-1).to(torch.bfloat16)).float()
+                                                  weight.scales.reshape(-1).to(torch.bfloat16)).to(x.dtype)
 
     def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         """:meth:`run` with the bfloat16 scales made once (2 bytes per row)."""
         op, data, scales = torch.ops.aten._weight_int8pack_mm.default, weight.data, \
             weight.scales.reshape(-1).to(torch.bfloat16)
-        return lambda x: op(x.to(torch.bfloat16).contiguous(), data, scales).float()
+        return lambda x: op(x.to(torch.bfloat16).contiguous(), data, scales).to(x.dtype)
 
 
 class OneDNNBF16(MatmulKernel):
@@ -230,6 +233,7 @@ class OneDNNBF16(MatmulKernel):
     compute bf16 natively (``timed`` is :func:`native_bf16`, read when this module is imported)."""
 
     name = "onednn_bf16"
+    input_dtypes = (torch.float32, torch.bfloat16)
     devices = ("cpu",)
     exact = False
     activations = "bf16"
@@ -250,7 +254,7 @@ class OneDNNBF16(MatmulKernel):
         parts = [F.linear(xb, dequantize_bf16(data[a:a + step], scales[a:a + step],
                                               None if mins is None else mins[a:a + step], fmt.group_size, fmt.bits))
                  for a in range(0, rows, step)]
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).float()
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).to(x.dtype)
 
 
 class OneDNNBF16Int4Pack(TorchInt4Pack):
@@ -278,7 +282,7 @@ class OneDNNBF16Int4Pack(TorchInt4Pack):
             tiles = data[a:-(-b // INT4PACK_ROWS) * INT4PACK_ROWS]
             q = int4pack_nibbles(tiles, cols, *order)[:b - a]
             parts.append(F.linear(xb, dequantize_values_bf16(q, exact[a:b, :, 0], exact[a:b, :, 1], group)))
-        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).float()
+        return (parts[0] if len(parts) == 1 else torch.cat(parts, 1)).to(x.dtype)
 
     bind = MatmulKernel.bind  # the default (:meth:`run`): its chunks are made on every call, not torch_int4pack's op
 

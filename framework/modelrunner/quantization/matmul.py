@@ -135,6 +135,12 @@ class MatmulKernel:
     """The smallest group it runs (16 for Q6_K, Q2_K and Q3_K files); groups are multiples of it."""
     ggml_types: ClassVar[tuple[int, ...]] = ()
     """ggml type ids whose blocks it reads as stored (:attr:`WeightFormat.ggml_type`); empty: planar only."""
+    input_dtypes: ClassVar[tuple[torch.dtype, ...]] = (torch.float32,)
+    """The activation dtypes :meth:`run` and :meth:`bind`'s callable take as they are, returning the
+    output in the same dtype. float32 always; add ``torch.bfloat16`` where the kernel computes with
+    bfloat16 activations anyway: a bfloat16 engine then hands its activations over and takes the output
+    back without converting either (the float32 sums rounded to bfloat16 once, as ``.to`` rounds). For
+    any other dtype the selector converts ``x`` to float32 and the output back."""
 
     @classmethod
     def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
@@ -161,7 +167,8 @@ class MatmulKernel:
         return ""
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """``x @ W.T``: ``x`` float32 ``[M, cols]``, contiguous → float32 ``[M, rows]``.
+        """``x @ W.T``: ``x`` float32 (or a dtype of :attr:`input_dtypes`) ``[M, cols]``, contiguous →
+        ``[M, rows]`` in ``x``'s dtype.
 
         Called with the layer's parameters on every call under a compiler (``torch.compile`` traces
         it), so read the storage from ``weight`` here rather than from state kept elsewhere.

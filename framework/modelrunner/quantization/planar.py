@@ -232,12 +232,17 @@ class PlanarScheme:
     # -- compute -----------------------------------------------------------------------------------
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """``x Wᵀ + bias`` by the kernel chosen for this shape and row count."""
+        """``x Wᵀ + bias`` by the kernel chosen for this shape and row count. The engine's activations
+        (:attr:`~.kernels.KernelSelector.dtype`) go to the kernel as they are (a kernel that does not
+        take them converts through float32); with a bias, or in another dtype, ``x`` is converted to
+        float32 and the bias added to the float32 output before it is rounded once."""
         shape, dtype = x.shape, x.dtype
         if len(shape) != 2:
             x = x.reshape(-1, shape[-1])
-        if dtype is not torch.float32 or not x.is_contiguous():
-            x = x.float().contiguous()  # what every kernel takes
+        if dtype is not torch.float32 and (bias is not None or dtype is not self.kernels.dtype):
+            x = x.float()
+        if not x.is_contiguous():
+            x = x.contiguous()
         if torch.compiler.is_compiling():
             out = self.kernels.traced(self, layer, x)
         else:
@@ -247,7 +252,7 @@ class PlanarScheme:
             out = out + bias
         if len(shape) != 2:
             out = out.reshape(*shape[:-1], out.shape[-1])
-        return out if dtype is torch.float32 else out.to(dtype)
+        return out if out.dtype is dtype else out.to(dtype)
 
     def gated_mlp(self, gate_up: nn.Module, down: nn.Module) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """A gated MLP's ``down(silu(gate(x)) * up(x))`` as one kernel call (its gate/up projection

@@ -316,13 +316,14 @@ def qlinear_bf16(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, m
 
 def bind_qlinear_bf16(qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                       bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`qlinear_bf16` of one weight as a callable of ``x`` (float32 ``[M, K]``, contiguous),
-    rounded to bfloat16 on the way in, the float32 sums handed back (what a matmul kernel takes and
-    gives)."""
+    """:func:`qlinear_bf16` of one weight as a callable of ``x`` (``[M, K]``, contiguous): bfloat16
+    in, bfloat16 out; float32 rounded to bfloat16 on the way in, the float32 sums handed back."""
     load()
     op = torch.ops.modelrunner_quant_cpu.qlinear_bf16
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.bfloat16:
+            return op(x, qweight, scales, mins, group_size, bits, torch.bfloat16)
         return op(x.to(torch.bfloat16), qweight, scales, mins, group_size, bits, torch.float32)
 
     return run
@@ -341,12 +342,14 @@ def qlinear_p16_bf16(x: torch.Tensor, data: torch.Tensor, scales: torch.Tensor, 
 
 def bind_qlinear_p16_bf16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, rows: int,
                           group_size: int, bits: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`qlinear_p16_bf16` of one weight as a callable of ``x`` (float32 ``[M, K]``, contiguous),
-    rounded to bfloat16 on the way in, the float32 sums handed back."""
+    """:func:`qlinear_p16_bf16` of one weight as a callable of ``x`` (``[M, K]``, contiguous):
+    bfloat16 in, bfloat16 out; float32 rounded to bfloat16 on the way in, the float32 sums handed back."""
     load()
     op = torch.ops.modelrunner_quant_cpu.qlinear_p16_bf16
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.bfloat16:
+            return op(x, data, scales, mins, rows, group_size, bits, torch.bfloat16)
         return op(x.to(torch.bfloat16), data, scales, mins, rows, group_size, bits, torch.float32)
 
     return run
@@ -523,9 +526,9 @@ def ggml_linear_bf16(x: torch.Tensor, blocks: torch.Tensor, ggml_type: int, gemm
 
 
 def bind_ggml_linear_bf16(blocks: torch.Tensor, ggml_type: int, cols: int) -> Callable[[torch.Tensor], torch.Tensor]:
-    """:func:`ggml_linear_bf16` of one weight of ``cols`` input features as a callable of ``x`` (float32
-    ``[M, cols]``, contiguous), rounded to bfloat16 on the way in and returned as float32 (what a
-    matmul kernel takes and gives), with the weight's checks done once.
+    """:func:`ggml_linear_bf16` of one weight of ``cols`` input features as a callable of ``x``
+    (``[M, cols]``, contiguous) with the weight's checks done once: bfloat16 in, bfloat16 out; float32
+    rounded to bfloat16 on the way in and the result returned as float32.
 
     :raises ValueError: the blocks are not ``cols`` values per row of a type this build runs.
     """
@@ -534,6 +537,8 @@ def bind_ggml_linear_bf16(blocks: torch.Tensor, ggml_type: int, cols: int) -> Ca
     op(torch.zeros(1, cols, dtype=torch.bfloat16), blocks[:1], ggml_type, GGML_BF16_GEMM_ROWS)  # its checks, one row
 
     def run(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype is torch.bfloat16:
+            return op(x, blocks, ggml_type, GGML_BF16_GEMM_ROWS)
         return op(x.to(torch.bfloat16), blocks, ggml_type, GGML_BF16_GEMM_ROWS).float()
 
     return run

@@ -196,6 +196,11 @@ class CPUP16Split(_P16Kernel):
         return native.bind_qlinear_p16_split
 
 
+def _out_dtype(x: torch.Tensor) -> torch.dtype:
+    """What a bfloat16 kernel returns for ``x``: bfloat16 for bfloat16 activations, else float32."""
+    return torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32
+
+
 class CPUBF16(_CPUKernel):
     """``cpu_bf16``: planar storage in bfloat16 by :func:`~.kernel.qlinear_bf16`: activations and the
     weights' values rounded to bfloat16, float32 sums (not exact: ``bf16`` activations) — tiles of the
@@ -209,12 +214,14 @@ class CPUBF16(_CPUKernel):
     activations = "bf16"
     rounds_weights = True
     timed = native_bf16()
+    input_dtypes = (torch.float32, torch.bfloat16)
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """``x`` in bfloat16 through :func:`~.kernel.qlinear_bf16`, the float32 sums."""
+        """``x`` in bfloat16 through :func:`~.kernel.qlinear_bf16`: the float32 sums, or for bfloat16
+        ``x`` the sums rounded to bfloat16."""
         fmt = weight.format
         return native.qlinear_bf16(x.to(torch.bfloat16), *weight.storage, fmt.group_size, fmt.bits,
-                                   out_dtype=torch.float32)
+                                   out_dtype=_out_dtype(x))
 
     def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         """:func:`~.kernel.bind_qlinear_bf16`."""
@@ -235,14 +242,16 @@ class CPUP16BF16(_P16Kernel):
     activations = "bf16"
     rounds_weights = True
     timed = native_bf16()
+    input_dtypes = (torch.float32, torch.bfloat16)
 
     @classmethod
     def _supported(cls, bits: int) -> bool:
         return bits in (4, 8)
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """``x`` in bfloat16 through :func:`~.kernel.qlinear_p16_bf16`, the float32 sums."""
-        return native.qlinear_p16_bf16(x.to(torch.bfloat16), *self._part(weight), out_dtype=torch.float32)
+        """``x`` in bfloat16 through :func:`~.kernel.qlinear_p16_bf16`: the float32 sums, or for
+        bfloat16 ``x`` the sums rounded to bfloat16."""
+        return native.qlinear_p16_bf16(x.to(torch.bfloat16), *self._part(weight), out_dtype=_out_dtype(x))
 
     def _binder(self) -> Callable[..., Callable[[torch.Tensor], torch.Tensor]]:
         return native.bind_qlinear_p16_bf16
@@ -294,10 +303,11 @@ class CPUGGMLBF16(CPUGGML):
     activations = "bf16"
     rounds_weights = True
     timed = native_bf16()
+    input_dtypes = (torch.float32, torch.bfloat16)
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """``x`` in bfloat16 through :func:`~.kernel.ggml_linear_bf16`, the result as float32."""
-        return native.ggml_linear_bf16(x.to(torch.bfloat16), weight.data, weight.format.ggml_type).float()
+        """``x`` in bfloat16 through :func:`~.kernel.ggml_linear_bf16`, the result in ``x``'s dtype."""
+        return native.ggml_linear_bf16(x.to(torch.bfloat16), weight.data, weight.format.ggml_type).to(x.dtype)
 
     def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
         """:func:`~.kernel.bind_ggml_linear_bf16`: the blocks checked against ``cols`` once."""
