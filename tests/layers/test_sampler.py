@@ -99,3 +99,15 @@ def test_bad_shapes_and_lengths_are_clear_errors():
         sample(torch.zeros(3, 10), _meta(2))
     with pytest.raises(ValueError, match="equal lengths"):
         SamplingMetadata.from_rows([1.0], [0, 0], [1.0], [None])
+
+
+def test_the_inverse_transform_never_draws_a_token_of_zero_weight_at_either_end():
+    # One uniform a row against the running sum: u = 0 takes the first token of positive weight, u just
+    # below 1 the last one (a float32 product that rounds up to the total must not run past it).
+    from modelrunner.sampling.sampler import _inverse_cdf
+
+    weights = torch.tensor([[0.0, 0.25, 0.0, 0.75, 0.0, 0.0]] * 3)
+    u = torch.tensor([0.0, 1.0 - 2**-24, 0.3])
+    assert _inverse_cdf(weights.clone(), u).tolist() == [1, 3, 3]
+    huge = torch.tensor([[0.0, 3e38, 3e38 * 0.1, 0.0]])  # a total near float32's largest
+    assert _inverse_cdf(huge.clone(), torch.tensor([1.0 - 2**-24])).tolist() == [2]
