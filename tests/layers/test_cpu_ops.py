@@ -1,5 +1,5 @@
-"""The fused CPU layer ops (RMSNorm with its residual add, rotary embeddings, the logits scans)
-against torch's versions of the same layers (the plain layers; the ops run through the forwards the
+"""The fused CPU layer ops (RMSNorm with its residual add, rotary embeddings, the logits scans), in
+float32 and bfloat16, against torch's versions of the same layers (the plain layers; the ops run through the forwards the
 ``cpu_fused`` compile backend binds onto them), and their refusals of bad input."""
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def test_bad_input_is_refused_by_name():
     table = torch.randn(16, 8)
     with pytest.raises(ValueError, match=r"position 16 of token 1 is outside the table's \[0, 16\)"):
         ops.rotary(torch.tensor([0, 16]), torch.randn(2, 1, 8), table)
-    with pytest.raises(ValueError, match=r"weight must be float32 \[8\]"):
+    with pytest.raises(ValueError, match=r"weight must be Float \[8\]"):
         ops.rms_norm(torch.randn(2, 8), torch.randn(9), 1e-6)
     with pytest.raises(ValueError, match=r"slot 8 of token 0 is outside the cache's \[0, 8\)"):
         ops.store_kv(torch.zeros(2, 4, 2, 1, 8), torch.tensor([8]), torch.randn(1, 1, 8), torch.randn(1, 1, 8))
@@ -111,8 +111,46 @@ def test_bad_input_is_refused_by_name():
         ops.argmax_rows(torch.zeros(2, 0))
 
 
+def one_rounding_apart(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Bfloat16 values equal but for the odd one a float32 sum of squares in another order rounds the
+    other way: one bfloat16 step apart, at a few in a thousand."""
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-6)
+    assert (got != want).float().mean() < 0.005
+
+
+def test_in_bfloat16_the_norms_rotary_product_and_kv_write_are_torchs():
+    # A bfloat16 engine's layers: the ops round where torch's bfloat16 versions round (rotary, the gated
+    # product and the KV write bit for bit; the norms up to the order of their sum of squares).
+    bf = torch.bfloat16
+    gen = torch.Generator().manual_seed(5)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = (torch.rand(576, generator=gen) + 0.5).to(bf)
+    for rows in (1, 7, 300):
+        x, residual = (torch.randn(rows, 576, generator=gen) * 3).to(bf), torch.randn(rows, 576, generator=gen).to(bf)
+        one_rounding_apart(fused_ops.rms_norm(norm, x), norm(x))
+        out, summed = fused_ops.rms_norm(norm, x, residual)
+        want_out, want_sum = norm(x, residual)
+        assert torch.equal(summed, want_sum)  # the residual stream is exact
+        one_rounding_apart(out, want_out)
+    rope = RotaryEmbedding(64, 4096, {"rope_type": "default", "rope_theta": 100000.0})
+    rope.cos_sin_cache = rope.cos_sin_cache.to(bf)
+    qk = torch.randn(5, 15 * 64, generator=gen).to(bf)[:, : 12 * 64].view(5, 12, 64)
+    positions = torch.tensor([0, 3, 100, 4095, 7])
+    assert torch.equal(fused_ops.rotate(rope, positions, qk), rope.rotate(positions, qk))
+    x = (torch.randn(3, 2 * 96, generator=gen) * 4).to(bf)
+    assert torch.equal(fused_ops.silu_and_mul(SiluAndMul(), x), SiluAndMul()(x))
+    kv, key, value = torch.zeros(2, 4, 2, 3, 8, dtype=bf), torch.randn(3, 3, 8).to(bf), torch.randn(3, 3, 8).to(bf)
+    want = kv.clone()
+    sdpa_attention._store_kv(want, torch.tensor([5, 0, 7]), key, value)
+    fused_ops.write_kv(sdpa_attention.TorchSDPABackend(), kv, torch.tensor([5, 0, 7]), key, value)
+    assert torch.equal(kv, want)
+    with pytest.raises(ValueError, match=r"weight must be BFloat16 \[8\], got Float"):
+        cpu_ops.ops().rms_norm(torch.randn(2, 8).to(bf), torch.randn(8), 1e-6)
+
+
 def test_other_dtypes_and_autograd_keep_torchs_ops():
-    assert cpu_ops.fused(torch.randn(2, 8, dtype=torch.bfloat16)) is None
+    assert cpu_ops.fused(torch.randn(2, 8, dtype=torch.bfloat16)) is None  # the sampler's scans: float32 only
+    assert cpu_ops.fused(torch.randn(2, 8, dtype=torch.float16), bf16=True) is None
     assert cpu_ops.fused(torch.randn(2, 8, requires_grad=True)) is None
     norm = RMSNorm(8)
     x = torch.randn(2, 8, requires_grad=True)
@@ -132,6 +170,9 @@ _CHECK_BUILD = textwrap.dedent("""
     assert ops.broken_rows(logits).tolist() == [False, True, True, True, False]
     x, w = torch.randn(3, 100, generator=gen), torch.randn(100, generator=gen)
     torch.testing.assert_close(ops.rms_norm(x, w, 1e-5), torch.nn.functional.rms_norm(x, (100,), w, 1e-5))
+    xb, wb = x.bfloat16(), w.bfloat16()
+    want = wb * torch.nn.functional.rms_norm(xb.float(), (100,), None, 1e-5).bfloat16()
+    torch.testing.assert_close(ops.rms_norm(xb, wb, 1e-5).float(), want.float(), rtol=2**-7, atol=1e-6)
     print("OK")
 """)
 

@@ -3,8 +3,10 @@
 // logits (argmax, and the finite check), each one operator call. A decode step of a small model runs
 // them ~100 times per token on a few hundred floats each: torch's CPU versions are 5-8 operator
 // calls apiece (pow, mean, add, rsqrt, mul, ...; index_select, chunk, mul, sub, cat, ...), so their
-// dispatch, not their arithmetic, is what the step pays. Float32, on the CPU; the Python side
-// (cpu_ops.py) checks dtypes and devices and keeps torch's versions for everything else.
+// dispatch, not their arithmetic, is what the step pays. Float32 on the CPU, and bfloat16 for the
+// norms, rotary, silu(gate) * up and the KV write, rounded where torch's bfloat16 versions round (a
+// bfloat16 engine's layers); the Python side (cpu_ops.py) checks dtypes and devices and keeps torch's versions
+// for everything else.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -17,6 +19,8 @@
 #include <cstdint>
 #include <cstring>
 #include <tuple>
+#include <type_traits>
+#include <vector>
 
 namespace {
 
@@ -38,11 +42,22 @@ inline void norm_row(const float* x, const float* w, double eps, int64_t n, floa
   for (int64_t k = 0; k < n; ++k) out[k] = x[k] * r * w[k];
 }
 
+// A bfloat16 row as torch's bfloat16 RMSNorm computes it (modelrunner.layers.norm): normalised in
+// float32, rounded to bfloat16, then times the bfloat16 weight, rounded again. `tmp` holds n floats.
+inline void norm_row(const at::BFloat16* x, const at::BFloat16* w, double eps, int64_t n, at::BFloat16* out,
+                     float* tmp) {
+  for (int64_t k = 0; k < n; ++k) tmp[k] = static_cast<float>(x[k]);
+  const float r = 1.f / std::sqrt(sum_of_squares(tmp, n) / static_cast<float>(n) + static_cast<float>(eps));
+  for (int64_t k = 0; k < n; ++k)
+    out[k] = at::BFloat16(static_cast<float>(w[k]) * static_cast<float>(at::BFloat16(tmp[k] * r)));
+}
+
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* name) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu(), name, " must be a float32 CPU tensor");
+  TORCH_CHECK_VALUE((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.device().is_cpu(), name,
+                    " must be a float32 or bfloat16 CPU tensor");
   TORCH_CHECK_VALUE(x.dim() >= 1 && x.is_contiguous(), name, " must be contiguous, got strides ", x.strides());
-  TORCH_CHECK_VALUE(w.scalar_type() == at::kFloat && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1),
-                    "weight must be float32 [", x.size(-1), "], got ", w.scalar_type(), " ", w.sizes());
+  TORCH_CHECK_VALUE(w.scalar_type() == x.scalar_type() && w.dim() == 1 && w.is_contiguous() && w.size(0) == x.size(-1),
+                    "weight must be ", x.scalar_type(), " [", x.size(-1), "], got ", w.scalar_type(), " ", w.sizes());
 }
 
 template <typename F>
@@ -52,14 +67,57 @@ void for_rows(int64_t rows, int64_t width, F&& body) {
   });
 }
 
+// Each chunk of rows with a float32 scratch row of its own (the bfloat16 norm's).
+template <typename F>
+void for_rows_scratch(int64_t rows, int64_t width, F&& body) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, (1 << 15) / std::max<int64_t>(1, width)), [&](int64_t r0, int64_t r1) {
+    std::vector<float> tmp(static_cast<size_t>(width));
+    for (int64_t r = r0; r < r1; ++r) body(r, tmp.data());
+  });
+}
+
+template <typename T>
+void rms_norm_rows(const at::Tensor& x, const at::Tensor& weight, double eps, at::Tensor& out) {
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const T *xp = x.const_data_ptr<T>(), *wp = weight.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  if constexpr (std::is_same_v<T, float>) {
+    for_rows(rows, n, [&](int64_t r) { norm_row(xp + r * n, wp, eps, n, op + r * n); });
+  } else {
+    for_rows_scratch(rows, n, [&](int64_t r, float* tmp) { norm_row(xp + r * n, wp, eps, n, op + r * n, tmp); });
+  }
+}
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, weight, "x");
   at::Tensor out = at::empty_like(x);
-  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  const float *xp = x.const_data_ptr<float>(), *wp = weight.const_data_ptr<float>();
-  float* op = out.data_ptr<float>();
-  for_rows(rows, n, [&](int64_t r) { norm_row(xp + r * n, wp, eps, n, op + r * n); });
+  if (x.scalar_type() == at::kFloat)
+    rms_norm_rows<float>(x, weight, eps, out);
+  else
+    rms_norm_rows<at::BFloat16>(x, weight, eps, out);
   return out;
+}
+
+// sum = x + residual (rounded to the dtype, as torch's add), then its norm.
+template <typename T>
+void add_rms_norm_rows(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps,
+                       at::Tensor& out, at::Tensor& sum) {
+  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
+  const T *xp = x.const_data_ptr<T>(), *rp = residual.const_data_ptr<T>(), *wp = weight.const_data_ptr<T>();
+  T *op = out.data_ptr<T>(), *sp = sum.data_ptr<T>();
+  if constexpr (std::is_same_v<T, float>) {
+    for_rows(rows, n, [&](int64_t r) {
+      float* s = sp + r * n;
+      for (int64_t k = 0; k < n; ++k) s[k] = xp[r * n + k] + rp[r * n + k];
+      norm_row(s, wp, eps, n, op + r * n);
+    });
+  } else {
+    for_rows_scratch(rows, n, [&](int64_t r, float* tmp) {
+      T* s = sp + r * n;
+      for (int64_t k = 0; k < n; ++k) s[k] = T(static_cast<float>(xp[r * n + k]) + static_cast<float>(rp[r * n + k]));
+      norm_row(s, wp, eps, n, op + r * n, tmp);
+    });
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
@@ -69,53 +127,65 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   TORCH_CHECK_VALUE(residual.sizes() == x.sizes(), "residual must have x's shape ", x.sizes(), ", got ",
                     residual.sizes());
   at::Tensor out = at::empty_like(x), sum = at::empty_like(x);
-  const int64_t n = x.size(-1), rows = n ? x.numel() / n : 0;
-  const float *xp = x.const_data_ptr<float>(), *rp = residual.const_data_ptr<float>(),
-              *wp = weight.const_data_ptr<float>();
-  float *op = out.data_ptr<float>(), *sp = sum.data_ptr<float>();
-  for_rows(rows, n, [&](int64_t r) {
-    float* s = sp + r * n;
-    for (int64_t k = 0; k < n; ++k) s[k] = xp[r * n + k] + rp[r * n + k];
-    norm_row(s, wp, eps, n, op + r * n);
-  });
+  if (x.scalar_type() == at::kFloat)
+    add_rms_norm_rows<float>(x, residual, weight, eps, out, sum);
+  else
+    add_rms_norm_rows<at::BFloat16>(x, residual, weight, eps, out, sum);
   return {out, sum};
 }
 
 // x [tokens, heads, head_dim] (any strides but a contiguous last dimension) rotated by the
-// cos/sin table's rows `positions` (table [max_position, head_dim]: cos half, then sin half), into a
-// new contiguous tensor: out = cat(x1 cos - x2 sin, x2 cos + x1 sin), x1/x2 the halves of x.
-at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& table) {
-  TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && x.device().is_cpu() && x.dim() == 3 && x.stride(2) == 1,
-                    "x must be a float32 CPU tensor [tokens, heads, head_dim] with a contiguous last dimension");
-  TORCH_CHECK_VALUE(table.scalar_type() == at::kFloat && table.dim() == 2 && table.is_contiguous() &&
-                        table.size(1) == x.size(2) && x.size(2) % 2 == 0,
-                    "table must be contiguous float32 [max_position, ", x.size(2), "], got ", table.sizes());
-  TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == x.size(0),
-                    "positions must be int64 [", x.size(0), "], got ", positions.scalar_type(), " ", positions.sizes());
-  const at::Tensor pos = positions.contiguous();
+// cos/sin table's rows `positions` (table [max_position, head_dim]: cos half, then sin half, x's
+// dtype), into a new contiguous tensor: out = cat(x1 cos - x2 sin, x2 cos + x1 sin), x1/x2 the halves
+// of x. In bfloat16 each product and each sum is rounded, as torch's bfloat16 ops round them.
+inline float rounded(float v, float) { return v; }
+inline float rounded(float v, at::BFloat16) { return static_cast<float>(at::BFloat16(v)); }
+
+template <typename T>
+void rotate_rows(const int64_t* pp, const at::Tensor& x, const at::Tensor& table, at::Tensor& out) {
   const int64_t tokens = x.size(0), heads = x.size(1), dim = x.size(2), half = dim / 2;
-  const int64_t limit = table.size(0);
-  const int64_t* pp = pos.const_data_ptr<int64_t>();
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK_VALUE(pp[t] >= 0 && pp[t] < limit, "position ", pp[t], " of token ", t, " is outside the table's [0, ",
-                      limit, ")");
-  at::Tensor out = at::empty({tokens, heads, dim}, x.options());
-  const float *xp = x.const_data_ptr<float>(), *tp = table.const_data_ptr<float>();
-  float* op = out.data_ptr<float>();
+  const T *xp = x.const_data_ptr<T>(), *tp = table.const_data_ptr<T>();
+  T* op = out.data_ptr<T>();
   const int64_t st = x.stride(0), sh = x.stride(1);
+  const T tag{};
   for_rows(tokens, heads * dim, [&](int64_t t) {
-    const float* cs = tp + pp[t] * dim;
-    const float* sn = cs + half;
+    const T* cs = tp + pp[t] * dim;
+    const T* sn = cs + half;
     for (int64_t h = 0; h < heads; ++h) {
-      const float* in = xp + t * st + h * sh;
-      float* o = op + (t * heads + h) * dim;
+      const T* in = xp + t * st + h * sh;
+      T* o = op + (t * heads + h) * dim;
       for (int64_t i = 0; i < half; ++i) {
-        const float x1 = in[i], x2 = in[i + half];
-        o[i] = x1 * cs[i] - x2 * sn[i];
-        o[i + half] = x2 * cs[i] + x1 * sn[i];
+        const float x1 = static_cast<float>(in[i]), x2 = static_cast<float>(in[i + half]);
+        const float c = static_cast<float>(cs[i]), s = static_cast<float>(sn[i]);
+        o[i] = T(rounded(x1 * c, tag) - rounded(x2 * s, tag));
+        o[i + half] = T(rounded(x2 * c, tag) + rounded(x1 * s, tag));
       }
     }
   });
+}
+
+at::Tensor rotary(const at::Tensor& positions, const at::Tensor& x, const at::Tensor& table) {
+  TORCH_CHECK_VALUE((x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.device().is_cpu() &&
+                        x.dim() == 3 && x.stride(2) == 1,
+                    "x must be a float32 or bfloat16 CPU tensor [tokens, heads, head_dim] with a contiguous last "
+                    "dimension");
+  TORCH_CHECK_VALUE(table.scalar_type() == x.scalar_type() && table.dim() == 2 && table.is_contiguous() &&
+                        table.size(1) == x.size(2) && x.size(2) % 2 == 0,
+                    "table must be contiguous ", x.scalar_type(), " [max_position, ", x.size(2), "], got ",
+                    table.scalar_type(), " ", table.sizes());
+  TORCH_CHECK_VALUE(positions.scalar_type() == at::kLong && positions.dim() == 1 && positions.size(0) == x.size(0),
+                    "positions must be int64 [", x.size(0), "], got ", positions.scalar_type(), " ", positions.sizes());
+  const at::Tensor pos = positions.contiguous();
+  const int64_t limit = table.size(0);
+  const int64_t* pp = pos.const_data_ptr<int64_t>();
+  for (int64_t t = 0; t < x.size(0); ++t)
+    TORCH_CHECK_VALUE(pp[t] >= 0 && pp[t] < limit, "position ", pp[t], " of token ", t, " is outside the table's [0, ",
+                      limit, ")");
+  at::Tensor out = at::empty({x.size(0), x.size(1), x.size(2)}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    rotate_rows<float>(pp, x, table, out);
+  else
+    rotate_rows<at::BFloat16>(pp, x, table, out);
   return out;
 }
 

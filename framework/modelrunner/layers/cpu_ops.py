@@ -9,9 +9,10 @@ torch's CPU versions are 5-8 operator calls apiece, so their dispatch is what th
 SmolLM2-135M: RMSNorm 14.5 µs per call in torch, 6 µs fused, the layer's Python included). The
 kernel's layers themselves stay plain torch: the ``cpu_fused`` compile backend binds forwards that
 call these ops onto a loaded model's layers, and the sampler's scans use them directly. Both ask
-:func:`fused` whether to: float32 CPU tensors outside autograd and outside torch.compile tracing
-(there inductor fuses torch's version itself). Where no build is installed torch's versions run,
-after one warning; ``MODELRUNNER_FUSED_CPU_OPS=0`` keeps them too (to measure one against the other).
+:func:`fused` whether to: float32 CPU tensors (bfloat16 too, but for the sampler's scans) outside
+autograd and outside torch.compile tracing (there inductor fuses torch's version itself). Where no
+build is installed torch's versions run, after one warning; ``MODELRUNNER_FUSED_CPU_OPS=0`` keeps them
+too (to measure one against the other).
 """
 
 from __future__ import annotations
@@ -51,9 +52,12 @@ def ops() -> Any:
     return torch.ops.modelrunner_cpu_ops
 
 
-def fused(x: torch.Tensor) -> Any:
-    """The fused ops when they should run on ``x``, else None."""
-    if x.dtype is torch.float32 and x.is_cpu and not x.requires_grad and not torch.compiler.is_compiling():
+def fused(x: torch.Tensor, bf16: bool = False) -> Any:
+    """The fused ops when they should run on ``x``, else None: float32 CPU tensors, and bfloat16 ones
+    where the caller's op takes them (``bf16``: ``rms_norm``, ``add_rms_norm``, ``rotary``,
+    ``silu_and_mul``, ``store_kv``, rounded where torch's bfloat16 versions round)."""
+    if ((x.dtype is torch.float32 or bf16 and x.dtype is torch.bfloat16) and x.is_cpu and not x.requires_grad
+            and not torch.compiler.is_compiling()):
         return ops()
     return None
 

@@ -26,26 +26,26 @@ from .unhooked import hooked, plain_type
 
 def rms_norm(self: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None = None) -> Any:
     """:meth:`RMSNorm.forward` through ``rms_norm`` / ``add_rms_norm``."""
-    ops = fused(x)
+    ops = fused(x, bf16=True)
     weight = self.weight
-    if ops is not None and weight.dtype is torch.float32 and x.is_contiguous():
+    if ops is not None and weight.dtype is x.dtype and x.is_contiguous():
         if residual is None:
             return ops.rms_norm(x, weight, self.eps)
-        if residual.dtype is torch.float32 and residual.is_contiguous() and residual.shape == x.shape:
+        if residual.dtype is x.dtype and residual.is_contiguous() and residual.shape == x.shape:
             return ops.add_rms_norm(x, residual, weight, self.eps)
     return RMSNorm.forward(self, x, residual)
 
 
 def silu_and_mul(self: SiluAndMul, x: torch.Tensor) -> torch.Tensor:
     """:meth:`SiluAndMul.forward` through ``silu_and_mul``."""
-    ops = fused(x)
+    ops = fused(x, bf16=True)
     return ops.silu_and_mul(x) if ops is not None else SiluAndMul.forward(self, x)
 
 
 def rotate(self: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """:meth:`RotaryEmbedding.rotate` through ``rotary`` (which reads a strided q/k view in place)."""
-    ops = fused(x)
-    if (ops is not None and self.cos_sin_cache.dtype is torch.float32 and x.dim() == 3 and x.stride(-1) == 1
+    ops = fused(x, bf16=True)
+    if (ops is not None and self.cos_sin_cache.dtype is x.dtype and x.dim() == 3 and x.stride(-1) == 1
             and positions.dtype is torch.int64):
         return ops.rotary(positions, x, self.cos_sin_cache)
     return RotaryEmbedding.rotate(self, positions, x)
@@ -54,8 +54,9 @@ def rotate(self: RotaryEmbedding, positions: torch.Tensor, x: torch.Tensor) -> t
 def write_kv(self: TorchSDPABackend, kv_cache: torch.Tensor, slot_mapping: torch.Tensor, key: torch.Tensor,
              value: torch.Tensor) -> None:
     """:meth:`TorchSDPABackend.write_kv` through ``store_kv``."""
-    ops = fused(key)
-    if ops is not None and kv_cache.is_contiguous() and slot_mapping.dtype is torch.int64:
+    ops = fused(key, bf16=True)
+    if (ops is not None and kv_cache.is_contiguous() and slot_mapping.dtype is torch.int64
+            and key.dtype is kv_cache.dtype and value.dtype is kv_cache.dtype):
         ops.store_kv(kv_cache, slot_mapping, key, value)
         return
     TorchSDPABackend.write_kv(self, kv_cache, slot_mapping, key, value)
