@@ -5,7 +5,9 @@ challenge, the client answers with its HMAC-SHA256 under the secret and a challe
 the listener answers in turn (so neither end talks to an impostor). The handshake has a deadline, so
 a peer that connects and says nothing cannot hold the listener. Afterwards every message is one
 frame: an 8-byte length, then :func:`.wire.encode`'s bytes; a frame longer than ``max_frame`` bytes
-closes the connection. What arrives is only ever decoded by :func:`.wire.decode` (data).
+closes the connection. What arrives is only ever decoded by :func:`.wire.decode` (data), on loopback
+as beyond it: a listener and a client both refuse a secret shorter than :data:`MIN_SECRET_BYTES` (a
+deployment on one machine makes a random one, :func:`check_secret`).
 """
 
 from __future__ import annotations
@@ -69,8 +71,8 @@ def _mac(secret: bytes, nonce: bytes) -> bytes:
 class Channel:
     """One authenticated connection; :meth:`send` and :meth:`recv` move whole :mod:`.wire` messages.
 
-    :meth:`send` is safe from several threads; one thread receives. ``fileno`` lets
-    :func:`multiprocessing.connection.wait` and :func:`select.select` watch it.
+    :meth:`send` is safe from several threads; one thread receives. :func:`wait` (or
+    :func:`select.select`, through ``fileno``) watches several.
     """
 
     def __init__(self, sock: socket.socket, max_frame: int = MAX_FRAME) -> None:
@@ -180,7 +182,7 @@ class ChannelListener:
     (:meth:`accept_in_background`)."""
 
     def __init__(self, address: tuple[str, int], secret: bytes, max_frame: int = MAX_FRAME) -> None:
-        self.secret = secret
+        self.secret = check_secret(secret, "the channel's secret")
         self.max_frame = max_frame
         family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
         self.sock = socket.socket(family, socket.SOCK_STREAM)
@@ -243,8 +245,10 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float = HANDSHAKE_
     """A channel to the listener at ``address``.
 
     :raises ChannelError: the listener does not hold ``secret``, or the handshake timed out.
+    :raises ValueError: ``secret`` is shorter than :data:`MIN_SECRET_BYTES`.
     :raises OSError: nothing listens there.
     """
+    check_secret(secret, "the channel's secret")
     sock = socket.create_connection(address, timeout=timeout)
     try:
         _handshake(sock, secret, server=False)
@@ -254,4 +258,11 @@ def connect(address: tuple[str, int], secret: bytes, timeout: float = HANDSHAKE_
     return Channel(sock, max_frame)
 
 
-__all__ = ["Channel", "ChannelError", "ChannelListener", "check_secret", "connect", "is_loopback"]
+def wait(channels: list[Channel], timeout: float | None = None) -> list[Channel]:
+    """The channels among ``channels`` with a message (or their end) to read, waiting up to ``timeout``
+    seconds (None: until one has)."""
+    readable, _, _ = select.select(channels, [], [], timeout)
+    return readable
+
+
+__all__ = ["Channel", "ChannelError", "ChannelListener", "check_secret", "connect", "is_loopback", "wait"]

@@ -16,7 +16,7 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from modelrunner import channel
+from modelrunner import channel, wire
 from modelrunner_data_parallel.protocol import SECRET_ENV
 from modelrunner.errors import ModelRunnerError
 
@@ -119,6 +119,38 @@ def test_the_rpc_port_never_unpickles_what_arrives(tiny_llama, tmp_path, monkeyp
     assert len(outcome) == 1 and isinstance(outcome[0], ModelRunnerError), outcome
     assert "replica(s) [1] did not join" in str(outcome[0])
     assert wait_for_no_children() == []
+
+
+def test_the_channel_itself_requires_a_full_secret_on_loopback_too_and_carries_only_data():
+    # Not only the data-parallel front: the channel refuses to listen or connect with an empty or short
+    # secret, whatever the address; between two holders of one secret it carries wire data, and what
+    # is not data is refused before anything is sent.
+    for short in (b"", b"loopback-15byte"):
+        with pytest.raises(ValueError, match=r"the channel's secret must be at least 16 bytes long"):
+            channel.ChannelListener(("127.0.0.1", 0), short)
+        with pytest.raises(ValueError, match=r"the channel's secret must be at least 16 bytes long"):
+            channel.connect(("127.0.0.1", 1), short)
+    secret = os.urandom(32)
+    listener = channel.ChannelListener(("127.0.0.1", 0), secret)
+    accepted: list[channel.Channel] = []
+    listener.accept_in_background(accepted.append)
+    try:
+        client = channel.connect(listener.address, secret)
+        client.send(("hello", 1, {"ids": [1, 2]}))
+        deadline = time.monotonic() + 10
+        while not accepted:
+            assert time.monotonic() < deadline, "the listener never handed the channel over"
+            time.sleep(0.01)
+        (server,) = accepted
+        assert channel.wait([server], timeout=10) == [server]
+        assert server.recv() == ("hello", 1, {"ids": [1, 2]})
+        assert channel.wait([server], timeout=0) == []
+        with pytest.raises(wire.WireError):
+            client.send(_Payload("never-sent"))
+        client.close()
+        server.close()
+    finally:
+        listener.close()
 
 
 def test_wire_refuses_what_it_cannot_send_and_unregistered_types():

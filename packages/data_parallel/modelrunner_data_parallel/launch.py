@@ -19,7 +19,6 @@ import subprocess
 import sys
 import threading
 import time
-from multiprocessing.connection import wait
 from typing import Any
 
 import attrs
@@ -27,7 +26,7 @@ import attrs
 from modelrunner import ModelRunnerError, RunnerConfig
 from modelrunner.api import collective_timeout
 # The kernel's authenticated channel (internal: modelrunner.channel).
-from modelrunner.channel import Channel, ChannelListener
+from modelrunner.channel import Channel, ChannelListener, wait
 # How a child process ended, as the executor says it (internal: modelrunner.executor).
 from modelrunner.executor import describe_exit
 from modelrunner.worker import start_child  # kernel internal: starts a child with data orders on stdin
