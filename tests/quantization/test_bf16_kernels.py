@@ -20,10 +20,13 @@ import torch.nn.functional as F
 from modelrunner import native, native_build
 from modelrunner.quantization.matmul import QuantizedWeight, WeightFormat
 
+from planar_weights import planar_weights
+
 quant = pytest.importorskip("modelrunner_quant_cpu")
 if not quant.available():
     pytest.skip("the quant-cpu kernels do not build here", allow_module_level=True)
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # planar_weights, for a subprocess
 K = 384  # groups of 16, 32, 96 and 384 divide it
 GROUPS = (16, 32, 96, K)
 OUTPUTS = (37, 100)  # 37: part of a 16-row tile; 100: a 64-row block, then part of one
@@ -31,17 +34,8 @@ ROWS = (1, 5, 33, 300)
 
 
 def weights(N: int, group: int, bits: int, mins: bool, scale_dtype: torch.dtype, seed: int = 0):
-    """Random integers, scales of both signs, mins around ``-8 * scale`` (float32 scales: values
-    float16 cannot hold, as a K-quant's)."""
-    gen = torch.Generator().manual_seed(seed)
-    if bits == 4:
-        qweight = quant.reference.pack_nibbles(torch.randint(0, 16, (N, K), generator=gen))
-    else:
-        qweight = torch.randint(-128, 128, (N, K), generator=gen).to(torch.int8)
-    sign = torch.where(torch.rand(N, K // group, generator=gen) < 0.1, -1.0, 1.0)
-    scales = ((torch.rand(N, K // group, generator=gen) + 0.5) * 0.01 * sign).to(scale_dtype)
-    lows = (-(8 + torch.rand(N, K // group, generator=gen)) * scales.float()).to(scale_dtype) if mins else None
-    return qweight, scales, lows
+    """:func:`planar_weights` of ``N`` rows of ``K``."""
+    return planar_weights(N, K, group, bits, mins, scale_dtype, seed)
 
 
 def assert_bf16(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, what: str) -> None:
@@ -93,7 +87,7 @@ def _run(script: str, env: dict[str, str]) -> str:
     return result.stdout
 
 
-_CHECK = (f"import runpy\nns = runpy.run_path({__file__!r})\n"
+_CHECK = (f"import runpy, sys\nsys.path.insert(0, {TESTS!r})\nns = runpy.run_path({__file__!r})\n"
           "ns['check_formats'](groups=(16, 96), rows=(1, 33, 300))\n"
           "print('SIMD', ns['quant'].simd())\n")
 
@@ -173,12 +167,7 @@ def test_compiles_fullgraph_and_matches_eager():
 
 def _kernel_weight(cls, bits: int, N: int, K_: int, seed: int):
     fmt = WeightFormat(bits, 32, bits == 4)
-    storage = weights(N, 32, bits, bits == 4, torch.float16, seed=seed) if K_ == K else None
-    if storage is None:
-        gen = torch.Generator().manual_seed(seed)
-        storage = (quant.reference.pack_nibbles(torch.randint(0, 16, (N, K_), generator=gen)),
-                   ((torch.rand(N, K_ // 32, generator=gen) + 0.5) * 0.01).half(),
-                   (-8 * ((torch.rand(N, K_ // 32, generator=gen) + 0.5) * 0.01)).half())
+    storage = planar_weights(N, K_, 32, bits, bits == 4, torch.float16, seed)
     planar = QuantizedWeight(*storage, fmt, N, K_)
     weight = planar if cls.layout == "planar" else QuantizedWeight(*cls.pack(planar), fmt, N, K_, cls.layout)
     return weight, quant.dequantize(*storage, 32, bits)

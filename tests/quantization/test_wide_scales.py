@@ -18,6 +18,8 @@ import torch.nn.functional as F
 from modelrunner import native, native_build
 from modelrunner.quantization.matmul import QuantizedWeight, WeightFormat
 
+from planar_weights import planar_weights as weights
+
 quant = pytest.importorskip("modelrunner_quant_cpu")
 if not quant.available():
     pytest.skip("the quant-cpu kernels do not build here", allow_module_level=True)
@@ -25,22 +27,6 @@ if not quant.available():
 N, K = 37, 128  # rows: not a multiple of 16 (p16 pads them); K: two groups of 64, eight of 16
 ROWS = (1, 3, 17, 300)  # one decode row, register tiles, a tile remainder, the dequantized-tile GEMMs
 FORMATS = list(itertools.product(("float16", "float32"), (16, 32, 64), (4, 8), (False, True)))
-
-
-def weights(rows: int, cols: int, group: int, bits: int, mins: bool, scale_dtype: str, seed: int = 0):
-    """Random integers; scales of both signs (float32 ones not representable in float16, as a K-quant's
-    are) and, with ``mins``, mins around ``-8 * scale``: large, so that rounding them to float16 would
-    move the outputs past the tolerance."""
-    gen = torch.Generator().manual_seed(seed)
-    dtype = getattr(torch, scale_dtype)
-    if bits == 4:
-        qweight = quant.reference.pack_nibbles(torch.randint(0, 16, (rows, cols), generator=gen))
-    else:
-        qweight = torch.randint(-128, 128, (rows, cols), generator=gen).to(torch.int8)
-    sign = torch.where(torch.rand(rows, cols // group, generator=gen) < 0.1, -1.0, 1.0)
-    scales = ((torch.rand(rows, cols // group, generator=gen) + 0.5) * 0.01 * sign).to(dtype)
-    lows = (-(8 + torch.rand(rows, cols // group, generator=gen)) * scales.float()).to(dtype) if mins else None
-    return qweight, scales, lows
 
 
 def _assert_exact(y: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, what: str) -> None:
@@ -117,7 +103,8 @@ def test_every_operator_in_the_other_instruction_set_builds(variant, simd):
         pytest.skip(f"this CPU cannot run the {variant} build")
     if platform.machine() not in ("x86_64", "AMD64") and simd != "scalar":
         pytest.skip("x86-64 code paths")
-    script = (f"import runpy\nns = runpy.run_path({__file__!r})\n"
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # planar_weights
+    script = (f"import runpy, sys\nsys.path.insert(0, {tests!r})\nns = runpy.run_path({__file__!r})\n"
               f"for f in ns['FORMATS']:\n    ns['check_format'](*f)\nprint('SIMD', ns['quant'].simd())\n")
     env = {**os.environ, native.VARIANT_ENV: variant}
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,

@@ -201,7 +201,20 @@ def _out_dtype(x: torch.Tensor) -> torch.dtype:
     return torch.bfloat16 if x.dtype is torch.bfloat16 else torch.float32
 
 
-class CPUBF16(_CPUKernel):
+class _BF16:
+    """What the bfloat16 kernels share: bfloat16 activations and weights (not exact, ``rounds_weights``:
+    in a bfloat16 engine they may run the ``batch`` bucket of exact layers), timed only where the CPU
+    computes bfloat16 natively (``native_bf16``, read when this module is imported), and a bfloat16
+    engine's activations taken as they are (``input_dtypes``)."""
+
+    exact = False
+    activations = "bf16"
+    rounds_weights = True
+    timed = native_bf16()
+    input_dtypes = (torch.float32, torch.bfloat16)
+
+
+class CPUBF16(_BF16, _CPUKernel):
     """``cpu_bf16``: planar storage in bfloat16 by :func:`~.kernel.qlinear_bf16`: activations and the
     weights' values rounded to bfloat16, float32 sums (not exact: ``bf16`` activations) — tiles of the
     weight dequantized to bfloat16 per call for oneDNN's GEMM (AMX where present), no bfloat16 copy
@@ -210,11 +223,6 @@ class CPUBF16(_CPUKernel):
     elsewhere only ``kernel=`` runs it."""
 
     name = "cpu_bf16"
-    exact = False
-    activations = "bf16"
-    rounds_weights = True
-    timed = native_bf16()
-    input_dtypes = (torch.float32, torch.bfloat16)
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """``x`` in bfloat16 through :func:`~.kernel.qlinear_bf16`: the float32 sums, or for bfloat16
@@ -228,7 +236,7 @@ class CPUBF16(_CPUKernel):
         return native.bind_qlinear_bf16(*weight.storage, weight.format.group_size, weight.format.bits)
 
 
-class CPUP16BF16(_P16Kernel):
+class CPUP16BF16(_BF16, _P16Kernel):
     """``cpu_p16_bf16``: :class:`CPUBF16`'s arithmetic on the p16 layout
     (:func:`~.kernel.qlinear_p16_bf16`; every build). On AMX, blocks of 64 rows dequantized into
     oneDNN's brgemm layout per call: on Sapphire Rapids, SmolLM2's shapes at 64-256 rows ran in
@@ -238,11 +246,6 @@ class CPUP16BF16(_P16Kernel):
 
     name = "cpu_p16_bf16"
     kind = "bf16"
-    exact = False
-    activations = "bf16"
-    rounds_weights = True
-    timed = native_bf16()
-    input_dtypes = (torch.float32, torch.bfloat16)
 
     @classmethod
     def _supported(cls, bits: int) -> bool:
@@ -288,7 +291,7 @@ class CPUGGML(MatmulKernel):
         return native.bind_ggml_qlinear(weight.data, weight.format.ggml_type, weight.cols)
 
 
-class CPUGGMLBF16(CPUGGML):
+class CPUGGMLBF16(_BF16, CPUGGML):
     """``cpu_ggml_bf16``: :class:`CPUGGML`'s blocks, read in place, in bfloat16 by
     :func:`~.kernel.ggml_linear_bf16`: activations and weights rounded to bfloat16, float32 sums, a
     bfloat16 result (not exact: ``bf16`` activations). From :data:`~.kernel.GGML_BF16_GEMM_ROWS` rows
@@ -299,11 +302,6 @@ class CPUGGMLBF16(CPUGGML):
     this module is imported); elsewhere only ``kernel=`` runs it."""
 
     name = "cpu_ggml_bf16"
-    exact = False
-    activations = "bf16"
-    rounds_weights = True
-    timed = native_bf16()
-    input_dtypes = (torch.float32, torch.bfloat16)
 
     def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
         """``x`` in bfloat16 through :func:`~.kernel.ggml_linear_bf16`, the result in ``x``'s dtype."""
