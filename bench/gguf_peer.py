@@ -36,13 +36,14 @@ def rss_mb() -> tuple[float, float]:
 class Ours:
     """modelrunner on the file, as ``LLM(path)`` runs it (``dtype="auto"``, its default kernels)."""
 
-    def __init__(self, path: str, threads: int) -> None:
+    def __init__(self, path: str, threads: int, activations: str | None = None) -> None:
         import torch
 
         from modelrunner import LLM, SamplingParams
 
         torch.set_num_threads(threads)
-        self.llm = LLM(path, max_model_len=1024)
+        options = {} if activations is None else {"quantization_options": {"activations": activations}}
+        self.llm = LLM(path, max_model_len=1024, **options)
         self.params = SamplingParams
         stats = self.llm.stats()
         self.info = {"dtype": stats.get("dtype", {}).get("runs"),
@@ -109,7 +110,10 @@ class LlamaCpp:
 def main() -> int:
     kind, path, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
     start = time.perf_counter()
-    peer = Ours(path, threads) if kind == "ours" else LlamaCpp(path, threads)
+    if kind == "llama.cpp":
+        peer: Any = LlamaCpp(path, threads)
+    else:  # ours, or ours-<activations> (e.g. ours-int8: llama.cpp's int8 activations where a kernel has them)
+        peer = Ours(path, threads, kind.partition("-")[2] or None)
     loaded = time.perf_counter() - start
     peak, now = rss_mb()
     print(json.dumps({"load_s": loaded, "peak_mb": peak, "now_mb": now, **peer.info}), flush=True)

@@ -13,7 +13,8 @@ against modelrunner's own float32 path, every number measured in this run.
 - real-size files (issue 51): a Llama-3.2-1B-shaped Q4_K_M written by llama.cpp's own quantizer
   (``bench/shaped_gguf.py``, random weights, cached under the cache directory), or ``--file``: each
   peer in a process of its own (``bench/gguf_peer.py``), load seconds, peak RSS, single-stream decode
-  and a 256-token prompt, ours ÷ llama.cpp.
+  and a 256-token prompt, ours ÷ llama.cpp; then decode again with ``activations="int8"`` (llama.cpp's
+  own arithmetic: int8 activations where a kernel has them), for comparison.
 
 llama.cpp runs through ``llama-cpp-python`` (``make bench`` installs it; it builds from source), both
 with the same number of threads (2 unless ``--threads``). Repetitions alternate between the peers
@@ -224,6 +225,12 @@ def real_size(path: str, threads: int, rounds: int, quick: bool) -> dict[str, fl
         end = ours.ask(op="rss")
         print(f"   ours decode graphs: {end['graphs']}")
         rss = {"ours": end["peak_mb"], "llama.cpp": peer.ask(op="rss")["peak_mb"]}
+        ours.close()
+        # llama.cpp's own arithmetic for comparison (int8 activations), after the exact default has
+        # gone: one model in memory at a time besides llama.cpp's.
+        ours = Peer("ours-int8", path, threads)
+        int8 = alternate({name: lambda p=p: p.ask(op="decode", prompt=short, tokens=new_tokens)["rate"]
+                          for name, p in (("ours", ours), ("llama.cpp", peer))}, rounds)
     finally:
         ours.close()
         peer.close()
@@ -241,7 +248,10 @@ def real_size(path: str, threads: int, rounds: int, quick: bool) -> dict[str, fl
         print(f"   {name:<11} {a:9.1f} {b:10.1f}  {ratio:.2f}×  ({unit}; target {sense} {target:.1f}×: "
               f"{'met' if met else 'MISSED'})")
         results[name] = ratio
-    for name, values in (("decode", decode), ("prompt 256", prompt)):
+    ratio = statistics.median(int8["ours"]) / statistics.median(int8["llama.cpp"])
+    print(f"   decode with activations='int8' (llama.cpp's arithmetic, not exact): "
+          f"{statistics.median(int8['ours']):.1f} against {statistics.median(int8['llama.cpp']):.1f} tok/s, {ratio:.2f}×")
+    for name, values in (("decode", decode), ("prompt 256", prompt), ("decode int8", int8)):
         print(f"   {name} rounds: ours {[round(v, 1) for v in values['ours']]}, "
               f"llama.cpp {[round(v, 1) for v in values['llama.cpp']]}")
     return results

@@ -282,8 +282,9 @@ def test_listed_as_a_plugin():
     plugin = {p["name"]: p for p in json.loads(listing.stdout)}["quant-cpu"]
     assert plugin["distribution"] == "modelrunner-quant-cpu"
     assert plugin["error"] is None and plugin["hooks"] == ["register"]
-    assert plugin["provides"] == {"matmul_kernels": ["cpu_bf16", "cpu_exact", "cpu_ggml", "cpu_ggml_bf16", "cpu_p16",
-                                                  "cpu_p16_bf16", "cpu_p16_exact", "cpu_p16_split", "cpu_q8"]}
+    assert plugin["provides"] == {"matmul_kernels": ["cpu_bf16", "cpu_exact", "cpu_ggml", "cpu_ggml_bf16", "cpu_ggml_q8",
+                                                  "cpu_ggml_split", "cpu_p16", "cpu_p16_bf16", "cpu_p16_exact",
+                                                  "cpu_p16_split", "cpu_q8"]}
 
 
 _CHECK_BUILD = textwrap.dedent("""

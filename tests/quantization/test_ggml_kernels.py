@@ -2,9 +2,10 @@
 ``ggml_dequantize`` bit for bit against the ``gguf`` package's dequantizer, ``ggml_qlinear`` against
 the float product with those weights (exact kernels: up to summation order) at row counts around
 every register tile and on both sides of the GEMM threshold, ``ggml_linear_bf16`` against torch's
-bfloat16 product with those weights rounded to bfloat16 (and its rounding bit for bit), in the build
-this CPU loads and in each other instruction-set build it runs; bad input refused by name; the
-``cpu_ggml`` and ``cpu_ggml_bf16`` matmul kernels."""
+bfloat16 product with those weights rounded to bfloat16 (and its rounding bit for bit),
+``ggml_qlinear_int`` (VNNI integer dot products, exact and int8) against the same float product, in the
+build this CPU loads and in each other instruction-set build it runs; bad input refused by name; the
+``cpu_ggml``, ``cpu_ggml_split``, ``cpu_ggml_q8`` and ``cpu_ggml_bf16`` matmul kernels."""
 
 from __future__ import annotations
 
@@ -98,6 +99,64 @@ def check_bf16_type(ggml_type: int) -> None:
     for gemm_rows in (0, K):  # tiles, registers
         y = quant.ggml_linear_bf16(eye, blocks, ggml_type, gemm_rows=gemm_rows)
         assert torch.equal(y.T, w.bfloat16()), f"{name} gemm_rows={gemm_rows}"  # a zero's sign aside
+
+
+INT_TYPES = [t for t in (Q4_K, Q6_K) if quant.ggml_int_supported(t)]
+INT_ROWS = (1, 2, 3, 4, 5, 9, 16, 17)  # register tiles of 1-4 rows and their remainders, the GEMM threshold
+
+
+def check_int_type(ggml_type: int) -> None:
+    """``ggml_qlinear_int`` for one type: ``exact`` within the exact kernels' tolerance and ``q8`` within
+    int8 activations' (about 1e-2 of the largest output; 5e-2 allowed), both against the float product
+    with ggml's weights; bfloat16 ``x`` gives the float32 result rounded once, bit for bit."""
+    gen = torch.Generator().manual_seed(100 + ggml_type)
+    for N, K in ((1, 256), (33, 512), (300, 2304)):
+        name = f"{quant.GGML_TYPES[ggml_type][0]} N={N} K={K} int"
+        blocks = torch.from_numpy(random_blocks(ggml_type, N, K, seed=N + K))
+        w = quant.ggml_dequantize(blocks, ggml_type)
+        for M in INT_ROWS:
+            x = torch.randn(M, K, generator=gen) * torch.rand(M, 1, generator=gen)  # rows of other scales
+            assert_exact(quant.ggml_qlinear_int(x, blocks, ggml_type, "exact", gemm_rows=16), x, w,
+                         f"{name} M={M} exact")
+            y, ref = quant.ggml_qlinear_int(x, blocks, ggml_type, "q8"), F.linear(x.double(), w.double())
+            error = ((y.double() - ref).abs().max() / ref.abs().max()).item()
+            assert 1e-4 < error < 5e-2, f"{name} M={M} q8: relative error {error}"  # int8, not exact, not wrong
+            xb = x.bfloat16()
+            for mode in ("exact", "q8"):
+                got = quant.ggml_qlinear_int(xb, blocks, ggml_type, mode)
+                assert got.dtype == torch.bfloat16, f"{name} M={M} {mode} bf16"
+                assert torch.equal(got, quant.ggml_qlinear_int(xb.float(), blocks, ggml_type, mode).bfloat16()), \
+                    f"{name} M={M} {mode} bf16"
+    # A block of x with one value far above the rest: the exact digits still carry the small ones.
+    blocks = torch.from_numpy(random_blocks(ggml_type, 16, 256, seed=7))
+    w = quant.ggml_dequantize(blocks, ggml_type)
+    x = torch.randn(1, 256, generator=gen) * 1e-3
+    x[0, ::32] = 1e3
+    assert_exact(quant.ggml_qlinear_int(x, blocks, ggml_type, "exact"), x, w, "one large value a block")
+
+
+@pytest.mark.parametrize("ggml_type", INT_TYPES)
+def test_integer_dot_products_against_the_float_product(ggml_type):
+    check_int_type(ggml_type)
+
+
+def test_integer_dot_products_refuse_what_they_do_not_run():
+    blocks = torch.from_numpy(random_blocks(Q4_K, 4, 256))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quant.ggml_qlinear_int(torch.randn(1, 256), blocks, Q4_K, "int4")
+    with pytest.raises(ValueError, match="mode must be one of"):
+        quant.bind_ggml_qlinear_int(blocks, Q4_K, 256, "fast")
+    with pytest.raises(ValueError, match="digits must be 1 .* or 3"):
+        torch.ops.modelrunner_quant_cpu.ggml_qlinear_int(torch.randn(1, 256), blocks, Q4_K, 2, 24)
+    q8_0 = torch.from_numpy(random_blocks(Q8_0, 4, 256))
+    assert not quant.ggml_int_supported(Q8_0)
+    with pytest.raises(ValueError, match=r"ggml type 8 has no integer-dot kernel in this build"):
+        quant.ggml_qlinear_int(torch.randn(1, 256), q8_0, Q8_0)
+    if INT_TYPES:
+        with pytest.raises(ValueError, match="x has K = 512 features but the blocks hold 256"):
+            quant.ggml_qlinear_int(torch.randn(1, 512), blocks, Q4_K)
+        with pytest.raises(ValueError, match="x must be float32, got Half"):
+            quant.ggml_qlinear_int(torch.randn(1, 256).half(), blocks, Q4_K)
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
@@ -243,6 +302,32 @@ def test_the_cpu_ggml_kernel():
         assert_exact(bound(x), x, w, f"bind M={M}")
 
 
+def test_the_integer_dot_product_kernels():
+    split, q8 = quant.matmul.CPUGGMLSplit, quant.matmul.CPUGGMLQ8
+    assert {split, q8} <= set(quant.MATMUL_KERNELS)
+    assert split.name == "cpu_ggml_split" and split.exact and split.activation_kind() == "float"
+    assert q8.name == "cpu_ggml_q8" and not q8.exact and q8.activation_kind() == "int8"
+    assert torch.bfloat16 in split.input_dtypes and torch.bfloat16 in q8.input_dtypes
+    q4_k = WeightFormat(4, 32, True, scale_dtype="float32", ggml_type=Q4_K)
+    q8_0 = WeightFormat(8, 32, False, scale_dtype="float32", ggml_type=Q8_0)
+    for kernel in (split, q8):
+        assert kernel.supports(q4_k, "cpu") == (Q4_K in INT_TYPES) and not kernel.supports(q4_k, "meta")
+        assert not kernel.supports(q8_0, "cpu")  # no integer kernel for Q8_0: cpu_ggml runs it
+        assert not kernel.supports(WeightFormat(4, 32, True, scale_dtype="float32"), "cpu")  # planar
+    if Q4_K not in INT_TYPES:
+        pytest.skip("the integer-dot kernels need the AVX-512 VNNI build")
+    assert split().build_id() == quant.matmul.CPUGGML().build_id()
+    blocks = random_blocks(Q4_K, 33, 512)
+    w = reference(blocks, Q4_K)
+    weight = QuantizedWeight(torch.from_numpy(blocks), torch.empty(0), None, q4_k, 33, 512)
+    for M in (1, 40):
+        x = torch.randn(M, 512)
+        assert_exact(split().run(weight, x), x, w, f"run M={M}")
+        assert_exact(split().bind(weight)(x), x, w, f"bind M={M}")
+        assert torch.equal(q8().bind(weight)(x), q8().run(weight, x))
+        assert q8().bind(weight)(x.bfloat16()).dtype == torch.bfloat16
+
+
 def test_the_cpu_ggml_bf16_kernel():
     from modelrunner.quantization.library import native_bf16
 
@@ -298,12 +383,12 @@ def test_the_other_instruction_set_builds(variant):
         pytest.skip("x86-64 code paths")
     script = (f"import runpy\nns = runpy.run_path({__file__!r})\nfor t in ns['TYPES']:\n    ns['check_type'](t)\n"
               f"    ns['check_bf16_type'](t)\n"
-              f"print('LOADED', ns['quant'].load_ggml(), sorted(ns['TYPES']))\n")
+              f"print('LOADED', ns['quant'].load_ggml(), sorted(ns['TYPES']), 'INT', ns['INT_TYPES'])\n")
     env = {**os.environ, native.VARIANT_ENV: variant}
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
                             timeout=300, env=env)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert f"LOADED {variant} [6, 8, 12, 13, 14]" in result.stdout
+    assert f"LOADED {variant} [6, 8, 12, 13, 14] INT []" in result.stdout  # integer dot products: VNNI only
 
 
 def test_without_its_build_the_kernel_claims_nothing(tmp_path):
@@ -313,15 +398,16 @@ def test_without_its_build_the_kernel_claims_nothing(tmp_path):
     script = textwrap.dedent("""
         import warnings
         from modelrunner.quantization.matmul import WeightFormat
-        from modelrunner_quant_cpu.matmul import CPUGGML, CPUGGMLBF16
+        from modelrunner_quant_cpu.matmul import CPUGGML, CPUGGMLBF16, CPUGGMLSplit
         q4_k = WeightFormat(4, 32, True, scale_dtype="float32", ggml_type=12)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            print("SUPPORTS", CPUGGML.supports(q4_k, "cpu"), CPUGGMLBF16.supports(q4_k, "cpu"))
+            print("SUPPORTS", CPUGGML.supports(q4_k, "cpu"), CPUGGMLBF16.supports(q4_k, "cpu"),
+                  CPUGGMLSplit.supports(q4_k, "cpu"))
         print("WARNED", [str(w.message) for w in caught])
     """)
     result = subprocess.run([sys.executable, "-c", script], check=False, capture_output=True, text=True,
                             timeout=300, env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert result.returncode == 0, result.stderr
-    assert "SUPPORTS False False" in result.stdout
+    assert "SUPPORTS False False False" in result.stdout
     assert "the ggml-block kernels are not built for this CPU" in result.stdout

@@ -17,6 +17,8 @@ kernel's quantization methods time against the others that claim a layer's forma
   batch rows of exact layers (``rounds_weights``), the decode rows staying with the exact kernels.
 - ``cpu_ggml``: ``cpu_exact``'s arithmetic on ggml's own blocks (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0) as a
   GGUF file stores them, where the weight is kept so (:attr:`WeightFormat.ggml_type`); every build.
+- ``cpu_ggml_split`` / ``cpu_ggml_q8``: ``cpu_ggml``'s blocks (Q4_K, Q6_K) through VNNI integer dot
+  products, ``x`` in three int8 digits (exact) or one (llama.cpp's int8 activations); AVX-512 VNNI.
 - ``cpu_ggml_bf16``: ``cpu_ggml``'s blocks in bfloat16 (activations and weights rounded), many rows
   through oneDNN's bfloat16 GEMM on tiles dequantized per call (AMX); timed where the CPU computes
   bfloat16 natively, and in a bfloat16 engine it may run the batch rows of exact layers.
@@ -291,6 +293,42 @@ class CPUGGML(MatmulKernel):
         return native.bind_ggml_qlinear(weight.data, weight.format.ggml_type, weight.cols)
 
 
+class CPUGGMLSplit(CPUGGML):
+    """``cpu_ggml_split``: :class:`CPUGGML`'s blocks through VNNI integer dot products
+    (:func:`~.kernel.ggml_qlinear_int`), ``x`` written in three int8 digits per 32-value block — as
+    exact as ``cpu_ggml`` (what the digits leave is below float32's rounding of the products). Q4_K and
+    Q6_K in the AVX-512 VNNI build; more rows than :data:`~.kernel.GGML_GEMM_ROWS` take ``cpu_ggml``'s
+    dequantized tiles."""
+
+    name = "cpu_ggml_split"
+    input_dtypes = (torch.float32, torch.bfloat16)  # a bfloat16 engine's activations as they are
+    mode: ClassVar[str] = "exact"
+    """:data:`~.kernel.GGML_INT_DIGITS`: how ``x`` is written."""
+
+    @classmethod
+    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
+        """As :class:`CPUGGML`, where the loaded build has the integer kernel for the type."""
+        return super().supports(format, device) and native.ggml_int_supported(format.ggml_type)
+
+    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
+        """:func:`~.kernel.ggml_qlinear_int` of the blocks."""
+        return native.ggml_qlinear_int(x, weight.data, weight.format.ggml_type, self.mode)
+
+    def bind(self, weight: QuantizedWeight) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:func:`~.kernel.bind_ggml_qlinear_int`: the blocks checked against ``cols`` once."""
+        return native.bind_ggml_qlinear_int(weight.data, weight.format.ggml_type, weight.cols, self.mode)
+
+
+class CPUGGMLQ8(CPUGGMLSplit):
+    """``cpu_ggml_q8``: :class:`CPUGGMLSplit` with one int8 digit per 32-value block of ``x``: llama.cpp's
+    arithmetic for K-quants (relative error about 1e-2; ``exact = False``: it runs where the method's
+    ``activations`` allow ``int8``)."""
+
+    name = "cpu_ggml_q8"
+    mode = "q8"
+    exact = False
+
+
 class CPUGGMLBF16(_BF16, CPUGGML):
     """``cpu_ggml_bf16``: :class:`CPUGGML`'s blocks, read in place, in bfloat16 by
     :func:`~.kernel.ggml_linear_bf16`: activations and weights rounded to bfloat16, float32 sums, a
@@ -312,8 +350,9 @@ class CPUGGMLBF16(_BF16, CPUGGML):
         return native.bind_ggml_linear_bf16(weight.data, weight.format.ggml_type, weight.cols)
 
 
-MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split, CPUBF16, CPUP16BF16, CPUGGML, CPUGGMLBF16)
+MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split, CPUBF16, CPUP16BF16, CPUGGML, CPUGGMLSplit,
+                  CPUGGMLQ8, CPUGGMLBF16)
 """The kernels the plugin registers, in the order the kernel's selector lists them."""
 
-__all__ = ["MATMUL_KERNELS", "CPUBF16", "CPUExact", "CPUGGML", "CPUGGMLBF16", "CPUP16", "CPUP16BF16", "CPUP16Exact",
-           "CPUP16Split", "CPUQ8", "build_id"]
+__all__ = ["MATMUL_KERNELS", "CPUBF16", "CPUExact", "CPUGGML", "CPUGGMLBF16", "CPUGGMLQ8", "CPUGGMLSplit", "CPUP16",
+           "CPUP16BF16", "CPUP16Exact", "CPUP16Split", "CPUQ8", "build_id"]
