@@ -354,5 +354,18 @@ MATMUL_KERNELS = (CPUExact, CPUQ8, CPUP16, CPUP16Exact, CPUP16Split, CPUBF16, CP
                   CPUGGMLQ8, CPUGGMLBF16)
 """The kernels the plugin registers, in the order the kernel's selector lists them."""
 
-__all__ = ["MATMUL_KERNELS", "CPUBF16", "CPUExact", "CPUGGML", "CPUGGMLBF16", "CPUGGMLQ8", "CPUGGMLSplit", "CPUP16",
-           "CPUP16BF16", "CPUP16Exact", "CPUP16Split", "CPUQ8", "build_id"]
+__all__ = [
+    "CPUBF16",
+    "CPUGGML",
+    "CPUGGMLBF16",
+    "CPUGGMLQ8",
+    "CPUP16",
+    "CPUP16BF16",
+    "CPUQ8",
+    "MATMUL_KERNELS",
+    "CPUExact",
+    "CPUGGMLSplit",
+    "CPUP16Exact",
+    "CPUP16Split",
+    "build_id",
+]
