@@ -133,6 +133,12 @@ def check_int_type(ggml_type: int) -> None:
     x = torch.randn(1, 256, generator=gen) * 1e-3
     x[0, ::32] = 1e3
     assert_exact(quant.ggml_qlinear_int(x, blocks, ggml_type, "exact"), x, w, "one large value a block")
+    # Blocks of x so small that their third digits' steps would be subnormal (silu of a large negative
+    # gate), beside ordinary ones: every digit counts in steps of the block's scale.
+    x = torch.randn(2, 256, generator=gen)
+    x[:, 64:128] *= 1e-33
+    x[1] *= 1e-3
+    assert_exact(quant.ggml_qlinear_int(x, blocks, ggml_type, "exact"), x, w, "blocks near float32's smallest")
 
 
 @pytest.mark.parametrize("ggml_type", INT_TYPES)

@@ -791,19 +791,24 @@ constexpr int kDigitBase = 128;  // q2 and q3 steps: d / 128 and d / 128^2
 // 1.2-1.35x its speed at one row, the same at 4, 0-10% slower at 8 and 16.
 constexpr int64_t kSplitMaxRows = 4;
 
-// How far ahead the weight bytes are prefetched: this kernel reads them faster than fused_tile, and on
-// Sapphire Rapids (2 threads, Llama-3.2-1B's Q4_K and Q6_K shapes from memory) 4 KB ahead ran 5-10%
-// faster than fused_tile's 1 KB; 512 bytes slower, 8 KB the same.
-constexpr int64_t kIntStreamAhead = 4096;
+// How far ahead the weight bytes are prefetched. On Sapphire Rapids (2 threads, every Q4_K and Q6_K
+// weight of a Llama-3.1-8B-shaped Q4_K_M file in model order, as a decode step reads them) 1 KB ran a
+// step's worth of exact products in 196 ms, 4 KB in 218-227 ms; the same at Llama-3.2-1B's shapes.
+constexpr int64_t kIntStreamAhead = 1024;
 
-// x's rows as digits: q [M][digits][K]; lane scales [M][K / 64][16] (x's block scale of the block each
-// lane of a 64-value dot reads, divided by 128^(digits - 1)); exact float sums of x per 16 and per 32 values.
+// x's rows as digits, one record of (digits + 1) * 64 bytes per 64 values: the digits (64 int8 each), then
+// the 16 lane scales (float: x's block scale d of the block each lane of a 64-value dot reads) — one
+// stream of x for the kernel to read beside the weights'; and the exact float sums of x per 16 and per 32
+// values. Every digit is counted in steps of d: the sums come out 128^(digits - 1) times too large and are
+// scaled back once per output (powers of two: the same roundings). Steps of d / 128^2 are subnormal for
+// blocks of x below about 1e-30 (silu of a large negative gate), and every product with one then took a
+// microcode assist: Llama-3.1-8B's random-weight decode ran 25% slower than the float kernel for it.
 struct IntRows {
   int64_t K = 0, digits = 1;
-  std::vector<int8_t> q;
-  std::vector<float> lane_scale, sum16, sum32;
-  const int8_t* digit(int64_t m, int64_t j) const { return q.data() + (m * digits + j) * K; }
-  const float* lanes(int64_t m) const { return lane_scale.data() + m * (K / 4); }
+  std::vector<int8_t> records;
+  std::vector<float> sum16, sum32;
+  int64_t record_bytes() const { return (digits + 1) * 64; }
+  const int8_t* row(int64_t m) const { return records.data() + m * (K / 64) * record_bytes(); }
 };
 
 inline void store_digit(int8_t* out, __m512 v) {
@@ -821,12 +826,9 @@ template <typename X>
 IntRows int_rows(const X* x, int64_t M, int64_t K, int digits) {
   IntRows r;
   r.K = K, r.digits = digits;
-  r.q.resize(static_cast<size_t>(M * digits * K));
-  r.lane_scale.resize(static_cast<size_t>(M * K / 4));
+  r.records.resize(static_cast<size_t>(M * (K / 64) * r.record_bytes()));
   r.sum16.resize(static_cast<size_t>(M * K / 16));
   r.sum32.resize(static_cast<size_t>(M * K / 32));
-  float last_step = 1.f;
-  for (int j = 1; j < digits; ++j) last_step *= kDigitBase;
   const __m512 sign = _mm512_set1_ps(-0.f);
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < K / 32; ++b) {
@@ -837,17 +839,19 @@ IntRows int_rows(const X* x, int64_t M, int64_t K, int digits) {
       r.sum32[m * K / 32 + b] = s0 + s1;
       const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_andnot_ps(sign, lo), _mm512_andnot_ps(sign, hi)));
       const float d = amax / 127.f;
-      std::fill_n(r.lane_scale.data() + m * K / 4 + 8 * b, 8, d / last_step);
-      float step = d, inverse = amax != 0.f ? 127.f / amax : 0.f;
+      int8_t* record = r.records.data() + (m * (K / 64) + b / 2) * r.record_bytes();
+      for (int l = 0; l < 8; ++l) std::memcpy(record + 64 * digits + 4 * (8 * (b % 2) + l), &d, 4);
+      const __m512 step = _mm512_set1_ps(d), inverse = _mm512_set1_ps(amax != 0.f ? 127.f / amax : 0.f),
+                   base = _mm512_set1_ps(static_cast<float>(kDigitBase));
       for (int j = 0; j < digits; ++j) {
-        const __m512 q0 = _mm512_roundscale_ps(_mm512_mul_ps(lo, _mm512_set1_ps(inverse)), _MM_FROUND_TO_NEAREST_INT),
-                     q1 = _mm512_roundscale_ps(_mm512_mul_ps(hi, _mm512_set1_ps(inverse)), _MM_FROUND_TO_NEAREST_INT);
-        int8_t* out = r.q.data() + (m * digits + j) * K + 32 * b;
+        const __m512 q0 = _mm512_roundscale_ps(_mm512_mul_ps(lo, inverse), _MM_FROUND_TO_NEAREST_INT),
+                     q1 = _mm512_roundscale_ps(_mm512_mul_ps(hi, inverse), _MM_FROUND_TO_NEAREST_INT);
+        int8_t* out = record + 64 * j + 32 * (b % 2);
         store_digit(out, q0);
         store_digit(out + 16, q1);
-        lo = _mm512_fnmadd_ps(q0, _mm512_set1_ps(step), lo);  // what is left, rounded once
-        hi = _mm512_fnmadd_ps(q1, _mm512_set1_ps(step), hi);
-        step /= kDigitBase, inverse *= kDigitBase;
+        // What is left, rounded once, times 128 (exact): the next digit's steps are d again.
+        lo = _mm512_mul_ps(_mm512_fnmadd_ps(q0, step, lo), base);
+        hi = _mm512_mul_ps(_mm512_fnmadd_ps(q1, step, hi), base);
       }
     }
   }
@@ -941,11 +945,12 @@ struct IntFormat<Q6K> {
   using T = IntQ6K;
 };
 
+// The 16 lanes' integer sums of w times one record's digits, combined exactly ((s1 * 128 + s2) * 128 + s3).
 template <int D>
-inline __m512i int_dot(__m512i w, const int8_t* x, int64_t digit_stride) {
-  __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(x));
+inline __m512i int_dot(__m512i w, const int8_t* record) {
+  __m512i s = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(record));
   for (int j = 1; j < D; ++j)
-    s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 7), w, _mm512_loadu_si512(x + j * digit_stride));
+    s = _mm512_dpbusd_epi32(_mm512_slli_epi32(s, 7), w, _mm512_loadu_si512(record + 64 * j));
   return s;
 }
 
@@ -955,15 +960,16 @@ template <typename Fmt, int D, int MT>
 void int_tile(const GgmlWeight& w, int64_t n, const IntRows& r, int64_t m0, float* y, int64_t ldy) {
   using T = typename IntFormat<Fmt>::T;
   constexpr int P = MT >= 2 ? 2 : 4;
+  constexpr int64_t kRecord = (D + 1) * 64;
+  constexpr float kUnscale = D == 1 ? 1.f : D == 2 ? 1.f / kDigitBase : 1.f / (kDigitBase * kDigitBase);
+  static_assert(D <= 3);
   const uint8_t* b = w.row(n);
-  const int64_t K = r.K;
-  const int8_t* xq[MT];
-  const float *xs[MT], *sums[MT];
+  const int8_t* xr[MT];
+  const float* sums[MT];
   __m512 acc[MT][P], fix[MT];
   for (int i = 0; i < MT; ++i) {
-    xq[i] = r.digit(m0 + i, 0);
-    xs[i] = r.lanes(m0 + i);
-    sums[i] = (T::kSumWidth == 16 ? r.sum16.data() : r.sum32.data()) + (m0 + i) * (K / T::kSumWidth);
+    xr[i] = r.row(m0 + i);
+    sums[i] = (T::kSumWidth == 16 ? r.sum16.data() : r.sum32.data()) + (m0 + i) * (r.K / T::kSumWidth);
     fix[i] = _mm512_setzero_ps();
     for (int p = 0; p < P; ++p) acc[i][p] = _mm512_setzero_ps();
   }
@@ -980,21 +986,22 @@ void int_tile(const GgmlWeight& w, int64_t n, const IntRows& r, int64_t m0, floa
       const __m512 ws = scales.lane_scales(g);
 #pragma GCC unroll 4
       for (int i = 0; i < MT; ++i) {
-        const __m512i s = int_dot<D>(wv, xq[i] + 64 * g, K);
-        acc[i][g % P] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), _mm512_loadu_ps(xs[i] + 16 * g)), ws,
+        const int8_t* record = xr[i] + kRecord * g;
+        const __m512 xs = _mm512_loadu_ps(reinterpret_cast<const float*>(record + 64 * D));
+        acc[i][g % P] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(int_dot<D>(wv, record)), xs), ws,
                                         acc[i][g % P]);
       }
     }
 #pragma GCC unroll 4
     for (int i = 0; i < MT; ++i) {
       fix[i] = _mm512_add_ps(fix[i], scales.correction(sums[i]));
-      xq[i] += 256, xs[i] += 64, sums[i] += 256 / T::kSumWidth;
+      xr[i] += 4 * kRecord, sums[i] += 256 / T::kSumWidth;
     }
   }
   for (int i = 0; i < MT; ++i) {
     __m512 sum = acc[i][0];
     for (int p = 1; p < P; ++p) sum = _mm512_add_ps(sum, acc[i][p]);
-    y[i * ldy] = _mm512_reduce_add_ps(sum) - _mm512_reduce_add_ps(fix[i]);
+    y[i * ldy] = _mm512_reduce_add_ps(sum) * kUnscale - _mm512_reduce_add_ps(fix[i]);
   }
 }
 
