@@ -142,6 +142,46 @@ def test_blocks_kept_as_the_file_stores_them_run_through_a_kernel_that_reads_the
     assert (stored.runner.forward(IDS) - want).abs().max().item() <= 1e-4 * want.abs().max().item()
 
 
+def _mapped_from(path: Path) -> list[tuple[int, int]]:
+    """The address ranges of this process's mappings of ``path``."""
+    ranges = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            if len(fields) >= 6 and fields[5] == str(path.resolve()):
+                start, end = (int(a, 16) for a in fields[0].split("-"))
+                ranges.append((start, end))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads the process's mappings from /proc")
+def test_blocks_kept_whole_are_the_files_mapped_pages_and_writes_never_reach_the_file(tmp_path):
+    path = write_llama_gguf(tiny_llama(hidden=256, intermediate=512), tmp_path / "m.gguf",
+                            types={"attn_v": T.Q6_K, "attn": T.Q4_K, "ffn_down": T.Q6_K, "ffn": T.Q4_K,
+                                   "token_embd": T.Q6_K})
+    before = path.read_bytes()
+    stored = LLM(str(path), quantization_options={"kernel": "reference"}, **KW)
+    ranges = _mapped_from(path)
+    model = stored.runner.loaded.model
+
+    def mapped(t: torch.Tensor) -> bool:
+        return any(start <= t.data_ptr() and t.data_ptr() + t.numel() <= end for start, end in ranges)
+
+    layer = model.model.layers[0]
+    # Whole tensors as the file stores them: the mapping's pages (o, down, the embedding and each member
+    # of the mixed q/k/v but q and k, whose rows are put back in Hugging Face's order).
+    assert mapped(layer.self_attn.o_proj.weight) and mapped(layer.mlp.down_proj.weight)
+    assert mapped(model.model.embed_tokens.weight)
+    members = layer.self_attn.qkv_proj.ggml_members
+    assert [mapped(m.weight) for m in members] == [False, False, True]
+    assert not mapped(layer.mlp.gate_up_proj.weight)  # gate and up stored side by side: a copy
+    want = stored.runner.forward(IDS)
+    with torch.no_grad():  # copy-on-write: the process's page changes, the file does not
+        layer.self_attn.o_proj.weight.data[0].fill_(0)
+    assert path.read_bytes() == before
+    assert not torch.equal(stored.runner.forward(IDS), want)
+
+
 def test_a_tensor_type_no_reader_supports_is_named(tmp_path):
     # Q8_K is llama.cpp's format of activations: no file stores weights in it, nothing reads it.
     path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "q8k.gguf", types={"blk.1.ffn_down": T.Q8_K},

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import mmap
 import os
 import re
 import shutil
@@ -163,6 +164,12 @@ def _reader(path: Path, offset: int) -> Callable[[torch.Tensor, int], None]:
         with open(path, "rb", buffering=0) as handle:
             _read_into(handle, offset + start, out)
     return read
+
+
+def _mapped(blob: mmap.mmap, offset: int, size: int) -> Callable[[], torch.Tensor]:
+    """``size`` bytes of the mapping ``blob`` from ``offset``, as a uint8 tensor of their own that keeps
+    the mapping open (a copy-on-write mapping: writable, never written back)."""
+    return lambda: torch.frombuffer(blob, dtype=torch.uint8, count=size, offset=offset)
 
 
 class GGUFCheckpoint:
@@ -339,25 +346,29 @@ class GGUFCheckpoint:
         heads = config.get(f"{arch}.attention.head_count")
         kv_heads = config.get(f"{arch}.attention.head_count_kv", heads)
         with open(self.path, "rb", buffering=0) as handle:
-            yield from self._read_weights(handle, arch, heads, kv_heads)
+            blob = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            yield from self._read_weights(handle, blob, arch, heads, kv_heads)
 
-    def _read_weights(self, handle: Any, arch: str, heads: Any, kv_heads: Any) -> Iterator[tuple[str, Any]]:
+    def _read_weights(self, handle: Any, blob: mmap.mmap, arch: str, heads: Any, kv_heads: Any
+                      ) -> Iterator[tuple[str, Any]]:
         for info in self.header.tensors:
             name = hf_name(info.name)
             if name is None:
                 if "rope" in info.name:
                     continue  # precomputed rotary tables: the model computes its own
                 raise ModelSourceError(f"{self.path}: tensor {info.name!r} has no place in a {arch} model")
-            # Each tensor read on its own (not a view of a mapping of the file): once the loader has
-            # converted it into the model's storage, its bytes are freed. Blocks are read when the
-            # loader asks, straight into the storage where it keeps them as stored.
+            # Float tensors are read on their own: once the loader has converted them into the model's
+            # storage, their bytes are freed. Blocks are read when the loader asks, straight into the
+            # storage where it keeps them as stored — or, where that storage is the whole tensor as the
+            # file stores it, mapped (a view of a copy-on-write mapping that keeps `blob` open).
             offset = self.header.data_start + info.offset
             if info.ggml_type in FLOAT_TYPES:
                 raw = _read_at(handle, offset, info.nbytes)
                 tensor: Any = raw.view(FLOAT_TYPES[info.ggml_type]).reshape(info.shape)
             else:
                 rows, cols = info.shape if len(info.shape) == 2 else (1, info.shape[0])
-                tensor = GGMLBlocks.deferred(_reader(self.path, offset), info.ggml_type, (rows, cols), info.name)
+                tensor = GGMLBlocks.deferred(_reader(self.path, offset), info.ggml_type, (rows, cols), info.name,
+                                             _mapped(blob, offset, info.nbytes))
             if arch in ("llama", "mistral") and info.name.endswith(("attn_q.weight", "attn_k.weight")):
                 n = heads if "attn_q" in info.name else kv_heads
                 index = _unpermute_rows(info.shape[0], n)

@@ -61,7 +61,8 @@ class GGMLBlocks:
     """
 
     def __init__(self, data: torch.Tensor | None, ggml_type: int, shape: tuple[int, int], name: str = "?",
-                 reader: Callable[[torch.Tensor, int], None] | None = None) -> None:
+                 reader: Callable[[torch.Tensor, int], None] | None = None,
+                 mapped: Callable[[], torch.Tensor] | None = None) -> None:
         if ggml_type not in GGML_BLOCK:
             raise ValueError(f"tensor {name!r} has ggml type {ggml_type}, which is not a block format")
         self.block_elements, self.block_bytes = GGML_BLOCK[ggml_type]
@@ -76,17 +77,27 @@ class GGMLBlocks:
             raise ValueError(f"tensor {name!r}: blocks need their data or a reader")
         self._data = data
         self._reader = reader
+        self._mapped = mapped
         self.ggml_type = ggml_type
         self.shape = (rows, cols)
         self.name = name
 
     @classmethod
     def deferred(cls, reader: Callable[[torch.Tensor, int], None], ggml_type: int, shape: tuple[int, int],
-                 name: str = "?") -> GGMLBlocks:
+                 name: str = "?", mapped: Callable[[], torch.Tensor] | None = None) -> GGMLBlocks:
         """Blocks not read yet: ``reader(out, start)`` fills the contiguous uint8 tensor ``out`` with
-        their bytes from byte ``start`` on (rows follow each other). :meth:`copy_to` reads them straight into their destination (one pass over the
-        bytes, no temporary); :attr:`data` reads them into a tensor of their own on first use."""
-        return cls(None, ggml_type, shape, name, reader)
+        their bytes from byte ``start`` on (rows follow each other). :meth:`copy_to` reads them straight
+        into their destination (one pass over the bytes, no temporary); :attr:`data` reads them into a
+        tensor of their own on first use. ``mapped()``, where given, returns them as a view of a
+        copy-on-write mapping of the file (:meth:`mapping`)."""
+        return cls(None, ggml_type, shape, name, reader, mapped)
+
+    def mapping(self) -> torch.Tensor | None:
+        """The stored bytes as a uint8 ``[rows, bytes per row]`` view of a copy-on-write mapping of their
+        file, or None where the blocks have no file behind them. Storage that keeps the blocks as they are
+        adopts it instead of copying: its pages are the page cache's, read when first used, shared with
+        every process that maps the file, and never written back (a write copies the page)."""
+        return None if self._mapped is None else self._mapped().view(self.shape[0], self.row_bytes)
 
     @property
     def data(self) -> torch.Tensor:

@@ -71,7 +71,16 @@ class GGMLScheme(PlanarScheme):
                 kind = (tensor.type_name if isinstance(tensor, GGMLBlocks)
                         else str(getattr(tensor, "dtype", type(tensor))))
                 raise ValueError(f"storage for {self.source_type} blocks cannot take a {kind} tensor")
+            if src is not None and src[1] == 0 and src[2] == tensor.shape[src[0]]:
+                src = None  # all of it (one rank)
+            if isinstance(dst, tuple) and dst == (0, param.shape[0]):
+                dst = None
             blocks = tensor if src is None else tensor.narrow(*src)
+            if dst is None and param.device.type == "cpu":
+                mapped = blocks.mapping()
+                if mapped is not None and mapped.shape == param.shape:
+                    param.data = mapped  # the file's pages: no copy, nothing allocated
+                    return
             target = param.data if dst is None else dst(param.data) if callable(dst) else param.data.narrow(0, *dst)
             with torch.no_grad():
                 blocks.copy_to(target)
