@@ -40,7 +40,7 @@ from .loaded_model import LoadedModel
 from .lora import LoRAKernel, LoRAMapping
 from .loading import (CheckpointError, ModelLoader, build_and_load, iter_weights, load_weights, loaded_for)
 from .models import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, TextModel, check_built_for, run_stage
-from .native import NativeBuildError, load_library, register_shape_function
+from .native import NativeBuildError, load_library
 from .parallel_state import ParallelState
 from .plugins import Plugins
 from .pooling import PoolingMethod
@@ -83,7 +83,7 @@ __all__ = [
     "ops", "fused", "DENSE_PATHS", "onednn_linear", "onednn_in_compiled_graphs", "plan_summary", "prepack_weights",
     # Quantization methods and matmul kernels
     "QuantizedWeight", "WeightFormat", "GGMLBlocks", "PlanarScheme", "GGMLScheme", "GGMLMember", "MixedGGMLScheme",
-    "dequantize_planar", "quantizable_layers", "pack_int4", "unpack_int4", "native_bf16", "load_library", "register_shape_function",
+    "dequantize_planar", "quantizable_layers", "pack_int4", "unpack_int4", "native_bf16", "load_library",
     "Int8Method",
     # Logits processors, grammar backends, tool parsers, proposers, LoRA kernels
     "LogitsRow", "banned_mask", "GrammarMatcher", "GrammarSpec", "MATCHES_NOTHING", "apply_bitmask",

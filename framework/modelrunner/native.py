@@ -13,7 +13,7 @@ import importlib.machinery
 import logging
 import os
 import platform
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -107,21 +107,4 @@ def load_library(package_dir: Path, stem: str, variants: Sequence[str], what: st
         f"and a C++ compiler to see why)")
 
 
-_fragments: dict[str, torch.library.Library] = {}
-
-
-def register_shape_function(qualname: str, fn: Callable[..., torch.Tensor]) -> None:
-    """Register ``fn`` as the shape function (``Meta`` kernel) of a loaded library's operator
-    ``namespace::name``: what torch.compile's fake tensors run for it, returning empty tensors of the
-    output's shape and dtype. Use it instead of ``torch.library.register_fake``, which looks its caller's
-    source line up through ``inspect`` — a walk over every imported module's path that cost 0.27 s of
-    loading a model once transformers was imported.
-    """
-    namespace, _, name = qualname.partition("::")
-    if namespace not in _fragments:
-        _fragments[namespace] = torch.library.Library(namespace, "FRAGMENT")
-    _fragments[namespace].impl(name, fn, "Meta")
-
-
-__all__ = ["NativeBuildError", "VARIANT_ENV", "built_file", "cpu_flags", "load_library", "register_shape_function",
-           "runnable"]
+__all__ = ["NativeBuildError", "VARIANT_ENV", "built_file", "cpu_flags", "load_library", "runnable"]

@@ -9,7 +9,7 @@ import functools
 from pathlib import Path
 
 import torch
-from modelrunner.api import NativeBuildError, load_library, register_shape_function
+from modelrunner.api import NativeBuildError, load_library
 
 VARIANTS = ("avx512", "avx2", "generic")
 """The instruction-set variants ``setup.py`` builds."""
@@ -29,7 +29,7 @@ def load() -> None:
         load_library(Path(__file__).parent, "paged_decode_attention", VARIANTS, "the paged-attention kernel")
     except NativeBuildError as e:
         raise KernelUnavailable(str(e)) from e
-    register_shape_function("modelrunner_cpu::paged_decode_attention", _fake)
+    torch.library.register_fake("modelrunner_cpu::paged_decode_attention")(_fake)
 
 
 def _fake(query: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from modelrunner.api import NativeBuildError, load_library, register_shape_function
+from modelrunner.api import NativeBuildError, load_library
 
 VARIANTS = ("avx512_vnni", "avx512", "avx2", "generic")
 """The instruction-set variants ``setup.py`` builds: each has kernels the one below lacks."""
@@ -45,16 +45,16 @@ def load() -> None:
         load_library(Path(__file__).parent, "quant_matmul", VARIANTS, "the quantized-matmul kernels")
     except NativeBuildError as e:
         raise KernelUnavailable(str(e)) from e
-    register_shape_function("modelrunner_quant_cpu::dequantize", _fake_dequantize)
-    register_shape_function("modelrunner_quant_cpu::qlinear", _fake_qlinear)
-    register_shape_function("modelrunner_quant_cpu::qlinear_q8", _fake_qlinear_q8)
-    register_shape_function("modelrunner_quant_cpu::pack_p16", _fake_pack_p16)
-    register_shape_function("modelrunner_quant_cpu::qlinear_p16", _fake_qlinear_p16)
-    register_shape_function("modelrunner_quant_cpu::qlinear_p16_exact", _fake_qlinear_p16)
-    register_shape_function("modelrunner_quant_cpu::qlinear_p16_split", _fake_qlinear_p16)
-    register_shape_function("modelrunner_quant_cpu::gated_mlp_p16", _fake_gated_mlp_p16)
-    register_shape_function("modelrunner_quant_cpu::qlinear_bf16", _fake_qlinear_bf16)
-    register_shape_function("modelrunner_quant_cpu::qlinear_p16_bf16", _fake_qlinear_p16_bf16)
+    torch.library.register_fake("modelrunner_quant_cpu::dequantize")(_fake_dequantize)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear")(_fake_qlinear)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_q8")(_fake_qlinear_q8)
+    torch.library.register_fake("modelrunner_quant_cpu::pack_p16")(_fake_pack_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16")(_fake_qlinear_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_exact")(_fake_qlinear_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_split")(_fake_qlinear_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::gated_mlp_p16")(_fake_gated_mlp_p16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_bf16")(_fake_qlinear_bf16)
+    torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_bf16")(_fake_qlinear_p16_bf16)
 
 def on_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``matmul`` (of a 2-D ``[M, K]`` x) on ``x`` of any leading dimensions ``[..., K]``: a contiguous x is
@@ -407,10 +407,10 @@ def load_ggml() -> str:
         variant = load_library(Path(__file__).parent, "ggml_matmul", VARIANTS, "the ggml-block kernels")
     except NativeBuildError as e:
         raise KernelUnavailable(str(e)) from e
-    register_shape_function("modelrunner_quant_cpu::ggml_qlinear", _fake_ggml_qlinear)
-    register_shape_function("modelrunner_quant_cpu::ggml_dequantize", _fake_ggml_dequantize)
-    register_shape_function("modelrunner_quant_cpu::ggml_linear_bf16", _fake_ggml_linear_bf16)
-    register_shape_function("modelrunner_quant_cpu::ggml_qlinear_int", _fake_ggml_qlinear_int)
+    torch.library.register_fake("modelrunner_quant_cpu::ggml_qlinear")(_fake_ggml_qlinear)
+    torch.library.register_fake("modelrunner_quant_cpu::ggml_dequantize")(_fake_ggml_dequantize)
+    torch.library.register_fake("modelrunner_quant_cpu::ggml_linear_bf16")(_fake_ggml_linear_bf16)
+    torch.library.register_fake("modelrunner_quant_cpu::ggml_qlinear_int")(_fake_ggml_qlinear_int)
     return variant
 
 
