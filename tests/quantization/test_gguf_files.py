@@ -182,6 +182,25 @@ def test_blocks_kept_whole_are_the_files_mapped_pages_and_writes_never_reach_the
     assert not torch.equal(stored.runner.forward(IDS), want)
 
 
+def test_a_file_that_cannot_be_mapped_is_read(tmp_path, monkeypatch):
+    import mmap
+    import types
+
+    from modelrunner.loading import gguf_file
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # what mmap says on a file system that cannot map
+
+    path = write_llama_gguf(tiny_llama(hidden=256, intermediate=512), tmp_path / "r.gguf",
+                            types={"attn": T.Q4_K, "ffn": T.Q4_K, "token_embd": T.Q6_K})
+    mapped = LLM(str(path), quantization_options={"kernel": "reference"}, **KW).runner.forward(IDS)
+    monkeypatch.setattr(gguf_file, "mmap", types.SimpleNamespace(mmap=refuse, ACCESS_COPY=mmap.ACCESS_COPY))
+    read = LLM(str(path), quantization_options={"kernel": "reference"}, **KW)
+    o_proj = read.runner.loaded.model.model.layers[0].self_attn.o_proj.weight
+    assert not any(start <= o_proj.data_ptr() < end for start, end in _mapped_from(path))
+    assert torch.equal(read.runner.forward(IDS), mapped)
+
+
 def test_a_tensor_type_no_reader_supports_is_named(tmp_path):
     # Q8_K is llama.cpp's format of activations: no file stores weights in it, nothing reads it.
     path = write_llama_gguf(tiny_llama(intermediate=256), tmp_path / "q8k.gguf", types={"blk.1.ffn_down": T.Q8_K},

@@ -346,10 +346,13 @@ class GGUFCheckpoint:
         heads = config.get(f"{arch}.attention.head_count")
         kv_heads = config.get(f"{arch}.attention.head_count_kv", heads)
         with open(self.path, "rb", buffering=0) as handle:
-            blob = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            try:
+                blob: mmap.mmap | None = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_COPY)
+            except (OSError, ValueError):  # a file system that cannot map it: every tensor is read
+                blob = None
             yield from self._read_weights(handle, blob, arch, heads, kv_heads)
 
-    def _read_weights(self, handle: Any, blob: mmap.mmap, arch: str, heads: Any, kv_heads: Any
+    def _read_weights(self, handle: Any, blob: mmap.mmap | None, arch: str, heads: Any, kv_heads: Any
                       ) -> Iterator[tuple[str, Any]]:
         for info in self.header.tensors:
             name = hf_name(info.name)
@@ -368,7 +371,7 @@ class GGUFCheckpoint:
             else:
                 rows, cols = info.shape if len(info.shape) == 2 else (1, info.shape[0])
                 tensor = GGMLBlocks.deferred(_reader(self.path, offset), info.ggml_type, (rows, cols), info.name,
-                                             _mapped(blob, offset, info.nbytes))
+                                             None if blob is None else _mapped(blob, offset, info.nbytes))
             if arch in ("llama", "mistral") and info.name.endswith(("attn_q.weight", "attn_k.weight")):
                 n = heads if "attn_q" in info.name else kv_heads
                 index = _unpermute_rows(info.shape[0], n)
