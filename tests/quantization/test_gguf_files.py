@@ -270,6 +270,7 @@ def test_blocks_are_read_when_the_loader_asks_and_equal_the_file_after_the_readi
         target = torch.empty(rows - 2, tensor.row_bytes, dtype=torch.uint8)
         part.copy_to(target)
         assert torch.equal(target, stored[name][1:rows - 1]), name
+        assert torch.equal(part.mapping(), stored[name][1:rows - 1]), name  # a rank's rows, mapped
         assert torch.equal(tensor.data, stored[name]), name
 
 

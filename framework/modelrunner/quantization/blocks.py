@@ -134,10 +134,12 @@ class GGMLBlocks:
             features that is not a multiple of the block size).
         """
         if dim == 0:
-            if self._data is None:  # still deferred: so are the rows
-                reader, skip = self._reader, start * self.row_bytes
+            if self._data is None:  # still deferred: so are the rows (and mapped where the whole is)
+                reader, mapped, skip = self._reader, self._mapped, start * self.row_bytes
+                size = length * self.row_bytes
                 return GGMLBlocks.deferred(lambda out, at: reader(out, skip + at), self.ggml_type,
-                                           (length, self.shape[1]), self.name)
+                                           (length, self.shape[1]), self.name,
+                                           None if mapped is None else lambda: mapped()[skip:skip + size])
             return GGMLBlocks(self.data.narrow(0, start, length), self.ggml_type, (length, self.shape[1]), self.name)
         if dim != 1:
             raise ValueError(f"a {self.type_name} tensor narrows along dim 0 or 1, not {dim}")
