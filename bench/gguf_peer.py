@@ -26,8 +26,16 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
 def rss_mb() -> tuple[float, float]:
-    """(peak, current) resident set of this process in MB."""
+    """(peak, current) resident set of this process in MB. The peak is the process's own memory's high-water
+    mark (``VmHWM``): ``ru_maxrss`` also counts the parent's peak at the fork that started this process
+    (Linux carries it across exec), which made both peers report the 5 GB of the parent that had just
+    written a GGUF file."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    try:
+        with open("/proc/self/status") as f:
+            peak = next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        pass
     with open("/proc/self/statm") as f:
         now = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
     return peak, now
