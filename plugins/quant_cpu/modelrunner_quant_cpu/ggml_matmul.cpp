@@ -784,7 +784,7 @@ void gemm_rows_bf16(const GgmlWeight& w, const at::Tensor& x, at::Tensor& y) {
 #if defined(MRG_AVX512) && defined(__AVX512VNNI__)
 #define MRG_INT_DOT 1
 
-constexpr int kDigitBase = 128;  // q2 and q3 steps: d / 128 and d / 128^2
+constexpr int kDigitBase = 128;  // each digit counts what the previous one left, times 128, in steps of d
 
 // Exact (three digits) up to this many rows of x; more take fused_rows, as exact and from here on as
 // fast: on Sapphire Rapids (2 threads, Q4_K 2048 x 8192 and 8192 x 2048 from memory) the digits ran
