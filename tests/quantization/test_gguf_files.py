@@ -74,19 +74,28 @@ def test_metadata_and_tokenizer_fields_read_as_transformers_reads_them():
                                          "head_dim": 32, "rope_parameters": {"rope_type": "default",
                                                                              "rope_theta": 5e5}}, None])
 def test_a_llama_files_config_equals_transformers_llama_config(values):
-    # Built without importing LlamaConfig (a second of a cold start): every field must be its.
+    # Built without importing transformers (half a second of a load): every field must be LlamaConfig's.
     from transformers import LlamaConfig
+    from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
 
-    from modelrunner.loading.gguf_file import GGUFCheckpoint, llama_config
+    from modelrunner.loading.gguf_config import GGUF_CONFIG_KEYS, GGUFLlamaConfig
+    from modelrunner.loading.gguf_file import GGUFCheckpoint
     from modelrunner.loading.source import _alias_file
 
+    for arch, keys in GGUF_CONFIG_KEYS.items():
+        assert keys == {k: v for k, v in GGUF_CONFIG_MAPPING[arch].items() if v is not None}, arch
     if values is None:
         values = GGUFCheckpoint(_alias_file("smollm2")).config_values()
-    config = llama_config(values)
-    ours, theirs = config.to_dict(), LlamaConfig(**values).to_dict()
-    assert ours.pop("transformers_version") == theirs.pop("transformers_version")
-    assert ours == theirs
-    assert pickle.loads(pickle.dumps(config)).to_dict() == config.to_dict()  # worker processes get it so
+    config = GGUFLlamaConfig(**values)
+    theirs = LlamaConfig(**values)
+    ours = config.to_dict()
+    assert ours.pop("model_type") == theirs.model_type
+    assert {name: getattr(theirs, name) for name in ours} == ours
+    assert ours.keys() >= set(theirs.to_dict()) - set(type(theirs).__mro__[1]().to_dict()), "a field is missing"
+    converted = config.to_transformers()
+    assert type(converted) is LlamaConfig and converted.to_dict() == theirs.to_dict()
+    assert pickle.loads(pickle.dumps(config)) == config  # worker processes get it so
+    assert config.get_text_config() is config
 
 
 # Every format the kernel keeps, in three files (K-quants need rows of 256): each tensor class in another
@@ -308,29 +317,72 @@ def wait_for_no_tokenizer_threads() -> bool:
 
 
 def test_a_saved_tokenizer_reads_back_equal_to_the_one_built_and_a_damaged_copy_is_rebuilt(tmp_path):
-    # A GGUF vocabulary is converted once and saved under a digest of the file's metadata; later loads
-    # read the saved copy. It must tokenize, decode and template exactly as the one built from the file.
+    # A GGUF vocabulary is converted once (transformers) and saved under a digest of the file's metadata;
+    # later loads read the saved copy with `tokenizers` alone. It must tokenize, decode and template exactly
+    # as transformers' tokenizer built from the file.
+    from transformers import AutoTokenizer
+
     from modelrunner.loading.gguf_file import GGUFCheckpoint
+    from modelrunner.loading.gguf_tokenizer import GGUFTokenizer
     from modelrunner.loading.source import _alias_file
 
     checkpoint = GGUFCheckpoint(_alias_file("smollm2"))
-    built = checkpoint.tokenizer()
+    built = checkpoint.tokenizer().to_transformers()  # no cache: transformers' own, wrapped
     first = checkpoint.tokenizer(tmp_path)
     (saved,) = (tmp_path / "tokenizers").iterdir()
     assert (saved / "tokenizer.json").is_file() and not saved.name.startswith(".partial")
     again = checkpoint.tokenizer(tmp_path)
-    texts = ["Hello world!", "  spaces\tand\nnewlines  ", "<|im_start|>user\nhé ünïcode 日本<|im_end|>", ""]
+    assert type(first) is type(again) is GGUFTokenizer and again._transformers is None
+    copied = tmp_path / "copy"
+    first.save_pretrained(copied)
+    texts = ["Hello world!", "  spaces\tand\nnewlines  ", "<|im_start|>user\nhé ünïcode 日本<|im_end|>", "",
+             "don't stop , it 's fine ."]
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
-    for tokenizer in (first, again):
+    names = ("bos_token", "eos_token", "unk_token", "pad_token", "bos_token_id", "eos_token_id", "pad_token_id",
+             "unk_token_id", "all_special_ids", "all_special_tokens", "vocab_size", "chat_template")
+    for tokenizer in (first, again, AutoTokenizer.from_pretrained(str(copied))):
         for text in texts:
+            for special in (True, False):
+                assert tokenizer.encode(text, add_special_tokens=special) == \
+                    built.encode(text, add_special_tokens=special), text
             ids = built.encode(text)
-            assert tokenizer.encode(text) == ids, text
-            assert tokenizer.decode(ids, skip_special_tokens=True) == built.decode(ids, skip_special_tokens=True)
+            for skip in (True, False):
+                assert tokenizer.decode(ids, skip_special_tokens=skip) == built.decode(ids, skip_special_tokens=skip)
+                assert tokenizer.convert_ids_to_tokens(ids, skip_special_tokens=skip) == \
+                    built.convert_ids_to_tokens(ids, skip_special_tokens=skip)
         assert tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False) == \
             built.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        assert (tokenizer.bos_token_id, tokenizer.eos_token_id, len(tokenizer)) == \
-            (built.bos_token_id, built.eos_token_id, len(built))
+        assert {n: getattr(tokenizer, n) for n in names} == {n: getattr(built, n) for n in names}
+        assert (len(tokenizer), tokenizer.get_vocab()) == (len(built), built.get_vocab())
+    assert pickle.loads(pickle.dumps(again)).encode(texts[2]) == built.encode(texts[2])
+    assert again.model_max_length == built.model_max_length  # anything else: transformers' tokenizer answers
     (saved / "tokenizer.json").write_text("{not json")
     rebuilt = checkpoint.tokenizer(tmp_path)  # the damaged copy is replaced by a fresh one
     assert rebuilt.encode(texts[2]) == built.encode(texts[2])
     assert checkpoint.tokenizer(tmp_path).encode(texts[2]) == built.encode(texts[2])
+
+
+def test_a_llama_file_loads_and_generates_without_importing_transformers(tmp_path):
+    # Importing transformers is half a second of a 2-core load: a llama GGUF file needs none of it once its
+    # tokenizer is saved (the first load converts it); chat and grammar backends import it when used.
+    import subprocess
+    import sys
+
+    from modelrunner.loading.source import _alias_file
+
+    script = (
+        "import sys\n"
+        "from modelrunner import LLM, SamplingParams\n"
+        f"llm = LLM({str(_alias_file('smollm2'))!r}, max_model_len=256, kv_cache_memory=2**24)\n"
+        "out = llm.generate(['The capital of France is'], SamplingParams(max_tokens=4, temperature=0))\n"
+        "assert out[0].outputs[0].text, out\n"
+        "print('transformers' in sys.modules)\n"
+        "llm.chat([{'role': 'user', 'content': 'Hi'}], SamplingParams(max_tokens=2))\n"
+        "print('transformers' in sys.modules)\n")
+    env = {**os.environ, "MODELRUNNER_CACHE_DIR": str(tmp_path)}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+            for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    assert runs[0].stdout.split() == ["True", "True"]  # converting the vocabulary the first time needs it
+    assert runs[1].stdout.split() == ["False", "True"]  # then only chat templates do

@@ -14,8 +14,8 @@ Architectures read natively: ``llama`` (Llama 2/3, SmolLM2; ``mistral`` files na
 
 from __future__ import annotations
 
-import functools
 import hashlib
+import importlib.metadata
 import logging
 import mmap
 import os
@@ -29,7 +29,9 @@ from typing import Any
 import torch
 
 from ..errors import ModelSourceError
+from .gguf_config import GGUFLlamaConfig, config_values
 from .gguf_metadata import read_metadata, read_tensor_table
+from .gguf_tokenizer import GGUFTokenizer
 from ..quantization.blocks import FLOAT_TYPES, GGML_BLOCK, GGMLBlocks, ggml_type_name
 
 logger = logging.getLogger(__name__)
@@ -68,9 +70,9 @@ def _unpermute_rows(rows: int, heads: int) -> torch.Tensor:
     return torch.arange(rows).reshape(heads, half, 2).transpose(1, 2).reshape(-1)
 
 
-def _save_tokenizer(tokenizer: Any, where: Path) -> None:
+def _save_tokenizer(tokenizer: Any, where: Path) -> bool:
     """Save ``tokenizer`` as the directory ``where``, whole or not at all (written beside it, then
-    renamed); a cache that cannot be written is only logged."""
+    renamed); a cache that cannot be written is only logged. Whether ``where`` holds a saved tokenizer."""
     try:
         where.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=".partial-", dir=where.parent))
@@ -81,6 +83,7 @@ def _save_tokenizer(tokenizer: Any, where: Path) -> None:
             shutil.rmtree(staging, ignore_errors=True)
     except OSError as e:  # read-only or full cache, or another process saved it first
         logger.debug("tokenizer not cached in %s: %s", where, e)
+    return (where / "tokenizer.json").is_file()
 
 
 def _tensor_types(path: Path) -> list[tuple[str, int]]:
@@ -92,50 +95,6 @@ def _tensor_types(path: Path) -> list[tuple[str, int]]:
         return [(t.name, int(t.tensor_type)) for t in GGUFReader(str(path)).tensors]
     except Exception:  # noqa: BLE001 - a damaged file: the caller reports the first error
         return []
-
-
-LLAMA_DEFAULTS: dict[str, Any] = {
-    "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
-    "num_attention_heads": 32, "num_key_value_heads": None, "hidden_act": "silu", "max_position_embeddings": 2048,
-    "initializer_range": 0.02, "rms_norm_eps": 1e-6, "use_cache": True, "pad_token_id": None, "bos_token_id": 1,
-    "eos_token_id": 2, "pretraining_tp": 1, "tie_word_embeddings": False, "rope_parameters": None,
-    "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "head_dim": None,
-}
-"""transformers' ``LlamaConfig`` fields and their defaults (a test checks them against it)."""
-
-
-def llama_config(values: dict[str, Any]) -> Any:
-    """A config equal to ``transformers.LlamaConfig(**values)`` field for field, with ``model_type``
-    ``"llama"`` (so a saved ``config.json`` loads back as a ``LlamaConfig``), built without importing
-    ``LlamaConfig``: its module pulls in ``torch.distributed.tensor`` and sympy, 1-2.5 s of a cold
-    ``LLM("smollm2")`` that otherwise takes under one."""
-    fields = {**LLAMA_DEFAULTS, **values}
-    if fields["head_dim"] is None:
-        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    if fields["num_key_value_heads"] is None:
-        fields["num_key_value_heads"] = fields["num_attention_heads"]
-    if fields["rope_parameters"] is None:
-        fields["rope_parameters"] = {"rope_type": "default", "rope_theta": 10000.0}
-    config = _llama_config_class()(**fields)
-    config.use_cache = fields["use_cache"]  # a model field in 5.x: the base class sets none
-    return config
-
-
-@functools.cache
-def _llama_config_class() -> type:
-    # Made on first use, so that importing this module does not import transformers' config machinery.
-    from transformers import PretrainedConfig
-
-    return type("GGUFLlamaConfig", (PretrainedConfig,), {
-        "model_type": "llama", "__module__": __name__,
-        "__doc__": "transformers' LlamaConfig fields on a plain PretrainedConfig (see llama_config)."})
-
-
-def __getattr__(name: str) -> Any:
-    # ``GGUFLlamaConfig`` is importable (pickle finds a config's class by name) once asked for.
-    if name == "GGUFLlamaConfig":
-        return _llama_config_class()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _read_at(handle: Any, offset: int, size: int) -> torch.Tensor:
@@ -216,11 +175,11 @@ class GGUFCheckpoint:
     # -- config and tokenizer ----------------------------------------------------------------------
 
     def hf_config(self) -> Any:
-        """The transformers config the metadata describes (transformers' own key mapping); for a
-        ``llama`` file a :func:`llama_config`."""
+        """The config the metadata describes: for a ``llama`` file a :class:`~.gguf_config.GGUFLlamaConfig`
+        (no transformers import), for the others transformers' own config class."""
         values = self.config_values()
         if self.architecture == "llama":
-            config = llama_config(values)
+            config: Any = GGUFLlamaConfig(**values)
         else:
             from transformers import AutoConfig
 
@@ -230,68 +189,42 @@ class GGUFCheckpoint:
         return config
 
     def config_values(self) -> dict[str, Any]:
-        """The config fields the metadata gives (transformers' GGUF key mapping; the tokenizer's special
-        ids; tied embeddings when the file has no ``output.weight``).
+        """The config fields the metadata gives (:func:`~.gguf_config.config_values`).
 
         :raises ModelSourceError: an architecture not read natively."""
-        from transformers.integrations.ggml import GGUF_CONFIG_MAPPING
+        if self.architecture not in ARCHITECTURES:
+            raise ModelSourceError(f"{self.path}: GGUF architecture {self.architecture!r} is not read natively "
+                                   f"(supported: {', '.join(sorted(ARCHITECTURES))}); load it with quantization='none'")
+        return config_values(self.metadata, self.architecture, {info.name for info in self.header.tensors})
 
-        arch = self.architecture
-        if arch not in ARCHITECTURES:
-            raise ModelSourceError(f"{self.path}: GGUF architecture {arch!r} is not read natively (supported: "
-                                   f"{', '.join(sorted(ARCHITECTURES))}); load it with quantization='none'")
-        mapping = GGUF_CONFIG_MAPPING[arch]
-        values: dict[str, Any] = {}
-        for key, value in self.metadata.items():
-            prefix, _, rest = key.partition(".")
-            if prefix == arch and rest in mapping and mapping[rest] is not None:
-                values[mapping[rest]] = value
-        if "vocab_size" not in values:
-            values["vocab_size"] = self.metadata.get("tokenizer.ggml.tokens")
-        theta = values.pop("rope_theta", None)
-        if theta is not None:
-            values["rope_parameters"] = {"rope_type": "default", "rope_theta": float(theta)}
-        for token in ("bos", "eos", "unknown", "padding"):
-            value = self.metadata.get(f"tokenizer.ggml.{token}_token_id")
-            if value is not None:
-                values[{"unknown": "unk", "padding": "pad"}.get(token, token) + "_token_id"] = int(value)
-        names = {info.name for info in self.header.tensors}
-        values["tie_word_embeddings"] = "output.weight" not in names
-        if arch == "qwen2":
-            values.setdefault("use_sliding_window", False)
-        return values
+    def tokenizer(self, cache_dir: str | Path | None = None) -> GGUFTokenizer | None:
+        """The tokenizer the metadata describes (vocabulary, merges, special tokens, chat template) as a
+        :class:`~.gguf_tokenizer.GGUFTokenizer`; None when the file has no vocabulary.
 
-    def tokenizer(self, cache_dir: str | Path | None = None) -> Any:
-        """The tokenizer the metadata describes (vocabulary, merges, special tokens, chat template),
-        built by transformers' GGUF converters; None when the file has no vocabulary.
-
-        With ``cache_dir``, a tokenizer built once is saved under ``cache_dir/tokenizers/``, named by a
-        digest of the file's metadata, and later loads read it back (a quarter of the time: converting
-        a 128k-token vocabulary and importing the converters takes most of a second). A saved copy
-        that cannot be read is rebuilt; a cache that cannot be written is skipped."""
+        The vocabulary is turned into a tokenizer by transformers' GGUF converters. With ``cache_dir``, that
+        tokenizer is saved under ``cache_dir/tokenizers/``, named by a digest of the file's metadata, and later
+        loads read the saved files without transformers (a tenth of the time: converting a 128k-token
+        vocabulary and importing transformers take most of a second). A saved copy that cannot be read is
+        rebuilt; a cache that cannot be written is skipped."""
         if "tokenizer.ggml.tokens" not in self.metadata:
             return None
         saved = Path(cache_dir) / "tokenizers" / self._metadata_digest() if cache_dir is not None else None
         if saved is not None and (saved / "tokenizer.json").is_file():
-            from transformers import PreTrainedTokenizerFast
-
             try:
-                return PreTrainedTokenizerFast.from_pretrained(str(saved))
+                return GGUFTokenizer.from_directory(saved, str(self.path))
             except Exception as e:  # noqa: BLE001 - a damaged copy: build it again
                 logger.warning("%s: the saved tokenizer in %s cannot be read (%s: %s); building it again",
                                self.path, saved, type(e).__name__, e)
                 shutil.rmtree(saved, ignore_errors=True)
         tokenizer = self._convert_tokenizer()
-        if saved is not None:
-            _save_tokenizer(tokenizer, saved)
-        return tokenizer
+        if saved is not None and _save_tokenizer(tokenizer, saved):
+            return GGUFTokenizer.from_directory(saved, str(self.path))
+        return GGUFTokenizer.from_transformers(tokenizer, str(self.path))
 
     def _metadata_digest(self) -> str:
         """A digest of everything before the tensor data (metadata and tensor table) and of the
-        transformers version that builds and reads the saved tokenizer."""
-        import transformers
-
-        digest = hashlib.sha256(f"gguf-tokenizer-1 {transformers.__version__}\n".encode())
+        transformers version that builds the saved tokenizer."""
+        digest = hashlib.sha256(f"gguf-tokenizer-1 {importlib.metadata.version('transformers')}\n".encode())
         with open(self.path, "rb") as f:
             digest.update(f.read(self.header.data_start))
         return digest.hexdigest()[:32]

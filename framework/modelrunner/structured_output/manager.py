@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from ..errors import StructuredOutputError, UnknownNameError
@@ -414,7 +415,12 @@ class StructuredOutputManager:
         """The backend instance ``name`` (``"plugin:name"`` picks a plugin's), made once."""
         with self._lock:
             if name not in self._backends:
-                self._backends[name] = self._class(name)(self.context)
+                # Backends get transformers' tokenizer (GrammarContext's contract): a GGUF file's tokenizer
+                # makes it when the first backend is made.
+                to_transformers = getattr(self.context.tokenizer, "to_transformers", None)
+                context = self.context if to_transformers is None else \
+                    attrs.evolve(self.context, tokenizer=to_transformers())
+                self._backends[name] = self._class(name)(context)
             return self._backends[name]
 
     def auto_order(self) -> list[str]:
