@@ -35,14 +35,21 @@ class KernelUnavailable(NativeBuildError):
     """The C++ kernels are not available here (not built at install, or no build this CPU runs)."""
 
 
-@functools.cache
+_LOADED: dict[str, str] = {}
+"""Library stem → the variant loaded, once per process. A plain dict, not ``functools.cache``: the ops'
+wrappers call :func:`load` on every bind and run, torch.compile traces through a cached function's body,
+and a trace that reached ``load_library`` (file checks, ``open``) broke its graph at every quantized layer."""
+
+
 def load() -> None:
     """Load the installed build of the kernels this CPU runs best into this process.
 
     :raises KernelUnavailable: no such build is installed; the message says how to rebuild it.
     """
+    if "quant_matmul" in _LOADED:
+        return
     try:
-        load_library(Path(__file__).parent, "quant_matmul", VARIANTS, "the quantized-matmul kernels")
+        variant = load_library(Path(__file__).parent, "quant_matmul", VARIANTS, "the quantized-matmul kernels")
     except NativeBuildError as e:
         raise KernelUnavailable(str(e)) from e
     torch.library.register_fake("modelrunner_quant_cpu::dequantize")(_fake_dequantize)
@@ -55,6 +62,7 @@ def load() -> None:
     torch.library.register_fake("modelrunner_quant_cpu::gated_mlp_p16")(_fake_gated_mlp_p16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_bf16")(_fake_qlinear_bf16)
     torch.library.register_fake("modelrunner_quant_cpu::qlinear_p16_bf16")(_fake_qlinear_p16_bf16)
+    _LOADED["quant_matmul"] = variant
 
 def on_rows(x: torch.Tensor, matmul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
     """``matmul`` (of a 2-D ``[M, K]`` x) on ``x`` of any leading dimensions ``[..., K]``: a contiguous x is
@@ -396,13 +404,14 @@ threads, Q4_K: the register kernel is ahead up to ~20 rows where K = 2048 (most 
 weights) and ~40 where K = 8192 (its down projection)."""
 
 
-@functools.cache
 def load_ggml() -> str:
     """Load the installed build of the ggml-block kernels (``ggml_matmul.cpp``) this CPU runs best.
 
     :returns: the instruction-set variant loaded.
     :raises KernelUnavailable: no such build is installed; the message says how to rebuild it.
     """
+    if "ggml_matmul" in _LOADED:
+        return _LOADED["ggml_matmul"]
     try:
         variant = load_library(Path(__file__).parent, "ggml_matmul", VARIANTS, "the ggml-block kernels")
     except NativeBuildError as e:
@@ -411,6 +420,7 @@ def load_ggml() -> str:
     torch.library.register_fake("modelrunner_quant_cpu::ggml_dequantize")(_fake_ggml_dequantize)
     torch.library.register_fake("modelrunner_quant_cpu::ggml_linear_bf16")(_fake_ggml_linear_bf16)
     torch.library.register_fake("modelrunner_quant_cpu::ggml_qlinear_int")(_fake_ggml_qlinear_int)
+    _LOADED["ggml_matmul"] = variant
     return variant
 
 
