@@ -1,5 +1,5 @@
 """A step's float32 logits reuse the previous step's buffer only when nobody holds it: logits a caller
-keeps are never written over, and a model run in bfloat16 gives the same logits either way."""
+keeps are never written over, through ``execute_model`` too."""
 
 from __future__ import annotations
 
@@ -27,11 +27,16 @@ def test_a_buffer_is_reused_only_when_no_view_of_it_is_alive():
     assert float32_logits(state, first.float()).dtype == torch.float32  # float32 already: as it is
 
 
-def test_a_bfloat16_model_returns_the_same_logits_whatever_the_caller_keeps(tiny_llama_dir):
+def test_logits_a_caller_keeps_are_not_written_over_by_the_next_step(tiny_llama_dir):
+    # Through execute_model on a bfloat16 model: a prefill step's logits, kept while a decode step of the
+    # same rows runs (same shape: the buffer would be reused if nothing held it), equal the same prefill
+    # run alone.
+    from compile.helpers import step_logits
+
     runner = ModelRunner({"model": str(tiny_llama_dir), "dtype": "bfloat16", "kv_cache_memory": 1 << 24})
     runner.load_model()
-    ids = [[5, 6, 7, 8], [9, 10, 11]]
-    kept = [runner.forward(row) for row in ids]  # each call's logits stacked from the steps' buffers
-    again = [runner.forward(row) for row in ids]
-    for a, b in zip(kept, again):
-        assert a.dtype == torch.float32 and torch.equal(a, b)
+    prompts = [[5, 6, 7, 8], [9, 10, 11]]
+    prefill, decode = step_logits(runner, prompts, [[12, 13]])
+    (alone,) = step_logits(runner, prompts, [])
+    assert prefill.dtype == torch.float32 and prefill.shape == decode.shape
+    assert torch.equal(prefill, alone) and not torch.equal(prefill, decode)
