@@ -57,7 +57,7 @@ _LAZY = {
     "SamplingParams": ("modelrunner.sampling.params", "SamplingParams"),
     "StructuredOutputsParams": ("modelrunner.sampling.structured", "StructuredOutputsParams"),
     "GuidedDecodingParams": ("modelrunner.sampling.structured", "GuidedDecodingParams"),
-    "ModelRunner": ("modelrunner.runner", "ModelRunner"),
+    "ModelRunner": ("modelrunner.llm", "ModelRunner"),
     "LLMEngine": ("modelrunner.engine.llm_engine", "LLMEngine"),
     "RequestOutput": ("modelrunner.engine.outputs", "RequestOutput"),
     "CompletionOutput": ("modelrunner.engine.outputs", "CompletionOutput"),

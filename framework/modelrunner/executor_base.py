@@ -8,21 +8,25 @@ registry can name it without importing what runs models.
 from __future__ import annotations
 
 import abc
+import functools
 from typing import Any
 
-from .article import ArticleAPI
+import torch
+
 from .config import RunnerConfig
 from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
+from .scratch import ScratchSequences, no_engine_error
 
 
-class Executor(ArticleAPI, abc.ABC):
+class Executor(abc.ABC):
     """The engine's interface to the model, whatever the number of processes.
 
     Each executor has a :class:`~modelrunner.runner.ModelRunner` for this process's shard
     (:attr:`runner`); what does not depend on the other ranks (tokenizer, block count, sizes) is
-    read from it.
+    read from it. ``forward(input_ids)`` and ``generate(input_ids)`` run on every rank through
+    :meth:`execute_model` and the attached engine, as the runner's do.
     """
 
     runner: Any
@@ -34,6 +38,8 @@ class Executor(ArticleAPI, abc.ABC):
     """Capability: runs ``tensor_parallel_size × pipeline_parallel_size`` > 1 (ranks in other processes)."""
     launched_externally: bool = False
     """Capability: its ranks are processes a launcher started (torchrun), not processes it starts itself."""
+
+    _engine: Any = None
 
     @classmethod
     def create(cls, config: RunnerConfig, plugins: Any = None) -> Executor:
@@ -133,6 +139,49 @@ class Executor(ArticleAPI, abc.ABC):
     def remove_lora(self, lora_int_id: int) -> bool:
         """Forget a LoRA adapter here (other ranks replace it when the id comes back with another path)."""
         return self.runner.remove_lora(lora_int_id)
+
+    # -- forward and generate (the article's API) ---------------------------------------------------
+
+    @functools.cached_property
+    def scratch(self) -> ScratchSequences:
+        """Runs :meth:`forward`'s scratch sequences through :meth:`execute_model` (made on first use, so
+        that a subclass need not call this class's ``__init__``)."""
+        return ScratchSequences(self)
+
+    def forward(self, input_ids: torch.Tensor | list, return_router_logits: bool = False
+                ) -> torch.Tensor | dict[str, Any]:
+        """Logits for every position of ``input_ids`` (see :meth:`ModelRunner.forward
+        <modelrunner.runner.ModelRunner.forward>`), computed on every rank."""
+        return self.scratch.forward(input_ids, return_router_logits)
+
+    def scratch_allocator(self) -> Any:
+        """The block allocator scratch sequences use: the one an engine lent, else the executor's own."""
+        return self.scratch.allocator()
+
+    def lend_allocator(self, allocator: Any) -> None:
+        """Use ``allocator`` (an engine's) for scratch sequences from now on; the engine owns it."""
+        self.scratch.lend(allocator)
+
+    def attach_engine(self, engine: Any) -> None:
+        """Run :meth:`generate` through ``engine`` and scratch sequences through its allocator (an
+        :class:`~modelrunner.engine.LLMEngine` calls this on the executor it runs)."""
+        self._engine = engine
+        self.lend_allocator(engine.allocator)
+
+    def engine(self) -> Any:
+        """The :class:`~modelrunner.engine.LLMEngine` that runs this executor.
+
+        :raises ModelRunnerError: none does yet (build one: ``LLMEngine(executor)``).
+        """
+        if self._engine is None:
+            raise no_engine_error(self)
+        return self._engine
+
+    def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int = 16,
+                 **sampling: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Generate up to ``max_new_tokens`` after ``input_ids`` on the :meth:`engine` (see
+        :meth:`ModelRunner.generate <modelrunner.runner.ModelRunner.generate>`)."""
+        return self.scratch.generate(self.engine, input_ids, max_new_tokens, **sampling)
 
     def _require_loaded(self) -> LoadedModel:
         return self.runner._require_loaded()

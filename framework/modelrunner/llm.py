@@ -1,6 +1,7 @@
 """The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``, streaming and chat; with
 ``data_parallel_size`` > 1, the ``LLM`` subclass the ``modelrunner-data-parallel`` distribution declares
-(replicas in processes of their own), found through an entry point: the kernel never imports it."""
+(replicas in processes of their own), found through an entry point: the kernel never imports it. Also
+the article's lower-level :class:`ModelRunner`, whose ``generate`` builds an engine of its own."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from .errors import ModelRunnerError, StructuredOutputError
 from .executor import Executor, create_executor
 from .pooling.outputs import EmbeddingRequestOutput, PoolingRequestOutput
 from .pooling.params import PoolingParams
+from .runner import ModelRunner as KernelModelRunner
 from .sampling.params import GENERATION_CONFIG, SamplingParams
 
 
@@ -424,6 +426,19 @@ def generation_defaults(source: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001 - a malformed file is ignored like a missing one (vLLM does the same)
         return {}
     return {field: config[key] for key, field in GENERATION_KEYS.items() if config.get(key) is not None}
+
+
+class ModelRunner(KernelModelRunner):
+    """One process's model (:class:`modelrunner.runner.ModelRunner`) whose ``generate`` works on its
+    own: :meth:`engine` builds an :class:`~modelrunner.engine.LLMEngine` for it on first use."""
+
+    def engine(self) -> LLMEngine:
+        """The engine that runs this runner: the one attached (an ``LLMEngine`` built on it), else one
+        built now (it loads the model if needed and attaches itself; its KV block allocator then also
+        serves :meth:`forward`'s scratch sequences)."""
+        if self._engine is None:
+            LLMEngine(self)
+        return self._engine
 
 
 class GenerationError(ModelRunnerError):

@@ -16,7 +16,6 @@ from typing import Any
 import attrs
 import torch
 
-from .article import ArticleAPI
 from .capabilities import check_supported, runs_quantization
 from .cache_dir import cache_root
 from .config import RunnerConfig
@@ -33,6 +32,7 @@ from .loading.loader import ModelLoader, adapter_for
 from .parallel_state import ParallelState
 from .plugins import Plugins, get_plugins
 from .quantization import select_quantization, weight_bytes
+from .scratch import ScratchSequences, no_engine_error
 from .loading.source import ModelSource, one_line, resolve_source
 
 logger = logging.getLogger(__name__)
@@ -104,14 +104,16 @@ def resolve_max_model_len(hf_config: Any, asked: int | None) -> int:
     return asked
 
 
-class ModelRunner(ArticleAPI):
+class ModelRunner:
     """Runs one model in one process (one rank's shard when parallel): the article's ModelRunner,
     with every stage a plugin hook routed to the plugin that owns the name.
 
     ``load_model()`` resolves the checkpoint, lets the adapter that registered its architecture
     build it, applies the parallelize and compile hooks, then sizes and allocates the paged KV
     cache. ``execute_model(batch)`` runs one step and returns a :class:`ForwardOutput`. The article's
-    ``forward(input_ids)`` and ``generate(input_ids)`` work on top (:class:`~modelrunner.article.ArticleAPI`).
+    ``forward(input_ids)`` works on top (:attr:`scratch`), and ``generate(input_ids)`` on the engine
+    attached to the runner; :class:`modelrunner.ModelRunner` (this class, plus an engine built on
+    first use) is the one to use for ``generate``.
 
     :param config: the configuration (a :class:`RunnerConfig` or its flat dict).
     :param parallel: this process's ranks (default: a single process).
@@ -146,6 +148,9 @@ class ModelRunner(ArticleAPI):
         """The quantization method the model's weights use (None: dense floats)."""
         self.lora: Any = None
         """The :class:`~modelrunner.lora.LoRAManager` (None unless ``enable_lora``)."""
+        self.scratch = ScratchSequences(self)
+        """Runs :meth:`forward`'s scratch sequences on KV blocks of the engine's allocator (or its own)."""
+        self._engine: Any = None
 
     # -- loading -------------------------------------------------------------------------------
 
@@ -354,6 +359,52 @@ class ModelRunner(ArticleAPI):
 
     def shutdown(self) -> None:
         """Nothing to stop in one process (the executor interface's method)."""
+
+    # -- forward and generate (the article's API) ---------------------------------------------------
+
+    def forward(self, input_ids: torch.Tensor | list, return_router_logits: bool = False
+                ) -> torch.Tensor | dict[str, Any]:
+        """Logits for every position of ``input_ids`` (``[L]`` or ``[B, L]``): ``[B, L, vocab]``.
+
+        With ``return_router_logits`` (MoE models): ``{"logits": [B, L, vocab], "router_logits":
+        one [B, L, num_experts] tensor per MoE layer}``. Runs scratch sequences (:attr:`scratch`).
+        """
+        return self.scratch.forward(input_ids, return_router_logits)
+
+    def scratch_allocator(self) -> Any:
+        """The block allocator scratch sequences use: the one an engine lent, else the runner's own."""
+        return self.scratch.allocator()
+
+    def lend_allocator(self, allocator: Any) -> None:
+        """Use ``allocator`` (an engine's) for scratch sequences from now on; the engine owns it."""
+        self.scratch.lend(allocator)
+
+    def attach_engine(self, engine: Any) -> None:
+        """Run :meth:`generate` through ``engine`` and scratch sequences through its allocator (an
+        :class:`~modelrunner.engine.LLMEngine` calls this on the executor it runs, which passes it on)."""
+        self._engine = engine
+        self.lend_allocator(engine.allocator)
+
+    def engine(self) -> Any:
+        """The :class:`~modelrunner.engine.LLMEngine` attached to this runner.
+
+        :raises ModelRunnerError: none is attached (:class:`modelrunner.ModelRunner` builds one instead).
+        """
+        if self._engine is None:
+            raise no_engine_error(self)
+        return self._engine
+
+    def generate(self, input_ids: torch.Tensor | list, max_new_tokens: int = 16,
+                 **sampling: Any) -> torch.Tensor | list[torch.Tensor]:
+        """Generate up to ``max_new_tokens`` after ``input_ids`` on the :meth:`engine`; returns the new
+        ids (a row stops at EOS unless ``ignore_eos``, at one of ``stop_token_ids``, or at a stop string).
+
+        ``input_ids`` is one prompt (``[L]``: returns a tensor) or several (``[B, L]`` or a list of
+        lists of any lengths: returns a list of tensors). Keyword arguments are
+        :class:`~modelrunner.SamplingParams` fields (``temperature`` defaults to 0: greedy); ``n``
+        and ``max_tokens`` are not among them (one completion each, ``max_new_tokens`` long at most).
+        """
+        return self.scratch.generate(self.engine, input_ids, max_new_tokens, **sampling)
 
     @property
     def block_size(self) -> int:

@@ -92,7 +92,7 @@ class FakeRunner(Executor):
     tokenizer = property(lambda self: self._tokenizer)
     kv_cache_spec = property(lambda self: self._loaded.kv_cache_spec)
     kv_cache_bytes = property(lambda self: int(self.kv.numel() * 8))
-    allocator = property(lambda self: self._lent_allocator)
+    allocator = property(lambda self: self.scratch.lent_allocator)
 
     def load_model(self):
         return self._loaded

@@ -23,7 +23,6 @@ from typing import Any
 import attrs
 import torch
 
-from .. import article
 from ..config import RunnerConfig
 from ..executor import Executor, UniprocExecutor, create_executor
 from ..lora import LoRARequest
@@ -439,5 +438,3 @@ class LLMEngine:
             out["speculative"] = self.speculator.stats()
         return out
 
-
-article.ENGINE_FACTORY[:] = [LLMEngine]  # ModelRunner.generate builds this engine when none is attached
