@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     rounds = args.rounds or (1 if args.quick else 3)
     prompt_len, batch, many, new_tokens, single = (64, 8, 16, 8, 16) if args.quick else (256, 64, 256, 64, 128)
 
-    from modelrunner.quantization.library import cpu_flags, native_bf16
+    from modelrunner_quantization.library import cpu_flags, native_bf16
     from modelrunner.loading.source import resolve_source
     from modelrunner.timing_cache import cpu_model
 

@@ -33,7 +33,7 @@ import modelrunner_quant_cpu as quant
 import torch
 import torch.nn.functional as F
 from modelrunner.quantization import QuantizedWeight, WeightFormat
-from modelrunner.quantization.library import OneDNNBF16, TorchInt4Pack, TorchInt8Pack, int4pack_order, native_bf16
+from modelrunner_quantization.library import OneDNNBF16, TorchInt4Pack, TorchInt8Pack, int4pack_order, native_bf16
 from modelrunner_quant_cpu.reference import pack_nibbles
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -180,8 +180,8 @@ def selection(shapes: dict[str, tuple[int, int]]) -> None:
     """What the kernel selector picks with ``activations="auto"`` (all installed plugins' kernels)."""
     from torch import nn
 
-    from modelrunner.quantization.kernels import KernelSelector
-    from modelrunner.quantization.planar import PlanarScheme
+    from modelrunner_quantization.kernels import KernelSelector
+    from modelrunner_quantization.planar import PlanarScheme
     from modelrunner.quantization.planar_layout import quantize_planar
 
     print("\nselection with activations='auto' (the kernel's selector, every installed kernel, this machine):")

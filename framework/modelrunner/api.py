@@ -17,6 +17,7 @@ imports it.
 from __future__ import annotations
 
 from .config import RunnerConfig
+from .cpu_dtype import native_bf16
 from .defaults import transformers_adapter
 from .distributed import LaunchInfo, collective_timeout, free_port
 from .errors import ModelRunnerError, PluginError, StructuredOutputError, UnknownNameError, did_you_mean
@@ -40,17 +41,19 @@ from .loaded_model import LoadedModel
 from .lora import LoRAKernel, LoRAMapping
 from .loading import (CheckpointError, ModelLoader, build_and_load, iter_weights, load_weights, loaded_for)
 from .models import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, TextModel, check_built_for, run_stage
-from .native import NativeBuildError, load_library
+from .native import NativeBuildError, cpu_flags, load_library
 from .parallel_state import ParallelState
-from .plugins import Plugins
+from .plugins import Plugins, get_plugins
 from .pooling import PoolingMethod
-from .quantization import (GGMLBlocks, MatmulKernel, PlanarScheme, QuantizationMethod, QuantizedWeight, WeightFormat,
-                           dequantize_planar, quantizable_layers)
-from .quantization.ggml_scheme import GGMLMember, GGMLScheme, MixedGGMLScheme
-from .quantization.library import native_bf16
-from .quantization.methods import Int8Method
-from .quantization.planar import pack_int4, unpack_int4
-from .registry import Registry
+from .quantization import (GGMLBlocks, MatmulKernel, QuantizationMethod, QuantizedWeight, WeightFormat, dequantize_planar,
+                           quantizable_layers, quantize_planar)
+from .quantization.blocks import FLOAT_TYPES as GGML_FLOAT_TYPES
+from .quantization.blocks import ggml_type_name
+from .quantization.ggml_formats import PLANAR_FORMS, PlanarForm, block_bytes, dequantize_blocks, to_planar
+from .quantization.matmul import PLANAR
+from .quantization.planar_layout import pack_int4, unpack_int4
+from .registry import Registry, split_choice
+from .timing_cache import DECODE_ROWS, TIMING_ROWS, TimingCache, time_candidates
 from .sampling import LogitsProcessor, LogitsRow, banned_mask
 from .spec_decode import ProposalRequest, Proposer, ProposerContext
 from .structured_output import (MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask,
@@ -81,10 +84,12 @@ __all__ = [
     "KVCacheStats",
     # Compile backends: the kernel's fused CPU ops and dense weight plans
     "ops", "fused", "DENSE_PATHS", "onednn_linear", "onednn_in_compiled_graphs", "plan_summary", "prepack_weights",
-    # Quantization methods and matmul kernels
-    "QuantizedWeight", "WeightFormat", "GGMLBlocks", "PlanarScheme", "GGMLScheme", "GGMLMember", "MixedGGMLScheme",
-    "dequantize_planar", "quantizable_layers", "pack_int4", "unpack_int4", "native_bf16", "load_library",
-    "Int8Method",
+    # Quantization methods and matmul kernels (the methods themselves: the modelrunner-quantization distribution)
+    "QuantizedWeight", "WeightFormat", "GGMLBlocks", "quantizable_layers", "PLANAR", "quantize_planar",
+    "dequantize_planar", "pack_int4", "unpack_int4", "GGML_FLOAT_TYPES", "ggml_type_name", "PLANAR_FORMS", "PlanarForm",
+    "block_bytes", "to_planar", "dequantize_blocks", "native_bf16", "cpu_flags", "load_library",
+    # Timing candidates on this machine, once, cached (kernel selection)
+    "TimingCache", "time_candidates", "DECODE_ROWS", "TIMING_ROWS", "get_plugins", "split_choice",
     # Logits processors, grammar backends, tool parsers, proposers, LoRA kernels
     "LogitsRow", "banned_mask", "GrammarMatcher", "GrammarSpec", "MATCHES_NOTHING", "apply_bitmask",
     "bitmask_from_allowed", "decoded_vocabulary", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",

@@ -65,6 +65,11 @@ def native_bf16_flags() -> tuple[str, ...]:
     return tuple(flag for flag in NATIVE_BF16_FLAGS if flag in flags)
 
 
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 dot products in hardware (``amx_bf16`` or ``avx512_bf16``)."""
+    return bool(native_bf16_flags())
+
+
 def decide(times: dict[str, dict[str, float]]) -> tuple[torch.dtype, str]:
     """The rule: ``times[dtype][bucket]`` (seconds of the best path; dtype ``float32``/``bfloat16``,
     bucket ``decode``/``batch``) → the dtype and the measured ratios in words."""

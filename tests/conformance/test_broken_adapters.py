@@ -74,8 +74,9 @@ import torch
 import torch.nn.functional as F
 
 from modelrunner import hookimpl
-from modelrunner.quantization.methods import Int4Method, Int8Method
-from modelrunner.quantization.planar import PlanarScheme, dequantize_planar
+from modelrunner_quantization.methods import Int4Method, Int8Method
+from modelrunner.quantization.planar_layout import dequantize_planar
+from modelrunner_quantization.planar import PlanarScheme
 
 
 class NoScaleScheme(PlanarScheme):
@@ -209,7 +210,7 @@ def test_a_tensor_parallel_check_is_not_applicable_to_a_plugin_the_workers_canno
 @pytest.mark.parametrize("method", ["int4_noscale", "int4_nextgroup"])
 def test_a_wrong_int4_matmul_fails_the_tolerance_and_layer_checks(tmp_path, root, method):
     # The method needs adapters built from the kernel's layers to cover.
-    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe", "quantization")) as plugins:
         checked = suite("quantization_methods", method, plugins=plugins, root=root, tensor_parallel=False)
         results = _results(checked, {"logits", "layers", "batch-independence"})
     assert results["logits"].status == "failed"
@@ -222,7 +223,7 @@ def test_a_wrong_int4_matmul_fails_the_tolerance_and_layer_checks(tmp_path, root
 
 
 def test_a_one_percent_scale_error_in_one_layer_fails_the_layer_check(tmp_path, root):
-    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe", "quantization")) as plugins:
         checked = suite("quantization_methods", "int4_scaled", plugins=plugins, root=root, tensor_parallel=False)
         layers = _results(checked, {"layers"})["layers"]
     assert layers.status == "failed"
@@ -231,7 +232,7 @@ def test_a_one_percent_scale_error_in_one_layer_fails_the_layer_check(tmp_path, 
 
 
 def test_a_method_that_takes_gguf_files_but_not_their_blocks_fails_the_gguf_check(tmp_path, root):
-    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe", "quantization")) as plugins:
         checked = suite("quantization_methods", "int8_anysource", plugins=plugins, root=root, tensor_parallel=False)
         result = _results(checked, {"gguf-source"})["gguf-source"]
     assert result.status == "failed"
@@ -240,7 +241,7 @@ def test_a_method_that_takes_gguf_files_but_not_their_blocks_fails_the_gguf_chec
 
 
 def test_a_method_that_quantizes_nothing_fails_covers_layers(tmp_path, root):
-    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe")) as plugins:
+    with installed(tmp_path, "broken_int4", BROKEN_INT4, also=("llama", "moe", "quantization")) as plugins:
         checked = suite("quantization_methods", "int4_nothing", plugins=plugins, root=root, tensor_parallel=False)
         result = _results(checked, {"covers-layers"})["covers-layers"]
     assert result.status == "failed"

@@ -175,7 +175,7 @@ def _kernel_weight(cls, bits: int, N: int, K_: int, seed: int):
 
 @pytest.mark.parametrize("cls", ["CPUBF16", "CPUP16BF16"])
 def test_the_matmul_kernels(cls):
-    from modelrunner.quantization.library import native_bf16
+    from modelrunner.api import native_bf16
 
     kernel = getattr(quant.matmul, cls)
     assert kernel in quant.MATMUL_KERNELS and not kernel.exact and kernel.rounds_weights
@@ -215,8 +215,8 @@ def test_in_a_bf16_engine_cpu_p16_bf16_joins_the_exact_p16_kernels_for_the_batch
     from torch import nn
 
     from modelrunner.plugins import Plugins
-    from modelrunner.quantization.kernels import KernelSelector
-    from modelrunner.quantization.planar import PlanarScheme
+    from modelrunner_quantization.kernels import KernelSelector
+    from modelrunner_quantization.planar import PlanarScheme
 
     monkeypatch.setattr(quant.matmul.CPUP16BF16, "timed", True)  # as where the CPU computes bf16 natively
     monkeypatch.setattr(quant.matmul.CPUBF16, "timed", True)

@@ -335,7 +335,7 @@ def test_the_integer_dot_product_kernels():
 
 
 def test_the_cpu_ggml_bf16_kernel():
-    from modelrunner.quantization.library import native_bf16
+    from modelrunner.api import native_bf16
 
     kernel = quant.matmul.CPUGGMLBF16
     assert kernel in quant.MATMUL_KERNELS and kernel.name == "cpu_ggml_bf16" and not kernel.exact
@@ -361,8 +361,8 @@ def test_in_a_bf16_engine_cpu_ggml_bf16_joins_cpu_ggml_for_the_batch_rows(monkey
     from torch import nn
 
     from modelrunner.plugins import Plugins
-    from modelrunner.quantization.ggml_scheme import GGMLScheme
-    from modelrunner.quantization.kernels import KernelSelector
+    from modelrunner_quantization.ggml_scheme import GGMLScheme
+    from modelrunner_quantization.kernels import KernelSelector
 
     monkeypatch.setattr(quant.matmul.CPUGGMLBF16, "timed", True)  # as where the CPU computes bf16 natively
     selector = KernelSelector("float", plugins=Plugins())

@@ -1,4 +1,4 @@
-"""The kernel's library matmul kernels (``torch_int4pack``, ``torch_int8pack``, ``onednn_bf16``,
+"""modelrunner-quantization's library matmul kernels (``torch_int4pack``, ``torch_int8pack``, ``onednn_bf16``,
 ``onednn_bf16_int4pack``): their deviation from the dequantized reference on GGUF-like data, the
 int4pack layout's exact way back to planar, the ``bf16`` family of activations in the selector (and
 in a bfloat16 engine, where it is exact and weight-rounding kernels run batches only), and the
@@ -15,9 +15,9 @@ import torch.nn.functional as F
 from modelrunner_kit.conformance.matmul import _layer, planar_weight, reference_matmul
 from modelrunner.plugins import Plugins
 from modelrunner.quantization import QuantizedWeight, WeightFormat
-from modelrunner.quantization import library
-from modelrunner.quantization.kernels import KernelSelector, layout_of
-from modelrunner.quantization.library import OneDNNBF16, OneDNNBF16Int4Pack, TorchInt4Pack, TorchInt8Pack
+from modelrunner_quantization import library
+from modelrunner_quantization.kernels import KernelSelector, layout_of
+from modelrunner_quantization.library import OneDNNBF16, OneDNNBF16Int4Pack, TorchInt4Pack, TorchInt8Pack
 from modelrunner.quantization.planar_layout import dequantize_planar, pack_int4
 
 from plugin_dists import run_cli
@@ -253,7 +253,7 @@ def test_a_layer_on_the_bf16_family_is_regrouped_in_place_and_reads_back_planar(
 
 
 def test_modelrunner_check_passes_the_library_kernels():
-    result = run_cli("check", "default-quantization", "--kind", "matmul_kernels", "--json")
+    result = run_cli("check", "quantization", "--kind", "matmul_kernels", "--json")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     report = json.loads(result.stdout)
     by_suite: dict[str, dict[str, str]] = {}

@@ -14,7 +14,7 @@ from modelrunner_kit.conformance import suite
 from modelrunner_kit.conformance.matmul import _layer
 from modelrunner.errors import UnknownNameError
 from modelrunner.plugins import Plugins
-from modelrunner.quantization.kernels import KernelSelector, layout_of
+from modelrunner_quantization.kernels import KernelSelector, layout_of
 
 from plugin_dists import make_distribution
 
@@ -85,7 +85,7 @@ def plugins(tmp_path):
 
 def test_registered_kernels_are_listed_by_plugin(plugins):
     assert plugins.infos["test-matmul"].provides == {"matmul_kernels": ["test_planar8", "test_reversed", "test_wrong"]}
-    assert plugins.infos["default-quantization"].provides["matmul_kernels"] == [
+    assert plugins.infos["quantization"].provides["matmul_kernels"] == [
         "int8_rowwise", "onednn_bf16", "onednn_bf16_int4pack", "reference", "torch_int4pack", "torch_int8pack"]
     assert plugins.registry.capabilities("matmul_kernels", "test_reversed", "test-matmul")["layout"] == "reversed"
 

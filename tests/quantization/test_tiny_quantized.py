@@ -12,8 +12,8 @@ import torch
 from modelrunner import LLM, SamplingParams
 from modelrunner.layers.linear import LinearBase
 from modelrunner.parallel_state import ParallelState
-from modelrunner.quantization.experts import QuantizedExperts
-from modelrunner.quantization.kernels import layout_of
+from modelrunner_quantization.experts import QuantizedExperts
+from modelrunner_quantization.kernels import layout_of
 from modelrunner_kit.testing import PagedDriver, load_adapter
 
 from gloo_ranks import run_ranks
@@ -135,7 +135,7 @@ def test_traced_layers_read_their_storage_and_match_eager(checkpoints, activatio
     # Under torch.compile a layer calls its kernel with its own parameters (no closure of the bound
     # storage), and computes what the eager call does, in one graph (a trace that reached the plugin's
     # library loading broke the graph at every quantized layer: inductor ran 0.44x eager).
-    from modelrunner.quantization.kernels import KernelSelector
+    from modelrunner_quantization.kernels import KernelSelector
 
     traced_layers: list[object] = []
     traced = KernelSelector.traced
@@ -191,7 +191,7 @@ def test_a_gated_mlps_projections_take_one_family_chosen_over_both(checkpoints, 
     # Timed alone, gate_up would take the float family (1.0 against 1.1) and down the int8 one
     # (2.0 against 1.0), and the fused one-call MLP could not run. A module's fused_projections are
     # chosen together: int8, 2.1 against 3.0 summed over both.
-    from modelrunner.quantization.kernels import KernelSelector
+    from modelrunner_quantization.kernels import KernelSelector
 
     plugin = quant_cpu()
     if plugin is None:

@@ -66,7 +66,7 @@ def fused_experts(
         ``[expert_start, expert_start + local_experts)`` contribute nothing here (another rank's).
     :param expert_counts: assignments per global expert id (at least up to the last local expert),
         when the caller already counted them.
-    :param quantized: the layer's :class:`~modelrunner.quantization.experts.QuantizedExperts` when its
+    :param quantized: the layer's :class:`~modelrunner_quantization.experts.QuantizedExperts` when its
         stacks are quantized (``w13``/``w2`` are then its storage, multiplied through it).
     :returns: ``[num_tokens, hidden]`` in ``hidden``'s dtype.
     """
@@ -171,7 +171,7 @@ class FusedMoE(nn.Module):
         """Token assignments per expert (all experts, every rank) in the last forward."""
         self.quant_scheme: Any = None
         """How a quantization method stores and multiplies the experts (None: float stacks; see
-        :class:`~modelrunner.quantization.experts.QuantizedExperts`)."""
+        :class:`~modelrunner_quantization.experts.QuantizedExperts`)."""
 
     @staticmethod
     def packed_modules_mapping(num_experts: int) -> dict[str, list[str]]:

@@ -80,6 +80,13 @@ class QuantizationMethod(abc.ABC):
         """The device the model is loaded on (set before :meth:`prepare`), for choosing storage that
         the kernels of that device run."""
 
+    def use_plugins(self, plugins: Any) -> None:
+        """Take what the method uses from the loaded plugins it came from (the matmul kernels its
+        layers may run), called once before :meth:`check_source`; the default takes nothing.
+
+        :raises UnknownNameError: an option names something no loaded plugin provides.
+        """
+
     def check_source(self, source: Any) -> None:
         """Refuse a checkpoint this method cannot run (e.g. ``gguf`` needs a ``.gguf`` file).
 
@@ -103,6 +110,18 @@ class QuantizationMethod(abc.ABC):
 
     def __repr__(self) -> str:
         return f"<quantization {self.name!r} {self.options}>"
+
+
+class NoQuantization(QuantizationMethod):
+    """``none``: every weight stays in the model's float dtype (GGUF blocks are dequantized at load)."""
+
+    name = "none"
+    tensor_parallel = True
+    covers_layers = False
+    conformance_tolerance = 1e-4
+
+    def prepare(self, model: nn.Module, source: Any) -> None:
+        """Nothing to prepare."""
 
 
 def weight_bytes(model: nn.Module) -> int:

@@ -1,7 +1,7 @@
 """The matmul-kernel plugin kind: what a kernel that multiplies activations by a quantized weight is.
 
 A plugin declares kernels with ``registry.matmul_kernels(MyKernel)`` in its ``register`` hook. A
-quantized layer's :class:`~.kernels.KernelSelector` asks the registry for the kernels that claim the
+quantized layer's kernel selector (``modelrunner_quantization.KernelSelector``) asks the registry for the kernels that claim the
 layer's :class:`WeightFormat` on its device (:meth:`MatmulKernel.supports`), times them on the
 layer's real weights, and runs the fastest. The kernel never imports a kernel plugin by name.
 
@@ -9,7 +9,7 @@ The data contract: a kernel receives the weight as a :class:`QuantizedWeight` �
 of the format (``data``, ``scales``, ``mins``) *in the kernel's own layout* (:attr:`MatmulKernel.layout`;
 ``planar`` unless the kernel regroups them with :meth:`MatmulKernel.pack`), its format, and its
 logical ``rows × cols`` — and ``x``, a 2-D, contiguous float32 ``[M, cols]`` (``M`` ≥ 1). It returns
-float32 ``[M, rows]``: ``x @ W.T`` for the float ``W`` :func:`~.planar.dequantize_planar` gives.
+float32 ``[M, rows]``: ``x @ W.T`` for the float ``W`` :func:`~.planar_layout.dequantize_planar` gives.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from collections.abc import Callable
 from typing import Any, ClassVar, NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from .planar_layout import dequantize_planar
 from .blocks import ggml_type_name
-from .ggml_formats import dequantize_blocks
 
 PLANAR = "planar"
 """The layout every quantized weight is loaded in (see :mod:`.planar`)."""
@@ -63,7 +60,7 @@ class WeightFormat(NamedTuple):
 
     @classmethod
     def of(cls, scheme: Any) -> WeightFormat:
-        """The format of a :class:`~.planar.PlanarScheme`."""
+        """The format of a planar scheme (``modelrunner_quantization.PlanarScheme``)."""
         return cls(scheme.bits, scheme.group_size, scheme.has_mins, scheme.per_row,
                    str(getattr(scheme, "scale_dtype", torch.float16)).removeprefix("torch."),
                    getattr(scheme, "ggml_type", 0))
@@ -115,7 +112,7 @@ class MatmulKernel:
     activations (runs only where the method's ``activations`` option allows its kind, :attr:`activations`)."""
     activations: ClassVar[str] = ""
     """The kind of activations it computes with: ``float`` (float32: exact), ``int8`` (quantized) or
-    ``bf16`` (rounded to bfloat16) — with the layout, its *family* (see :mod:`.kernels`). Empty:
+    ``bf16`` (rounded to bfloat16) — with the layout, its *family* (see :mod:`modelrunner_quantization.kernels`). Empty:
     ``float`` where :attr:`exact`, else ``int8`` (:meth:`activation_kind`)."""
     rounds_weights: ClassVar[bool] = False
     """It computes with the weights rounded (e.g. a bfloat16 working copy of the dequantized weight).
@@ -203,70 +200,4 @@ class MatmulKernel:
             None if mins is None else mins.index_select(0, ids)
 
 
-class ReferenceKernel(MatmulKernel):
-    """``reference``: dequantize to float32, then ``F.linear`` — every format, any device; exact and
-    slow (the kernel's default, beaten by any other candidate that can run)."""
-
-    name = "reference"
-    devices = None
-    fallback = True
-    scale_dtypes = ("float16", "float32")
-    min_group = 16
-    ggml_types = (2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23)  # every format of .ggml_formats
-
-    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """``x`` times the dequantized weight."""
-        fmt = weight.format
-        if fmt.ggml_type:
-
-            return F.linear(x.float(), dequantize_blocks(weight.data, fmt.ggml_type, weight.cols))
-        return F.linear(x.float(), dequantize_planar(*weight.storage, fmt.group_size, fmt.bits))
-
-
-class Int8RowwiseKernel(MatmulKernel):
-    """``int8_rowwise``: torch's int8 GEMM (``torch._int_mm``) with each activation row quantized to
-    int8 on its own (per-channel int8 weights only; no copy of the weight). Per row, so a token's
-    result does not depend on the other tokens of its batch (fbgemm's dynamic linear quantizes the
-    whole batch with one scale, which does) — but too lossy to be chosen by timing: SmolLM2's int8
-    perplexity +3.1% against +0.5% with per-32-value activation blocks (``timed = False``)."""
-
-    name = "int8_rowwise"
-    devices = None
-    exact = False
-    timed = False
-
-    @classmethod
-    def supports(cls, format: WeightFormat, device: torch.device | str) -> bool:
-        """Per-row symmetric int8 weights, where this torch has ``_int_mm``."""
-        return format.bits == 8 and not format.has_mins and format.per_row and hasattr(torch, "_int_mm")
-
-    def run(self, weight: QuantizedWeight, x: torch.Tensor) -> torch.Tensor:
-        """Each row of ``x`` quantized with its own scale, an int8 GEMM, both scales applied."""
-        x = x.float()
-        row_scale = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127
-        xq = torch.round(x / row_scale).clamp_(-127, 127).to(torch.int8)
-        return torch._int_mm(xq, weight.data.t()).float() * row_scale * weight.scales.reshape(1, -1).float()
-
-
-DEFAULT_KERNELS = (ReferenceKernel, Int8RowwiseKernel)
-"""The kernel's own matmul kernels of this module (declared by its default quantization plugin, with
-the library kernels of :mod:`.library`)."""
-
-
-def registered_kernels(plugins: Any) -> dict[str, type[MatmulKernel]]:
-    """Name → class of every loaded matmul kernel, installed plugins' first (registration order), the
-    kernel's defaults last; a name two installed plugins declare appears once per plugin as
-    ``plugin:name`` (install order never decides)."""
-    registry = plugins.registry
-    out: dict[str, type[MatmulKernel]] = {}
-    names = registry.providers["matmul_kernels"]
-    for name in names:
-        owners = registry.candidates("matmul_kernels", name)
-        for owner in owners:
-            key = name if len(owners) == 1 else f"{owner}:{name}"
-            out[key] = registry.get_class("matmul_kernels", name, owner)
-    return out
-
-
-__all__ = ["DEFAULT_KERNELS", "PLANAR", "Int8RowwiseKernel", "MatmulKernel", "QuantizedWeight", "ReferenceKernel",
-           "WeightFormat", "registered_kernels"]
+__all__ = ["PLANAR", "MatmulKernel", "QuantizedWeight", "WeightFormat"]

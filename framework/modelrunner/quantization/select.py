@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import check_checkpoint_quantization
-from .kernels import KernelSelector
 
 
 def select_quantization(name: str | None, options: dict[str, Any], source: Any, plugins: Any,
@@ -32,8 +31,6 @@ def select_quantization(name: str | None, options: dict[str, Any], source: Any, 
     if name == "none" and not options:
         return None
     method = plugins.quantization_method_class(name)(options, cache_dir)
-    selector = getattr(method, "kernels", None)
-    if isinstance(selector, KernelSelector):
-        selector.use_plugins(plugins)  # its matmul kernels come from the same plugins; a bad `kernel=` fails here
+    method.use_plugins(plugins)  # e.g. its matmul kernels come from the same plugins; a bad `kernel=` fails here
     method.check_source(source)
     return method

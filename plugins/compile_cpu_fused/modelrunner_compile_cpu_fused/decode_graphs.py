@@ -43,9 +43,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from modelrunner.api import (Attention, DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, GGMLMember,
-                             GGMLScheme, MergedColumnParallelLinear, MixedGGMLScheme, PlanarScheme, QKVParallelLinear,
-                             RMSNorm, RotaryEmbedding, RowParallelLinear, SiluAndMul)
+from modelrunner.api import (Attention, DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP,
+                             MergedColumnParallelLinear, QKVParallelLinear, RMSNorm, RotaryEmbedding, RowParallelLinear,
+                             SiluAndMul)
+from modelrunner_quantization import GGMLMember, GGMLScheme, MixedGGMLScheme, PlanarScheme
 from torch import nn
 from torch.nn.modules import module as _module
 

@@ -74,7 +74,7 @@ def gated_mlp_fusable(mlp: GatedMLP) -> bool:
 
 def gated_mlp_call(mlp: GatedMLP, x: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """The quantization scheme's one-call form of a fusable ``mlp`` for ``x``
-    (:meth:`~modelrunner.quantization.planar.PlanarScheme.gated_mlp`), or None: only for a 2-D
+    (:meth:`~modelrunner_quantization.planar.PlanarScheme.gated_mlp`), or None: only for a 2-D
     contiguous float32 ``x`` outside compilers, and no forward hooks on the three parts (they would
     not run)."""
     if x.dtype is not torch.float32 or x.dim() != 2 or not x.is_contiguous() or torch.compiler.is_compiling():

@@ -46,7 +46,7 @@ def _format(label: str, cols: int = WEIGHT_COLS) -> Any:
 def planar_weight(label: str, rows: int = WEIGHT_ROWS, cols: int = WEIGHT_COLS, seed: int = 0) -> Any:
     """A random ``rows × cols`` weight quantized into format ``label``, planar."""
     from modelrunner.api import QuantizedWeight
-    from modelrunner.quantization.planar import quantize_planar  # kernel internal: the reference quantizer
+    from modelrunner.api import quantize_planar  # the reference quantizer
 
     fmt = _format(label, cols)
     w = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 0.05
@@ -138,7 +138,7 @@ class MatmulKernelSuite(Suite):
 
     def _check_refuses(self) -> str:
         from modelrunner.api import WeightFormat
-        from modelrunner.quantization.kernels import KernelSelector  # kernel internal: picks kernels as the runner
+        from modelrunner_quantization import KernelSelector  # picks kernels as the runner does
 
         cls = type(self._setup())
         malformed = WeightFormat(3, 32, True)
@@ -205,7 +205,7 @@ def _layer(label: str, selector: Any) -> tuple[Any, Any]:
     """A quantized layer of format ``label`` (``PlanarScheme`` and module), its weights random."""
     from torch import nn
 
-    from modelrunner.api import PlanarScheme
+    from modelrunner_quantization import PlanarScheme
 
     bits, group, mins, _ = FORMATS[label]
     scheme = PlanarScheme(bits, group, has_mins=mins, kernels=selector, quantize_floats=True, symmetric=not mins)

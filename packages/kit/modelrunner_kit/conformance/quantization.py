@@ -341,7 +341,7 @@ class QuantizationMethodSuite(Suite):
         import torch.nn.functional as F
 
         from modelrunner.api import FusedMoE, ParallelLMHead, VocabParallelEmbedding
-        from modelrunner.quantization.experts import STACKS  # kernel internal: the kernel's stacked expert weights
+        from modelrunner_quantization import STACKS  # the quantization distribution's stacked expert weights
 
         tolerance = self.method_class.conformance_tolerance
         generator = torch.Generator().manual_seed(0)

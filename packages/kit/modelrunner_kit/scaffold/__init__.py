@@ -7,6 +7,7 @@ from pathlib import Path
 
 from .templates import (
     ADAPTER_TRANSFORMERS,
+    DEPENDENCIES,
     KINDS,
     LLAMA_SHAPED,
     MODULES,
@@ -51,7 +52,8 @@ def new_plugin(kind: str, name: str, directory: str | Path = ".") -> Path:
     target = Path(directory) / dist
     if target.exists():
         raise ValueError(f"{target} already exists; pick another name or --output")
-    fields = {"name": name, "cls": cls, "dist": dist, "module": module, "entry": name}
+    fields = {"name": name, "cls": cls, "dist": dist, "module": module, "entry": name,
+              "dependencies": ", ".join(f'"{d}"' for d in DEPENDENCIES.get(kind, ("modelrunner",)))}
     template = MODULES[kind]
     registered = name
     if kind == "adapter":

@@ -20,6 +20,9 @@ KINDS = {
 }
 """``new-plugin`` KIND → the registry kind its conformance suite checks."""
 
+DEPENDENCIES = {"quantization-method": ("modelrunner", "modelrunner-quantization")}
+"""``new-plugin`` KIND → the distributions its skeleton requires (default: the kernel alone)."""
+
 PYPROJECT = '''\
 [build-system]
 requires = ["setuptools>=68"]
@@ -31,7 +34,7 @@ version = "0.1.0"
 description = "{summary}"
 readme = "README.md"
 requires-python = ">=3.10"
-dependencies = ["modelrunner"]
+dependencies = [{dependencies}]
 
 [project.optional-dependencies]
 # The conformance suites live in modelrunner-kit (modelrunner_kit.conformance).
@@ -151,11 +154,11 @@ def compile(name: str, loaded: Any, config: Any) -> Any:
     return run
 ''',
     "quantization-method": HEADER + '''
-from modelrunner.api import Int8Method
+from modelrunner_quantization import Int8Method
 
 
 class {cls}(Int8Method):
-    """A weight quantization method; starts as the kernel's ``int8`` (per-channel int8 weights
+    """A weight quantization method; starts as modelrunner-quantization's ``int8`` (per-channel int8 weights
     quantized at load). Override ``prepare`` (give the layers storage on the meta device) and
     ``process_after_loading``, or ``_scheme`` (the storage format each layer gets).
     """

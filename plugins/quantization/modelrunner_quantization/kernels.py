@@ -1,8 +1,8 @@
 """Which matmul kernel a quantized layer runs, chosen by timing the registered candidates on this machine.
 
-The candidates are the loaded plugins' matmul kernels (:class:`~.matmul.MatmulKernel`, declared with
-``registry.matmul_kernels(...)``) that claim the layer's weight format on its device. The kernel's own
-are ``reference`` (dequantize, then ``F.linear``: every format, exact, slow), ``int8_rowwise``
+The candidates are the loaded plugins' matmul kernels (:class:`~modelrunner.quantization.matmul.MatmulKernel`, declared with
+``registry.matmul_kernels(...)``) that claim the layer's weight format on its device. This
+distribution's own are ``reference`` (:mod:`.reference`: dequantize, then ``F.linear``: every format, exact, slow), ``int8_rowwise``
 (``torch._int_mm``, pinned only) and the library kernels of :mod:`.library` (``torch_int4pack``,
 ``torch_int8pack``, ``onednn_bf16``: bfloat16 activations); the ``modelrunner-quant-cpu`` plugin adds
 its C++ kernels (``cpu_exact``, ``cpu_q8`` on planar storage; ``cpu_p16``, ``cpu_p16_exact``,
@@ -12,14 +12,14 @@ For every distinct ``(format, rows × columns)`` of a model and for two input si
 (up to :data:`DECODE_ROWS` rows: one token per sequence) and ``batch`` (more) — each allowed
 candidate is timed once on the layer's real weights, the fastest kept, and the choice cached on disk
 per CPU model and software version (``kernels.json`` under the cache directory; the kernels'
-:meth:`~.matmul.MatmulKernel.build_id` are part of it), so later loads skip the timing. Which
+:meth:`~modelrunner.quantization.matmul.MatmulKernel.build_id` are part of it), so later loads skip the timing. Which
 candidates are allowed:
 
-- the kernel claims the format on the layer's device (:meth:`~.matmul.MatmulKernel.supports`);
+- the kernel claims the format on the layer's device (:meth:`~modelrunner.quantization.matmul.MatmulKernel.supports`);
 - a kernel of another layout than planar only on a layer that owns its storage (it is regrouped in
   place, which an expert's view of its stack cannot be), and a layer already regrouped runs only
   kernels of its layout (and the fallback, which reads any layout back as planar rows);
-- a kernel's kind of activations (:meth:`~.matmul.MatmulKernel.activation_kind`: ``float``,
+- a kernel's kind of activations (:meth:`~modelrunner.quantization.matmul.MatmulKernel.activation_kind`: ``float``,
   ``int8`` or ``bf16``) only where the method's ``activations`` option allows it — ``float`` only
   float, ``int8`` / ``bf16`` that kind (float where no kernel of it claims the format), ``auto`` any;
   ``timed = False`` kernels only when pinned (``kernel=``);
@@ -27,7 +27,7 @@ candidates are allowed:
   names an allowed one steps aside (the same arithmetic, slower at every row count);
 - in a bfloat16 engine (:attr:`KernelSelector.dtype`) the activations are bfloat16 already, so a
   ``bf16`` kernel is as exact as a ``float`` one and counts as one; a kernel that rounds the weights
-  (:attr:`~.matmul.MatmulKernel.rounds_weights`: ``onednn_bf16``'s bfloat16 working copy) then runs
+  (:attr:`~modelrunner.quantization.matmul.MatmulKernel.rounds_weights`: ``onednn_bf16``'s bfloat16 working copy) then runs
   the ``batch`` bucket under ``float`` too, never ``decode``: a single row stays exact, prompts and
   batches run at the bfloat16 GEMM's speed (AMX where the CPU has it).
 
@@ -35,7 +35,7 @@ A shape's kernels for both buckets come from one *family* — the kind of activa
 bf16) and the layout — the one whose slower bucket is closest to that bucket's fastest family (the
 least of each family's largest ratio to the fastest over the timed row counts), so that a layer's storage has one layout and a request's activations are taken one way
 (float, int8 or bf16) however many rows share its step. A layer whose family has another layout has
-its storage regrouped in place by that kernel's :meth:`~.matmul.MatmulKernel.pack` (no second copy),
+its storage regrouped in place by that kernel's :meth:`~modelrunner.quantization.matmul.MatmulKernel.pack` (no second copy),
 and :meth:`~.planar.PlanarScheme.planar_storage` reads it back through the kernel's ``unpack``.
 """
 
@@ -49,24 +49,31 @@ from typing import Any
 
 import torch
 
-from ..errors import UnknownNameError
-from ..plugins import get_plugins
-from ..registry import split_choice
-from ..timing_cache import (
-    DECODE_ROWS,
-    TIMING_ROWS,
-    TimingCache,
-    time_candidates,
-)
-from .matmul import PLANAR, MatmulKernel, QuantizedWeight, WeightFormat, registered_kernels
-from .planar import dequantize_planar
+from modelrunner.api import (DECODE_ROWS, PLANAR, TIMING_ROWS, MatmulKernel, QuantizedWeight, TimingCache,
+                             UnknownNameError, WeightFormat, dequantize_planar, get_plugins, split_choice,
+                             time_candidates)
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("modelrunner.quantization")  # under the library's logger, which the CLI and server configure
 
 KERNEL_VERSION = 10
 """Bumped when the selection rules change, so cached choices are remade."""
 ACTIVATIONS = ("float", "int8", "bf16", "auto")
 """The values of the quantization methods' ``activations`` option (see :class:`KernelSelector`)."""
+
+
+def registered_kernels(plugins: Any) -> dict[str, type[MatmulKernel]]:
+    """Name → class of every loaded matmul kernel, installed plugins' first (registration order), the
+    kernel's defaults last; a name two installed plugins declare appears once per plugin as
+    ``plugin:name`` (install order never decides)."""
+    registry = plugins.registry
+    out: dict[str, type[MatmulKernel]] = {}
+    names = registry.providers["matmul_kernels"]
+    for name in names:
+        owners = registry.candidates("matmul_kernels", name)
+        for owner in owners:
+            key = name if len(owners) == 1 else f"{owner}:{name}"
+            out[key] = registry.get_class("matmul_kernels", name, owner)
+    return out
 
 
 def layout_of(layer: Any) -> str:
@@ -114,7 +121,7 @@ class KernelSelector:
         """The dtype of the activations the model's layers hand over: the engine's (the method sets it
         once the weights are in). In a bfloat16 engine, rounding activations to bfloat16 loses
         nothing: ``bf16`` kernels count as ``float`` (exact) there, and kernels that round the weights
-        (:attr:`~.matmul.MatmulKernel.rounds_weights`) may run the ``batch`` bucket under ``float``."""
+        (:attr:`~modelrunner.quantization.matmul.MatmulKernel.rounds_weights`) may run the ``batch`` bucket under ``float``."""
         self._kernels: dict[str, MatmulKernel] | None = None
         self._cache: TimingCache | None = None
         self._bound: weakref.WeakKeyDictionary[Any, tuple[Any, Callable]] = weakref.WeakKeyDictionary()
@@ -179,7 +186,7 @@ class KernelSelector:
 
     def kind_of(self, name: str) -> str:
         """Kernel ``name``'s kind of activations in this engine: its own
-        (:meth:`~.matmul.MatmulKernel.activation_kind`), except that ``bf16`` is ``float`` where the
+        (:meth:`~modelrunner.quantization.matmul.MatmulKernel.activation_kind`), except that ``bf16`` is ``float`` where the
         activations are bfloat16 already (:attr:`dtype`)."""
         kind = self.candidates[name].activation_kind()
         return "float" if kind == "bf16" and self.dtype == torch.bfloat16 else kind
@@ -206,6 +213,10 @@ class KernelSelector:
         """The kernels that may run ``layer`` (in ``bucket``: its row count; None: any): the unpinned
         ones of its shape's one family."""
         names = self._unfiltered(scheme, layer)
+        if not names:
+            raise RuntimeError(f"no loaded matmul kernel runs {self.key(scheme, layer, 'any')} (loaded: "
+                               f"{', '.join(self.candidates) or 'none'}); the modelrunner-quantization plugin's "
+                               "'reference' kernel runs every format: is it installed and not blocked?")
         if self.kernel is None:
             family = self._family(scheme, layer, names)
             names = [n for n in names if self.family_of(n) == family and (bucket is None or self.in_bucket(n, bucket))]
@@ -269,7 +280,7 @@ class KernelSelector:
         """Give ``layers`` — ``(scheme, layer)`` pairs that run back to back, such as a gated MLP's two
         projections — one family: among those every one of them can run, the one closest to the
         fastest over all of them in its slower bucket (:meth:`_fastest_family`). Then a kernel's
-        fused form (:meth:`~.matmul.MatmulKernel.bind_gated_mlp`) can run them in one call, where
+        fused form (:meth:`~modelrunner.quantization.matmul.MatmulKernel.bind_gated_mlp`) can run them in one call, where
         choosing each shape alone could split them between families on a near tie. Where one of the
         shapes already has a family, each keeps its own; a pinned ``kernel`` leaves this to the pin."""
         shapes = [self.key(s, layer, "any") for s, layer in layers]
@@ -368,7 +379,7 @@ class KernelSelector:
                   ) -> Callable[[torch.Tensor], torch.Tensor] | None:
         """``down(silu(gate(x)) * up(x))`` as one kernel call of a 2-D, contiguous float32 ``x`` where,
         in each row bucket, both projections run the same kernel, stored in its layout, and that
-        kernel has a fused form (:meth:`~.matmul.MatmulKernel.bind_gated_mlp`: the same numbers as
+        kernel has a fused form (:meth:`~modelrunner.quantization.matmul.MatmulKernel.bind_gated_mlp`: the same numbers as
         the three calls it replaces); None elsewhere. Bound on first use, like :meth:`bound`."""
         entry = self._fused.get(gate_up)
         if entry is None or entry[0] is not gu_scheme or entry[1] is not down_scheme:

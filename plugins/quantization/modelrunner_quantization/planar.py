@@ -1,4 +1,4 @@
-"""The per-layer scheme that stores a weight in the planar layout (:mod:`.planar_layout`) and runs it.
+"""The per-layer scheme that stores a weight in the planar layout (:mod:`modelrunner.quantization.planar_layout`) and runs it.
 
 A :class:`PlanarScheme` replaces a layer's float ``weight`` parameter by ``qweight`` (still named
 ``weight``, so checkpoints load by name) plus ``weight_scales`` / ``weight_mins``, and fills them as
@@ -14,10 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .blocks import GGMLBlocks
-from .ggml_formats import PLANAR_FORMS, PlanarForm
-from .planar_layout import dequantize_planar, pack_int4, quantize_planar, unpack_int4
-from .matmul import QuantizedWeight, WeightFormat
+from modelrunner.api import (PLANAR_FORMS, GGMLBlocks, PlanarForm, QuantizedWeight, WeightFormat, dequantize_planar,
+                             pack_int4, quantize_planar, unpack_int4)
 
 
 def widen(q: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, have: PlanarForm, want: PlanarForm

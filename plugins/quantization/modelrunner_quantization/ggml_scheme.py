@@ -1,6 +1,6 @@
 """The per-layer scheme that keeps a GGUF tensor's ggml blocks exactly as the file stores them.
 
-Where a registered matmul kernel reads a format's blocks itself (:attr:`~.matmul.MatmulKernel.ggml_types`,
+Where a registered matmul kernel reads a format's blocks itself (:attr:`~modelrunner.quantization.matmul.MatmulKernel.ggml_types`,
 e.g. the quant-cpu plugin's ``cpu_ggml`` for Q4_K and Q6_K), a layer keeps the file's bytes — 4.5 bits
 a weight for Q4_K, 6.56 for Q6_K — instead of their planar form (6 and 10 bits with float32 scales):
 a memory-bound decode step reads that much less. The weight is ``weight``: uint8 ``[rows, bytes per
@@ -15,11 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .blocks import GGMLBlocks, ggml_type_name
-from .ggml_formats import PLANAR_FORMS, block_bytes, to_planar
+from modelrunner.api import (PLANAR_FORMS, GGMLBlocks, QuantizedWeight, WeightFormat, block_bytes, dequantize_planar,
+                             ggml_type_name, to_planar)
+
 from .planar import PlanarScheme
-from .planar_layout import dequantize_planar
-from .matmul import QuantizedWeight, WeightFormat
 
 
 class GGMLScheme(PlanarScheme):

@@ -1,5 +1,5 @@
-"""The kernel's quantization methods: ``none``, ``gguf`` (a GGUF file's blocks run as stored), and
-``int8`` / ``int4`` weight-only quantization of any float checkpoint, done as it loads."""
+"""The quantization methods ``gguf`` (a GGUF file's blocks run as stored) and ``int8`` / ``int4``
+(weight-only quantization of any float checkpoint, done as it loads); ``none`` is the kernel's."""
 
 from __future__ import annotations
 
@@ -10,18 +10,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from ..layers.fused_moe import FusedMoE
-from .base import QuantizationMethod, quantizable_layers
-from .blocks import FLOAT_TYPES, ggml_type_name
+from modelrunner.api import (GGML_FLOAT_TYPES, PLANAR_FORMS, FusedMoE, ParallelLMHead, QuantizationMethod,
+                             VocabParallelEmbedding, WeightFormat, block_bytes, ggml_type_name, quantizable_layers)
+
 from .experts import QuantizedExperts
-from .ggml_formats import PLANAR_FORMS, Q4_0, block_bytes
 from .ggml_scheme import GGMLScheme, MixedGGMLScheme
 from .kernels import KernelSelector
-from .matmul import WeightFormat
 from .planar import PlanarScheme, common_form
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("modelrunner.quantization")  # under the library's logger, which the CLI and server configure
 
 
 def _checkpoint_names(model: nn.Module, layer_name: str) -> list[str]:
@@ -63,18 +60,6 @@ def _prepare_layers(method: QuantizationMethod, model: nn.Module, schemes: dict[
         method.layers[name] = scheme
 
 
-class NoQuantization(QuantizationMethod):
-    """``none``: every weight stays in the model's float dtype (GGUF blocks are dequantized at load)."""
-
-    name = "none"
-    tensor_parallel = True
-    covers_layers = False
-    conformance_tolerance = 1e-4
-
-    def prepare(self, model: nn.Module, source: Any) -> None:
-        """Nothing to prepare."""
-
-
 class _PlanarMethod(QuantizationMethod):
     """What the planar methods share: a kernel selector, and choosing kernels once weights are in."""
 
@@ -87,6 +72,10 @@ class _PlanarMethod(QuantizationMethod):
         super().__init__(options, cache_dir)
         self.kernels = KernelSelector(self.options["activations"], self.cache_dir, self.options["kernel"])
         """Times and remembers the matmul kernel of each shape."""
+
+    def use_plugins(self, plugins: Any) -> None:
+        """Time the matmul kernels of ``plugins`` (checking a pinned ``kernel`` now)."""
+        self.kernels.use_plugins(plugins)
 
     def process_after_loading(self, model: nn.Module) -> None:
         """Choose (time, or read back) the kernel of every covered layer for decode and batch sizes;
@@ -129,11 +118,11 @@ def _activation_dtype(model: nn.Module) -> torch.dtype:
 
 class GGUFMethod(_PlanarMethod):
     """``gguf``: a GGUF file's quantized tensors run as stored. Where a registered kernel reads a
-    format's blocks itself on the model's device (:attr:`~.matmul.MatmulKernel.ggml_types`: the
+    format's blocks itself on the model's device (:attr:`~modelrunner.quantization.matmul.MatmulKernel.ggml_types`: the
     quant-cpu plugin's ``cpu_ggml`` for the K-quants) a layer keeps the file's bytes
     (:class:`~.ggml_scheme.GGMLScheme`); otherwise every common format (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
     Q2_K … Q6_K, IQ4_NL, IQ4_XS) is regrouped into the planar layout without loss
-    (:mod:`.ggml_formats`). A fused layer (q/k/v, gate/up) whose members the file stores in
+    (:mod:`modelrunner.quantization.ggml_formats`). A fused layer (q/k/v, gate/up) whose members the file stores in
     different formats keeps one storage in the narrowest form that holds each exactly (e.g. Q4_K with
     Q6_K: 8-bit values, groups of 16). Other types (IQ2/IQ3 …) are dequantized at load. What stays
     as stored and what was dequantized is logged at INFO and shown by ``stats()``.
@@ -190,7 +179,7 @@ class GGUFMethod(_PlanarMethod):
                                              source_type=kinds, scale_dtype=form.scale_dtype)
                 kept.update(ggml_type_name(t) for t in found)
             else:
-                dequantized.update(ggml_type_name(t) for t in found if t not in FLOAT_TYPES)
+                dequantized.update(ggml_type_name(t) for t in found if t not in GGML_FLOAT_TYPES)
         self.tensor_formats = {"as_stored": kept, "dequantized": dequantized}
         self.dequantized_dtype = str(_float_dtype(model)).removeprefix("torch.")
         if kept or dequantized:
@@ -308,6 +297,6 @@ class Int4Method(_LoadTimeMethod):
                             quantize_floats=True, source_type="float")
 
 
-METHODS = (NoQuantization, GGUFMethod, Int8Method, Int4Method)
+METHODS = (GGUFMethod, Int8Method, Int4Method)
 """The kernel's quantization methods."""
-__all__ = ["METHODS", "Q4_0", "GGUFMethod", "Int4Method", "Int8Method", "NoQuantization"]
+__all__ = ["METHODS", "GGUFMethod", "Int4Method", "Int8Method"]

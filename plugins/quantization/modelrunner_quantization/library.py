@@ -1,5 +1,5 @@
 """Library kernels: torch's packed quantized matmuls and oneDNN's bfloat16 GEMM as registered matmul
-kernels of the kernel, timed against the plugins' hand-written ones (library kernels are candidates
+kernels of this distribution, timed against the plugins' hand-written ones (library kernels are candidates
 first; hand-written code stays where it wins by a measured margin).
 
 - ``torch_int4pack``: ``torch.ops.aten._weight_int4pack_mm_for_cpu`` on 4-bit groups with mins (GGUF
@@ -14,7 +14,7 @@ first; hand-written code stays where it wins by a measured margin).
 - ``onednn_bf16``: the weight dequantized to bfloat16 at most :data:`BF16_CHUNK_BYTES` at a time (a
   bounded working copy made on every call, none kept), then ``F.linear`` (oneDNN: AMX or
   AVX512-BF16 where the CPU has them). Timed only where the CPU reports ``amx_bf16`` or
-  ``avx512_bf16`` (:func:`native_bf16`); elsewhere bf16 is emulated and only ``kernel=`` runs it.
+  ``avx512_bf16`` (:func:`modelrunner.api.native_bf16`); elsewhere bf16 is emulated and only ``kernel=`` runs it.
   ``onednn_bf16_int4pack`` does the same from ``int4pack``'s layout, so a layer stored for
   ``torch_int4pack`` (one row) runs oneDNN on many. Both round the weights to bfloat16
   (``rounds_weights``): under the exact setting they run only the batch bucket of a bfloat16 engine.
@@ -36,10 +36,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from ..cpu_dtype import native_bf16_flags
-from ..native import cpu_flags
-from .matmul import MatmulKernel, QuantizedWeight, WeightFormat
-from .planar_layout import pack_int4, unpack_int4
+from modelrunner.api import MatmulKernel, QuantizedWeight, WeightFormat, cpu_flags, native_bf16, pack_int4, unpack_int4
 
 INT4PACK_ROWS = 64
 """``torch_int4pack`` pads a weight's rows to a multiple of this: the op's tile on AVX-512 (AVX2's 32
@@ -53,14 +50,9 @@ BF16_CHUNK_BYTES = 4 << 20
 of the same rows, twice that, comes on top while it is made)."""
 
 
-def native_bf16() -> bool:
-    """Whether this CPU computes bfloat16 dot products in hardware (``amx_bf16`` or ``avx512_bf16``)."""
-    return bool(native_bf16_flags())
-
-
 def dequantize_bf16(data: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None, group_size: int,
                     bits: int) -> torch.Tensor:
-    """:func:`~.planar_layout.dequantize_planar` rounded to bfloat16 (the same float32 arithmetic, its
+    """:func:`~modelrunner.quantization.planar_layout.dequantize_planar` rounded to bfloat16 (the same float32 arithmetic, its
     scales and mins broadcast rather than repeated: one float32 temporary)."""
     return dequantize_values_bf16(unpack_int4(data) if bits == 4 else data, scales, mins, group_size)
 
@@ -288,7 +280,7 @@ class OneDNNBF16Int4Pack(TorchInt4Pack):
 
 
 LIBRARY_KERNELS = (TorchInt4Pack, TorchInt8Pack, OneDNNBF16, OneDNNBF16Int4Pack)
-"""The library kernels the kernel registers (with :data:`~.matmul.DEFAULT_KERNELS`)."""
+"""The library kernels the kernel registers (with :data:`~modelrunner.quantization.matmul.DEFAULT_KERNELS`)."""
 
 __all__ = ["BF16_CHUNK_BYTES", "INT4PACK_ROWS", "LIBRARY_KERNELS", "OneDNNBF16", "OneDNNBF16Int4Pack", "TorchInt4Pack",
            "TorchInt8Pack", "cpu_flags", "dequantize_bf16", "dequantize_values_bf16", "int4pack_order", "native_bf16"]
