@@ -35,7 +35,6 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-sdpa": "modelrunner.defaults.attention",
     "default-sampling": "modelrunner.defaults.sampling",
     "default-quantization": "modelrunner.defaults.quantization",
-    "default-tool-parsers": "modelrunner.defaults.tool_parsers",
     "default-proposers": "modelrunner.defaults.proposers",
     "default-lora-kernels": "modelrunner.defaults.lora_kernels",
     "default-executors": "modelrunner.defaults.executors",

@@ -255,7 +255,7 @@ def test_compile_backend_with_wrong_decode_output(install):
 
 LEAKY_TOOL_PARSER = """
 from modelrunner import hookimpl
-from modelrunner.defaults.tool_parsers import HermesToolParser
+from modelrunner_serve.tool_parsers import HermesToolParser
 
 
 class LeakyHermes(HermesToolParser):

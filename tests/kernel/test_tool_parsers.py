@@ -55,6 +55,6 @@ def test_arguments_must_be_an_object():
 
 
 def test_check_runs_the_suite_on_the_kernels_parsers():
-    run = run_cli("check", "default-tool-parsers")
+    run = run_cli("check", "tool-parsers")
     assert run.returncode == 0, run.stdout + run.stderr
-    assert "default-tool-parsers: 17 passed, 0 failed, 1 skipped" in run.stdout
+    assert "tool-parsers: 17 passed, 0 failed, 1 skipped" in run.stdout

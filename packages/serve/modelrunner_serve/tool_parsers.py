@@ -1,5 +1,6 @@
-"""The kernel's tool-call parsers (``--tool-call-parser``): ``hermes``, ``llama3_json`` and ``mistral``,
-vLLM's names for the formats of the model families that write them."""
+"""The server's tool-call parsers (``--tool-call-parser``): ``hermes``, ``llama3_json`` and ``mistral``,
+vLLM's names for the formats of the model families that write them, declared through this
+distribution's ``tool-parsers`` entry point (the kernel holds their base class, ``ToolParser``)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,7 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from ..hookspecs import hookimpl
-from ..tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
+from modelrunner.api import ParsedOutput, ToolCall, ToolParser, hookimpl, json_values
 
 
 def _content(*parts: str) -> str | None:
