@@ -21,7 +21,7 @@ from .cpu_dtype import native_bf16
 from .defaults import transformers_adapter
 from .distributed import LaunchInfo, collective_timeout, free_port
 from .errors import ModelRunnerError, PluginError, StructuredOutputError, UnknownNameError, did_you_mean
-from .executor import MultiprocExecutor, UniprocExecutor, WorkerFailedError, process_state
+from .executor import MultiprocExecutor, UniprocExecutor, WorkerFailedError, create_executor, process_state
 from .executor_base import Executor
 from .forward_batch import ForwardBatch, ForwardOutput
 from .hookspecs import PLUGIN_API_VERSION, hookimpl
@@ -95,6 +95,6 @@ __all__ = [
     "bitmask_from_allowed", "decoded_vocabulary", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",
     "LoRAMapping",
     # Executors
-    "UniprocExecutor", "MultiprocExecutor", "process_state", "LaunchInfo", "collective_timeout", "free_port",
+    "UniprocExecutor", "MultiprocExecutor", "create_executor", "process_state", "LaunchInfo", "collective_timeout", "free_port",
     "rank_device", "serve_rank",
 ]

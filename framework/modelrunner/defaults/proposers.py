@@ -1,5 +1,5 @@
-"""The kernel's speculative-decoding proposers: ``ngram`` (prompt lookup) and ``draft`` (a draft model),
-declared like any plugin's."""
+"""The kernel's speculative-decoding proposer ``ngram`` (prompt lookup), declared like any plugin's; ``draft``
+(a draft model) is the ``modelrunner-proposer-draft`` distribution's."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ from typing import Any
 
 from ..hookspecs import hookimpl
 from ..spec_decode.ngram import NgramProposer
-from .draft_proposer import DraftModelProposer
 
 
 @hookimpl
 def register(registry: Any) -> None:
-    """Declare the built-in proposers."""
-    registry.proposers(NgramProposer, DraftModelProposer)
+    """Declare the built-in proposer."""
+    registry.proposers(NgramProposer)

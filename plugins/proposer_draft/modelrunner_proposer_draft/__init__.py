@@ -1,23 +1,25 @@
-"""``draft``: a small model of the same vocabulary proposes greedily, with its own executor and KV cache.
+"""modelrunner plugin: the ``draft`` proposer — a small model of the same vocabulary proposes greedily, with its own executor and KV cache.
 
 Per sequence, the draft keeps the KV of the tokens it was given (the sequence's real tokens); each
 step it computes the tokens added since (the accepted proposals and the target's token) as one
 chunk, then decodes ``num_tokens`` greedy guesses into lookahead slots of its own allocator, which
 it gives back right after, so its cache only ever holds real tokens. All sequences of a step share
 each of the draft's forwards.
+
+It is written against ``modelrunner.api`` alone, like any proposer plugin: a proposer that runs a
+model of its own needs nothing else from the kernel.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
+from modelrunner.api import (ForwardBatch, PagedBlockAllocator, ProposalRequest, Proposer, ProposerContext, RunnerConfig,
+                             create_executor, hookimpl)
 
-from ..config import RunnerConfig
-from ..executor import create_executor
-from ..forward_batch import ForwardBatch
-from ..kv_cache.paged import PagedBlockAllocator
-from ..spec_decode.proposer import ProposalRequest, Proposer, ProposerContext
+__all__ = ["DraftModelProposer", "register"]
 
 
 class DraftModelProposer(Proposer):
@@ -139,3 +141,9 @@ class DraftModelProposer(Proposer):
     def stats(self) -> dict:
         """The draft's forwards and KV blocks in use."""
         return {"draft_forwards": self.num_forwards, "draft_kv_used_blocks": self.allocator.stats().used_blocks}
+
+
+@hookimpl
+def register(registry: Any) -> None:
+    """Declare the ``draft`` proposer."""
+    registry.proposers(DraftModelProposer)
