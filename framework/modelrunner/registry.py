@@ -59,6 +59,16 @@ CLASS_CAPABILITIES = {
 }
 """Class kinds: the class attributes that are their capabilities (shown by ``plugins --matrix``)."""
 
+PROJECT_NAMES: dict[str, dict[str, str]] = {
+    "quantization_methods": dict.fromkeys(("gguf", "int8", "int4"), "modelrunner-quantization"),
+    "matmul_kernels": dict.fromkeys(("reference", "int8_rowwise", "torch_int4pack", "torch_int8pack", "onednn_bf16",
+                                     "onednn_bf16_int4pack"), "modelrunner-quantization"),
+    "proposers": {"draft": "modelrunner-proposer-draft"},
+    "tool_parsers": dict.fromkeys(("hermes", "llama3_json", "mistral"), "modelrunner-serve"),
+}
+"""kind → name → the distribution of this project that provides it outside the kernel, so that an
+unknown name says what to install (the kernel never imports them)."""
+
 FALLBACK_ARCHITECTURE = "AutoModelForCausalLM"
 """The architecture name a generic adapter registers: its load hook is asked for any checkpoint whose
 architecture no plugin registered."""
@@ -280,6 +290,9 @@ class Registry:
         what = kind.rstrip("s").replace("_", " ")
         hint = did_you_mean(name, known).replace("; did", ". Did")
         msg = f"unknown {what} {name!r}; installed: {', '.join(known) or '(none)'}{hint}"
+        dist = PROJECT_NAMES.get(kind, {}).get(name)
+        if dist is not None:
+            msg += f" ({name!r} comes with the {dist} distribution: pip install {dist})"
         if broken:
             msg += " Plugins that failed to load and might provide it: " + "; ".join(
                 f"{p}: {e}" for p, e in sorted(broken.items())
