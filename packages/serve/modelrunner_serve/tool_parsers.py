@@ -125,7 +125,7 @@ class MistralToolParser(ToolParser):
 
 
 TOOL_PARSERS = (HermesToolParser, Llama3JsonToolParser, MistralToolParser)
-"""The kernel's tool-call parsers."""
+"""The tool-call parsers this distribution declares."""
 
 
 @hookimpl

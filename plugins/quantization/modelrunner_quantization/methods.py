@@ -298,5 +298,5 @@ class Int4Method(_LoadTimeMethod):
 
 
 METHODS = (GGUFMethod, Int8Method, Int4Method)
-"""The kernel's quantization methods."""
+"""The quantization methods this distribution declares."""
 __all__ = ["METHODS", "GGUFMethod", "Int4Method", "Int8Method"]
