@@ -39,7 +39,7 @@ def no_engine_error(owner: Any) -> ModelRunnerError:
 class ScratchSequences:
     """Runs scratch sequences for ``owner`` (a runner or an executor) and checks ``generate``'s arguments.
 
-    ``owner`` provides ``execute_model(batch) -> ForwardOutput``, ``loaded``, ``config``, ``block_size``,
+    ``owner`` provides ``execute_model(batch) -> ForwardOutput``, ``_require_loaded()``, ``loaded``, ``config``, ``block_size``,
     ``plugins``, ``num_blocks``, ``max_model_len`` and ``kv_cache_spec``.
     """
 
@@ -75,7 +75,7 @@ class ScratchSequences:
         With ``return_router_logits`` (MoE models): ``{"logits": [B, L, vocab], "router_logits":
         one [B, L, num_experts] tensor per MoE layer}``.
         """
-        loaded = self._require_loaded()
+        loaded = self.owner._require_loaded()
         ids = torch.as_tensor(input_ids)
         if ids.dim() == 1:
             ids = ids.unsqueeze(0)
@@ -103,7 +103,7 @@ class ScratchSequences:
                  **sampling: Any) -> torch.Tensor | list[torch.Tensor]:
         """Check ``generate``'s arguments, then run them on ``engine()`` (asked for only once they are
         valid); returns the new ids of each prompt, as ``ModelRunner.generate`` documents."""
-        self._require_loaded()
+        self.owner._require_loaded()
         if isinstance(input_ids, torch.Tensor):
             input_ids = input_ids.tolist()
         nested = bool(input_ids) and isinstance(input_ids[0], (list, tuple))
@@ -122,12 +122,6 @@ class ScratchSequences:
             raise ValueError(f"prompt + max_new_tokens exceeds max_model_len={max_model_len}")
         tensors = [torch.tensor(t, dtype=torch.long) for t in engine().generate_token_ids(rows, params)]
         return tensors if nested else tensors[0]
-
-    def _require_loaded(self) -> Any:
-        loaded = self.owner.loaded
-        if loaded is None:
-            raise ModelRunnerError("call load_model() first")
-        return loaded
 
     def _run(self, rows: list[list[int]], extra: dict[str, Any], logits_rows: list[list[int]]
              ) -> tuple[ForwardOutput, list[int]]:
