@@ -19,11 +19,12 @@ from __future__ import annotations
 from .config import RunnerConfig
 from .cpu_dtype import native_bf16
 from .defaults import transformers_adapter
-from .distributed import LaunchInfo, collective_timeout, free_port
+from . import wire
+from .distributed import STAGE_INPUTS, STAGE_OUTPUTS, LaunchInfo, collective_timeout
 from .errors import ModelRunnerError, PluginError, StructuredOutputError, UnknownNameError, did_you_mean
-from .executor import MultiprocExecutor, UniprocExecutor, WorkerFailedError, create_executor, process_state
+from .executor import UniprocExecutor, WorkerFailedError, create_executor
 from .executor_base import Executor
-from .forward_batch import ForwardBatch, ForwardOutput
+from .forward_batch import HIDDEN_STATES, ForwardBatch, ForwardOutput
 from .hookspecs import PLUGIN_API_VERSION, hookimpl
 from .kv_cache.allocator import BlockAllocator, BlockCopy, KVCacheError, KVCacheStats
 from .kv_cache.paged import PagedBlockAllocator
@@ -39,7 +40,9 @@ from .layers.moe_router import check_top_k
 from .layers.sdpa_attention import SDPAMetadata, store_kv
 from .loaded_model import LoadedModel
 from .lora import LoRAKernel, LoRAMapping
-from .loading import (CheckpointError, ModelLoader, build_and_load, iter_weights, load_weights, loaded_for)
+from .loading import (CheckpointError, ModelLoader, build_and_load, iter_weights, load_weights, loaded_for,
+                      resolve_source)
+
 from .models import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, TextModel, check_built_for, run_stage
 from .native import NativeBuildError, cpu_flags, load_library
 from .parallel_state import ParallelState
@@ -53,13 +56,13 @@ from .quantization.ggml_formats import PLANAR_FORMS, PlanarForm, block_bytes, de
 from .quantization.matmul import PLANAR
 from .quantization.planar_layout import pack_int4, unpack_int4
 from .registry import Registry, split_choice
+from .runner import ModelRunner, resolve_device
 from .timing_cache import DECODE_ROWS, TIMING_ROWS, TimingCache, time_candidates
 from .sampling import LogitsProcessor, LogitsRow, banned_mask
 from .spec_decode import ProposalRequest, Proposer, ProposerContext
 from .structured_output import (MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask,
                                 bitmask_from_allowed, decoded_vocabulary)
 from .tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
-from .worker import rank_device, serve_rank
 
 __all__ = [
     # Declaring a plugin
@@ -94,7 +97,7 @@ __all__ = [
     "LogitsRow", "banned_mask", "GrammarMatcher", "GrammarSpec", "MATCHES_NOTHING", "apply_bitmask",
     "bitmask_from_allowed", "decoded_vocabulary", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",
     "LoRAMapping",
-    # Executors
-    "UniprocExecutor", "MultiprocExecutor", "create_executor", "process_state", "LaunchInfo", "collective_timeout", "free_port",
-    "rank_device", "serve_rank",
+    # Executors (the multi-process ones: the modelrunner-executor-mp distribution) and what crosses processes
+    "UniprocExecutor", "create_executor", "ModelRunner", "resolve_device", "resolve_source", "LaunchInfo",
+    "collective_timeout", "STAGE_INPUTS", "STAGE_OUTPUTS", "HIDDEN_STATES", "wire",
 ]

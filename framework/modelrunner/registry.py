@@ -65,6 +65,8 @@ PROJECT_NAMES: dict[str, dict[str, str]] = {
                                      "onednn_bf16_int4pack"), "modelrunner-quantization"),
     "proposers": {"draft": "modelrunner-proposer-draft"},
     "tool_parsers": dict.fromkeys(("hermes", "llama3_json", "mistral"), "modelrunner-serve"),
+    "executors": {"mp": "modelrunner-executor-mp", "torchrun": "modelrunner-executor-mp",
+                  "ray": "modelrunner-executor-ray"},
 }
 """kind → name → the distribution of this project that provides it outside the kernel, so that an
 unknown name says what to install (the kernel never imports them)."""

@@ -196,6 +196,24 @@ class ModelRunner:
                         adapter_for(self.plugins, source, self.config.model.adapter),
                         None if quantization is None else quantization.name)
 
+    def check_runnable(self) -> None:
+        """Resolve the checkpoint (converting a GGUF file once) and check what :meth:`load_model` would
+        fail on — names, supported combinations, memory — without building the model. The driver of a
+        parallel group calls it before it starts any other rank, so a bad name costs no processes.
+
+        :raises ModelRunnerError: (or ``ValueError``) what loading would fail on.
+        """
+        self.check_config()
+        cfg = self.config.model
+        source = resolve_source(cfg.model, cfg.cache_dir, cfg.trust_remote_code)
+        try:
+            quantization = self.choose_quantization(source)
+            self.check_supported(source, quantization)
+            dtype = resolve_dtype(cfg.dtype, source.hf_config, self.device, cfg.cache_dir)
+            check_model_fits(source, dtype, self.device, self.config.parallel.world_size, quantization is not None)
+        finally:
+            source.release_weights()
+
     def load_model(self) -> LoadedModel:
         """Load, parallelize and compile the model, then allocate its KV cache. Idempotent."""
         if self.loaded is not None:

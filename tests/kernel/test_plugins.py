@@ -113,3 +113,18 @@ def test_loading_is_idempotent():
     first = get_plugins()
     assert get_plugins() is first
     assert first.registry.owner("compile_backends", "counting") == "sample"
+
+
+def test_every_name_the_kernel_sends_to_a_project_distribution_is_provided_by_it():
+    """``registry.PROJECT_NAMES`` restates what this project's distributions provide (it must answer
+    when they are absent); with them all installed, each entry is what that distribution declares."""
+    from modelrunner.plugins import get_plugins
+    from modelrunner.registry import PROJECT_NAMES
+
+    provided: dict[tuple[str, str], set[str]] = {}
+    for info in get_plugins().infos.values():
+        for kind, names in info.provides.items():
+            provided.setdefault((info.distribution, kind), set()).update(names)
+    for kind, names in PROJECT_NAMES.items():
+        for name, dist in names.items():
+            assert name in provided.get((dist, kind), set()), (kind, name, dist)

@@ -16,7 +16,8 @@ from multiprocessing.connection import Client
 
 import pytest
 
-from modelrunner import channel, wire
+from modelrunner import wire
+from modelrunner_data_parallel import channel
 from modelrunner_data_parallel.protocol import SECRET_ENV
 from modelrunner.errors import ModelRunnerError
 
@@ -165,7 +166,7 @@ def test_wire_refuses_what_it_cannot_send_and_unregistered_types():
     assert wire.decode(wire.encode(params)) == params
 
 
-@pytest.mark.parametrize("module", ["modelrunner.worker", "modelrunner_data_parallel.replica"])
+@pytest.mark.parametrize("module", ["modelrunner_executor_mp.worker", "modelrunner_data_parallel.replica"])
 def test_a_started_child_reads_its_orders_as_data_and_refuses_a_pickle(module, tmp_path):
     """A worker or replica reads its orders from the parent's pipe as wire data: a pickle there is refused
     before anything in it runs."""

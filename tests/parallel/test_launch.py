@@ -1,4 +1,4 @@
-"""Worker processes start as fresh interpreters (``python -m modelrunner.worker``), never re-importing
+"""Worker processes start as fresh interpreters (``python -m modelrunner_executor_mp.worker``), never re-importing
 the user's ``__main__``: ``LLM(..., tensor_parallel_size=2)`` works from ``python -c``, from a script
 without a ``__main__`` guard, and from an interactive session, and leaves no process behind."""
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from modelrunner import LLM, SamplingParams
-from modelrunner.distributed import free_port
+from modelrunner_executor_mp import free_port
 from modelrunner.executor import WorkerFailedError
 
 from .workload import LLM_KW, PROMPTS, run_workload

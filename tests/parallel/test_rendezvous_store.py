@@ -9,11 +9,12 @@ import subprocess
 import sys
 import textwrap
 
-from modelrunner.distributed import loopback_listener
+from modelrunner_executor_mp.group import loopback_listener
 
 HOST_THE_STORE = textwrap.dedent('''
     import json, os, psutil, torch
-    from modelrunner.distributed import LaunchInfo, free_port, init_distributed
+    from modelrunner.api import LaunchInfo
+    from modelrunner_executor_mp.group import free_port, init_distributed
 
     port = free_port()
     init_distributed(LaunchInfo(rank=0, world_size=1, local_rank=0, master_addr="127.0.0.1", master_port=port),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from modelrunner import LLM
-from modelrunner.distributed import free_port
+from modelrunner_executor_mp import free_port
 
 from .conftest import wait_for_no_children
 from .workload import LLM_KW, run_workload

@@ -21,7 +21,7 @@ def _worker(pid: int) -> psutil.Process:
     workers = []
     for child in psutil.Process(pid).children(recursive=True):
         with contextlib.suppress(psutil.NoSuchProcess):
-            if "modelrunner.worker" in " ".join(child.cmdline()):
+            if "modelrunner_executor_mp.worker" in " ".join(child.cmdline()):
                 workers.append(child)
     assert len(workers) == 1, workers
     return workers[0]

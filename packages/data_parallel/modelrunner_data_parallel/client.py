@@ -33,9 +33,9 @@ from modelrunner.api import WorkerFailedError, collective_timeout
 # the engine loop's interface and failure (modelrunner.engine.loop), and how a child process ended, as
 # the executor says it (modelrunner.executor).
 from modelrunner import wire
-from modelrunner.channel import Channel
+from .channel import Channel
 from modelrunner.engine.loop import EngineDeadError, LoopSnapshot
-from modelrunner.executor import describe_exit
+from modelrunner_executor_mp import describe_exit
 
 logger = logging.getLogger("modelrunner.data_parallel")
 

@@ -26,10 +26,9 @@ import attrs
 from modelrunner import ModelRunnerError, RunnerConfig
 from modelrunner.api import collective_timeout
 # The kernel's authenticated channel (internal: modelrunner.channel).
-from modelrunner.channel import Channel, ChannelListener, wait
+from .channel import Channel, ChannelListener, wait
 # How a child process ended, as the executor says it (internal: modelrunner.executor).
-from modelrunner.executor import describe_exit
-from modelrunner.worker import start_child  # kernel internal: starts a child with data orders on stdin
+from modelrunner_executor_mp.processes import describe_exit, start_child  # a child with data orders on stdin
 
 from .client import ReplicaClient
 from .protocol import ReplicaOrders, deployment_secret

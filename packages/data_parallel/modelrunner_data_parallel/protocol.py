@@ -19,7 +19,7 @@ import attrs
 from modelrunner import ModelRunnerError
 # The kernel's secret and address checks (internal: modelrunner.channel).
 from modelrunner import wire  # kernel internal: the data codec, so a replica's orders are never a pickle
-from modelrunner.channel import check_secret, is_loopback
+from .channel import check_secret, is_loopback
 
 HEARTBEAT_S = 0.25
 """How often a replica sends its snapshot (the front's sign that it still answers)."""

@@ -31,9 +31,9 @@ import traceback
 from typing import Any
 
 # The kernel's authenticated channel and wire format (internal: modelrunner.channel, modelrunner.wire).
-from modelrunner.channel import Channel, connect
+from .channel import Channel, connect
 from modelrunner.wire import WireError
-from modelrunner.worker import die_with_parent, read_orders  # kernel internal: how a started child begins
+from modelrunner_executor_mp.processes import die_with_parent, read_orders  # how a started child begins
 
 from .protocol import CALLS, ENGINE_CALLS, HEARTBEAT_S, ReplicaOrders, tokenizer_files
 
@@ -165,7 +165,8 @@ def _error_of(future: Any) -> tuple[str, str] | None:
 
 def main() -> None:
     """``python -m modelrunner_data_parallel.replica``: read its :class:`ReplicaOrders` from stdin (wire
-    data, :func:`modelrunner.worker.read_orders`) and serve the front until it stops this replica or goes away."""
+    data, :func:`modelrunner_executor_mp.processes.read_orders`) and serve the front until it stops this
+    replica or goes away."""
     orders: ReplicaOrders = read_orders()
     die_with_parent(orders.parent_pid)  # as a tensor-parallel worker dies with rank 0
     try:

@@ -3,8 +3,8 @@
 For people who already run Ray clusters (vLLM's ``distributed_executor_backend="ray"``). It joins
 the cluster ``ray.init()`` finds — ``RAY_ADDRESS``, else a cluster started on this machine with
 ``ray start``, else a local one it starts and stops itself — places one actor per rank, and from
-then on drives the group exactly as the kernel's ``mp`` executor does (the same collectives, the same
-failure reports): only where the ranks live differs.
+then on drives the group exactly as the ``mp`` executor (``modelrunner-executor-mp``) does (the same
+collectives, the same failure reports): only where the ranks live differs.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import attrs
 
-from modelrunner.api import (LaunchInfo, MultiprocExecutor, Plugins, RunnerConfig, WorkerFailedError,
-                             collective_timeout, free_port, process_state, rank_device, serve_rank)
+from modelrunner.api import LaunchInfo, Plugins, RunnerConfig, WorkerFailedError, collective_timeout
+from modelrunner_executor_mp import MultiprocExecutor, free_port, process_state, rank_device, serve_rank
 
 __all__ = ["RankActor", "RayExecutor", "RayWorkers"]
 
@@ -32,7 +32,7 @@ class RankActor:
         return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "host": socket.gethostname()}
 
     def serve(self, launch: LaunchInfo, config: RunnerConfig) -> None:
-        """Be rank ``launch.rank`` until rank 0 stops the group (see :func:`modelrunner.worker.serve_rank`)."""
+        """Be rank ``launch.rank`` until rank 0 stops the group (see :func:`modelrunner_executor_mp.serve_rank`)."""
         serve_rank(launch, config)
 
 
@@ -53,8 +53,8 @@ class RayRank:
 
 
 class RayWorkers:
-    """The ranks started as Ray actors (the kernel's ``Workers`` protocol, as ``WorkerProcesses`` is for
-    local processes).
+    """The ranks started as Ray actors (``modelrunner_executor_mp``'s ``Workers`` protocol, as
+    ``WorkerProcesses`` is for local processes).
 
     :param ranks: rank → the started rank.
     :param owns_ray: this executor connected to Ray (``ray.init``), so it disconnects when done.

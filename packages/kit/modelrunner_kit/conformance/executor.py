@@ -1,7 +1,7 @@
 """The executor suite: what the engine relies on when it hands an executor a configuration.
 
 Chosen by name (``distributed_executor_backend``), the executor builds itself for the configuration
-(:meth:`~modelrunner.executor.Executor.create`) — with two ranks when it declares ``parallel`` — and
+(:meth:`~modelrunner.api.Executor.create`) — with two ranks when it declares ``parallel`` — and
 the engine on top of it generates exactly the greedy tokens of one plain process, in one batch of
 several requests; ``stats()`` and ``check_health()`` answer; ``shutdown()`` may be called twice; an
 executor that runs one process refuses a configuration of two ranks with a ``ValueError`` naming

@@ -1,10 +1,10 @@
 """What every rank of a parallel group runs: its part of a step, the loop of the ranks that wait for
 steps, their failure reports, and the entry point of a worker process rank 0 started
-(``python -m modelrunner.worker``, reading its launch information from stdin).
+(``python -m modelrunner_executor_mp.worker``, reading its launch information from stdin).
 
-Every rank has a :class:`~modelrunner.runner.ModelRunner` for its shard (rank 0's belongs to the
-:class:`~modelrunner.executor.MultiprocExecutor`), and they all go through the same sequence of
-collectives: join, wait for rank 0 to resolve the checkpoint, load (agreeing on the number of KV
+Every rank has a :class:`~modelrunner.api.ModelRunner` for its shard (rank 0's belongs to the
+:class:`~modelrunner_executor_mp.executor.MultiprocExecutor`), and they all go through the same sequence
+of collectives: join, wait for rank 0 to resolve the checkpoint, load (agreeing on the number of KV
 blocks), report, then one :func:`run_step` per step rank 0 broadcasts.
 """
 
@@ -12,12 +12,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import socket
-import subprocess
 import sys
-import threading
-import time
 import traceback
 from typing import Any
 
@@ -25,24 +21,12 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from . import wire
-from .config import RunnerConfig
-from .distributed import (
-    STAGE_INPUTS,
-    STAGE_OUTPUTS,
-    DistributedContext,
-    LaunchInfo,
-    broadcast_object,
-    destroy_distributed,
-    gather_objects,
-    init_distributed,
-    recv_tensor_dict,
-    send_tensor_dict,
-)
-from .errors import ModelRunnerError
-from .forward_batch import HIDDEN_STATES, ForwardBatch, ForwardOutput
-from .runner import ModelRunner, resolve_device
-from .loading.source import resolve_source
+from modelrunner.api import (HIDDEN_STATES, STAGE_INPUTS, STAGE_OUTPUTS, ForwardBatch, ForwardOutput, LaunchInfo,
+                             ModelRunner, ModelRunnerError, RunnerConfig, resolve_device, resolve_source)
+
+from .group import (DistributedContext, broadcast_object, destroy_distributed, gather_objects, init_distributed,
+                    recv_tensor_dict, send_tensor_dict)
+from .processes import die_with_parent, read_orders
 
 STEP = "step"
 """Message kind: ``(STEP, batch, block_copies)`` — run one step."""
@@ -223,54 +207,6 @@ def limit_threads(world_size: int) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
 
 
-def start_child(module: str, orders: Any, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``python -m module`` in a session of its own and hand it ``orders`` on its stdin, as
-    :mod:`.wire` data (never a pickle), with this process's ``sys.path`` (:func:`read_orders` reads them)."""
-    proc = subprocess.Popen([sys.executable, "-m", module], stdin=subprocess.PIPE, start_new_session=True, env=env)
-    assert proc.stdin is not None
-    try:
-        proc.stdin.write(wire.encode({"sys_path": list(sys.path), "orders": orders}))
-        proc.stdin.close()
-    except BaseException:
-        proc.kill()
-        raise
-    return proc
-
-
-def read_orders() -> Any:
-    """In a process :func:`start_child` started: the orders from stdin, after putting the parent's
-    ``sys.path`` entries in front of this one's (so the plugins it found are found here too)."""
-    message = wire.decode(sys.stdin.buffer.read())
-    for entry in reversed(message["sys_path"]):
-        if entry not in sys.path:
-            sys.path.insert(0, entry)
-    return message["orders"]
-
-
-def die_with_parent(parent_pid: int) -> None:
-    """Kill this process group (this worker and anything it started) as soon as the parent is gone.
-
-    On Linux the kernel also delivers SIGKILL when the parent dies (``PR_SET_PDEATHSIG``), which
-    reaches even a stopped worker, whose own watcher thread cannot run.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            import ctypes
-
-            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-        except (OSError, AttributeError):
-            pass
-        if os.getppid() != parent_pid:  # the parent died before the request took effect
-            os._exit(1)
-
-    def watch() -> None:
-        while os.getppid() == parent_pid:
-            time.sleep(0.2)
-        os.killpg(os.getpgrp(), signal.SIGKILL)
-
-    threading.Thread(target=watch, name="modelrunner-parent-watch", daemon=True).start()
-
-
 def serve_rank(launch: LaunchInfo, config: RunnerConfig) -> None:
     """Be rank ``launch.rank`` in this process: join the group rank 0 hosts at ``launch``'s address,
     load this rank's shard, run steps until rank 0 stops the group, then leave it.
@@ -309,7 +245,7 @@ def worker_main(launch: LaunchInfo, config: RunnerConfig, parent_pid: int) -> No
 
 
 def main() -> None:
-    """``python -m modelrunner.worker``: read ``(launch, config, parent_pid)`` from stdin
+    """``python -m modelrunner_executor_mp.worker``: read ``(launch, config, parent_pid)`` from stdin
     (:func:`read_orders`), then :func:`worker_main`."""
     launch, config, parent_pid = read_orders()
     worker_main(launch, config, parent_pid)

@@ -1,11 +1,12 @@
-"""An authenticated, framed connection between modelrunner processes that carries :mod:`.wire` messages.
+"""An authenticated, framed connection between modelrunner processes (the data-parallel front and its
+replicas) that carries ``modelrunner.wire`` messages.
 
 Both ends prove they hold the same secret before anything else is read: the listener sends a random
 challenge, the client answers with its HMAC-SHA256 under the secret and a challenge of its own, which
 the listener answers in turn (so neither end talks to an impostor). The handshake has a deadline, so
 a peer that connects and says nothing cannot hold the listener. Afterwards every message is one
-frame: an 8-byte length, then :func:`.wire.encode`'s bytes; a frame longer than ``max_frame`` bytes
-closes the connection. What arrives is only ever decoded by :func:`.wire.decode` (data), on loopback
+frame: an 8-byte length, then ``wire.encode``'s bytes; a frame longer than ``max_frame`` bytes
+closes the connection. What arrives is only ever decoded by ``wire.decode`` (data), on loopback
 as beyond it: a listener and a client both refuse a secret shorter than :data:`MIN_SECRET_BYTES` (a
 deployment on one machine makes a random one, :func:`check_secret`).
 """
@@ -23,7 +24,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from . import wire
+from modelrunner import wire
 
 HANDSHAKE_S = 10.0
 """How long a peer has to complete the handshake."""
@@ -69,7 +70,7 @@ def _mac(secret: bytes, nonce: bytes) -> bytes:
 
 
 class Channel:
-    """One authenticated connection; :meth:`send` and :meth:`recv` move whole :mod:`.wire` messages.
+    """One authenticated connection; :meth:`send` and :meth:`recv` move whole ``wire`` messages.
 
     :meth:`send` is safe from several threads; one thread receives. :func:`wait` (or
     :func:`select.select`, through ``fileno``) watches several.
