@@ -39,7 +39,7 @@ from .layers.fused_moe import FusedMoE, expert_tensor_name
 from .layers.moe_router import check_top_k
 from .layers.sdpa_attention import SDPAMetadata, store_kv
 from .loaded_model import LoadedModel
-from .lora import LoRAKernel, LoRAMapping
+from .lora import LoRAKernel, LoRAMapping, LoRARequest, reference_apply
 from .loading import (CheckpointError, ModelLoader, build_and_load, iter_weights, load_weights, loaded_for,
                       resolve_source)
 
@@ -96,7 +96,7 @@ __all__ = [
     # Logits processors, grammar backends, tool parsers, proposers, LoRA kernels
     "LogitsRow", "banned_mask", "GrammarMatcher", "GrammarSpec", "MATCHES_NOTHING", "apply_bitmask",
     "bitmask_from_allowed", "decoded_vocabulary", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",
-    "LoRAMapping",
+    "LoRAMapping", "LoRARequest", "reference_apply",
     # Executors (the multi-process ones: the modelrunner-executor-mp distribution) and what crosses processes
     "UniprocExecutor", "create_executor", "ModelRunner", "resolve_device", "resolve_source", "LaunchInfo",
     "collective_timeout", "STAGE_INPUTS", "STAGE_OUTPUTS", "HIDDEN_STATES", "wire",

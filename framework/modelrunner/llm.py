@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 from collections.abc import Iterator, Sequence
-from importlib.metadata import entry_points
 from typing import Any
 
 import attrs
@@ -18,6 +17,7 @@ from .engine.llm_engine import LLMEngine
 from .engine.outputs import RequestOutput
 from .errors import ModelRunnerError, StructuredOutputError
 from .executor import Executor, create_executor
+from .plugins import feature_class
 from .pooling.outputs import EmbeddingRequestOutput, PoolingRequestOutput
 from .pooling.params import PoolingParams
 from .runner import ModelRunner as KernelModelRunner
@@ -493,17 +493,4 @@ def data_parallel_llm() -> type[LLM]:
     :raises ModelRunnerError: no installed distribution declares it (saying what to install), or the one
         that does fails to import or names something that is not an ``LLM`` subclass.
     """
-    found = sorted(entry_points(group=DATA_PARALLEL_GROUP, name="llm"), key=lambda ep: ep.value)
-    if not found:
-        raise ModelRunnerError(f"data_parallel_size > 1 needs the {DATA_PARALLEL_DIST} distribution: "
-                               f"pip install {DATA_PARALLEL_DIST}")
-    ep = found[0]
-    dist = getattr(ep.dist, "name", None) or "its distribution"
-    try:
-        cls = ep.load()
-    except Exception as e:  # noqa: BLE001 - named, with the error, instead of a bare traceback
-        raise ModelRunnerError(f"data_parallel_size > 1: {dist} declares {ep.value}, but it failed to import: "
-                               f"{type(e).__name__}: {e}") from e
-    if not (isinstance(cls, type) and issubclass(cls, LLM)):
-        raise ModelRunnerError(f"data_parallel_size > 1: {dist} declares {ep.value}, which is not an LLM subclass")
-    return cls
+    return feature_class(DATA_PARALLEL_GROUP, "llm", DATA_PARALLEL_DIST, "data_parallel_size > 1", LLM)

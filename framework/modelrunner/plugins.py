@@ -13,6 +13,7 @@ import importlib
 import importlib.metadata
 import os
 import threading
+from importlib.metadata import entry_points
 from typing import Any, Iterable
 
 import attrs
@@ -21,7 +22,7 @@ import torch
 
 from . import hookspecs
 from .hookspecs import PLUGIN_API_VERSION
-from .errors import PluginError, UnknownNameError
+from .errors import ModelRunnerError, PluginError, UnknownNameError
 from .plugin_timeout import IMPORT_TIMEOUT_ENV, PluginTimeoutError, call_bounded, import_timeout
 from .registry import Registry, split_choice
 
@@ -36,7 +37,6 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-sampling": "modelrunner.defaults.sampling",
     "default-quantization": "modelrunner.defaults.quantization",
     "default-proposers": "modelrunner.defaults.proposers",
-    "default-lora-kernels": "modelrunner.defaults.lora_kernels",
     "default-executors": "modelrunner.defaults.executors",
     "default-pooling": "modelrunner.defaults.pooling",
 }
@@ -407,3 +407,29 @@ def get_registry() -> Registry:
 def create_allocator(name: str, num_blocks: int, block_size: int, max_model_len: int, config: Any) -> Any:
     """Create the KV-cache allocator ``name`` through the loaded plugins."""
     return get_plugins().create_allocator(name, num_blocks, block_size, max_model_len, config)
+
+
+def feature_class(group: str, name: str, dist: str, feature: str, base: type | None = None) -> type:
+    """The class a feature distribution declares under entry point ``name`` of ``group`` — how the kernel
+    builds what it never imports by name (``data_parallel_size`` > 1's ``LLM``, ``enable_lora``'s manager).
+
+    :param dist: the distribution of this project that provides it, named when none is installed.
+    :param feature: what asked for it, for messages (``"enable_lora"``).
+    :param base: a class the declared one must subclass (None: any class).
+    :raises ModelRunnerError: no installed distribution declares it (saying what to install), or the one
+        that does fails to import or names something that is not such a class.
+    """
+    found = sorted(entry_points(group=group, name=name), key=lambda ep: ep.value)
+    if not found:
+        raise ModelRunnerError(f"{feature} needs the {dist} distribution: pip install {dist}")
+    ep = found[0]
+    declarer = getattr(ep.dist, "name", None) or "its distribution"
+    try:
+        cls = ep.load()
+    except Exception as e:  # noqa: BLE001 - named, with the error, instead of a bare traceback
+        raise ModelRunnerError(f"{feature}: {declarer} declares {ep.value}, but it failed to import: "
+                               f"{type(e).__name__}: {e}") from e
+    if not isinstance(cls, type) or (base is not None and not issubclass(cls, base)):
+        what = f"a subclass of {base.__name__}" if base is not None else "a class"
+        raise ModelRunnerError(f"{feature}: {declarer} declares {ep.value}, which is not {what}")
+    return cls

@@ -26,11 +26,11 @@ from .forward_batch import ForwardBatch, ForwardOutput
 from .kv_cache.sizing import allocate_kv_caches, copy_blocks, kv_cache_budget, num_blocks_for_budget
 from .kv_cache.spec import KVCacheSpec
 from .loaded_model import LoadedModel
-from .lora import LoRAManager
+from .lora import LORA_DIST, MANAGER_GROUP
 from .model_size import check_model_fits
 from .loading.loader import ModelLoader, adapter_for
 from .parallel_state import ParallelState
-from .plugins import Plugins, get_plugins
+from .plugins import Plugins, feature_class, get_plugins
 from .quantization import select_quantization, weight_bytes
 from .scratch import ScratchSequences, no_engine_error
 from .loading.source import ModelSource, one_line, resolve_source
@@ -147,7 +147,7 @@ class ModelRunner:
         self.quantization: Any = None
         """The quantization method the model's weights use (None: dense floats)."""
         self.lora: Any = None
-        """The :class:`~modelrunner.lora.LoRAManager` (None unless ``enable_lora``)."""
+        """The LoRA manager, ``modelrunner-lora``'s (None unless ``enable_lora``)."""
         self.scratch = ScratchSequences(self)
         """Runs :meth:`forward`'s scratch sequences on KV blocks of the engine's allocator (or its own)."""
         self._engine: Any = None
@@ -250,11 +250,12 @@ class ModelRunner:
         if cfg.parallel.pipeline_parallel_size > 1:
             raise ModelRunnerError("enable_lora does not run with pipeline_parallel_size > 1 yet; use tensor "
                                    "parallelism")
+        manager_cls = feature_class(MANAGER_GROUP, "manager", LORA_DIST, "enable_lora")
         kernel_cls = self.plugins.lora_kernel_class(cfg.lora.lora_kernel)
         if kernel_cls.devices is not None and self.device.type not in kernel_cls.devices:
             raise ModelRunnerError(f"lora_kernel {cfg.lora.lora_kernel!r} runs on {', '.join(kernel_cls.devices)}, "
                                    f"not {self.device.type}")
-        return LoRAManager(loaded.model, cfg.lora, kernel_cls(), self.device, self.dtype)
+        return manager_cls(loaded.model, cfg.lora, kernel_cls(), self.device, self.dtype)
 
     def add_lora(self, request: Any) -> None:
         """Read and check a LoRA adapter (:class:`~modelrunner.lora.LoRARequest`) for later steps.

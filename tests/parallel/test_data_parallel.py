@@ -67,16 +67,17 @@ def test_the_kernel_finds_data_parallelism_through_its_entry_point(monkeypatch):
     """``LLM`` builds the class ``modelrunner-data-parallel`` declares; without that distribution,
     ``data_parallel_size > 1`` says what to install (and one engine never looks)."""
     import modelrunner.llm as kernel_llm
+    import modelrunner.plugins as kernel_plugins
     from modelrunner import ModelRunnerError
     from modelrunner_data_parallel import DataParallelLLM
 
     assert kernel_llm.data_parallel_llm() is DataParallelLLM
-    real = kernel_llm.entry_points
+    real = kernel_plugins.entry_points
 
     def without(**selection):
         return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != "modelrunner-data-parallel"]
 
-    monkeypatch.setattr(kernel_llm, "entry_points", without)
+    monkeypatch.setattr(kernel_plugins, "entry_points", without)
     with pytest.raises(ModelRunnerError, match=r"^data_parallel_size > 1 needs the modelrunner-data-parallel "
                                                r"distribution: pip install modelrunner-data-parallel$"):
         kernel_llm.LLM("never-loaded", data_parallel_size=2)

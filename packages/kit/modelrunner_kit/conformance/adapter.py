@@ -358,8 +358,11 @@ class AdapterSuite(Suite):
         import torch
 
         from modelrunner import LoRARequest
-        from modelrunner.lora import LoRAError  # kernel internal: what a bad LoRA request raises
-        from modelrunner.lora.checkpoint import TARGETS  # kernel internal: the modules a LoRA may target
+        try:
+            from modelrunner_lora import TARGETS, LoRAError  # what a bad LoRA request raises; what it may target
+        except ImportError:
+            raise NotApplicable("modelrunner-lora is not installed (pip install modelrunner-lora): LoRA is not "
+                                "checked") from None
 
         self._require_device()
         try:

@@ -72,8 +72,7 @@ class LoRAKernelSuite(Suite):
         return self._kernel
 
     def _run(self, case: str, dtype: torch.dtype) -> str:
-        from modelrunner.api import LoRAMapping
-        from modelrunner.lora.kernel import reference_apply  # kernel internal: the float64 reference math
+        from modelrunner.api import LoRAMapping, reference_apply
 
         kernel = self._setup()
         y, x, a, b, token_slots = random_case(*CASES[case], dtype=dtype, device=self.device)

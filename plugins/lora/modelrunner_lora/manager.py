@@ -16,10 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from modelrunner.api import LoRAKernel, LoRAMapping, LoRARequest
+
 from .checkpoint import LoRAError, read_peft_adapter
-from .kernel import LoRAKernel, LoRAMapping
 from .layers import LoRALayer, ShardWeights, lora_layers, packed_mapping, resolve_all
-from .request import LoRARequest
 
 Adapter = dict[str, dict[int, ShardWeights]]
 """A read adapter: layer name → packed index → this rank's ``(A, B·scaling)`` in the model's dtype, in
@@ -30,7 +30,7 @@ class LoRAManager:
     """Adapters for one model on one rank.
 
     :param model: the loaded (and parallelized) model; its LoRA-capable linear layers get slots.
-    :param config: the :class:`~modelrunner.config.LoRAConfig`.
+    :param config: the configuration's ``lora`` section (``LoRAConfig``).
     :param kernel: the ``lora_kernels`` plugin instance that adds the deltas.
     """
 

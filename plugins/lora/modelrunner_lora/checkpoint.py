@@ -12,7 +12,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import ModelRunnerError
+from modelrunner.api import ModelRunnerError
 
 CONFIG_FILE = "adapter_config.json"
 """The PEFT adapter's configuration file."""

@@ -15,15 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ..layers.linear import (
-    ColumnParallelLinear,
-    LinearBase,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    RowParallelLinear,
-)
-from .checkpoint import LoRAError, LoRAWeights
-from .checkpoint import TARGETS
+from modelrunner.api import (ColumnParallelLinear, LinearBase, MergedColumnParallelLinear, QKVParallelLinear,
+                             RowParallelLinear)
+
+from .checkpoint import TARGETS, LoRAError, LoRAWeights
 
 ShardWeights = tuple[torch.Tensor, torch.Tensor]
 """This rank's ``(A [rank, in_local], B [out_rows, rank] · scaling)`` of one packed projection."""
@@ -45,7 +40,7 @@ def packed_mapping(model: nn.Module) -> dict[str, tuple[str, int]]:
 class LoRALayer:
     """``max_loras`` adapter slots of one linear layer.
 
-    :param module: the layer (a :class:`~modelrunner.layers.linear.LinearBase`).
+    :param module: the layer (a ``modelrunner.api.LinearBase``).
     :param name: its name in the model.
     """
 
