@@ -59,7 +59,8 @@ from .registry import Registry, split_choice
 from .runner import ModelRunner, resolve_device
 from .timing_cache import DECODE_ROWS, TIMING_ROWS, TimingCache, time_candidates
 from .sampling import LogitsProcessor, LogitsRow, banned_mask
-from .spec_decode import ProposalRequest, Proposer, ProposerContext
+from .spec_decode import ProposalRequest, Proposer, ProposerContext, SpecCounters
+from .plugin_timeout import PluginTimeoutError, timeout_from_env
 from .structured_output import (MATCHES_NOTHING, GrammarBackend, GrammarMatcher, GrammarSpec, apply_bitmask,
                                 bitmask_from_allowed, decoded_vocabulary)
 from .tool_parser import ParsedOutput, ToolCall, ToolParser, json_values
@@ -96,6 +97,7 @@ __all__ = [
     # Logits processors, grammar backends, tool parsers, proposers, LoRA kernels
     "LogitsRow", "banned_mask", "GrammarMatcher", "GrammarSpec", "MATCHES_NOTHING", "apply_bitmask",
     "bitmask_from_allowed", "decoded_vocabulary", "ParsedOutput", "ToolCall", "json_values", "ProposalRequest", "ProposerContext",
+    "SpecCounters", "PluginTimeoutError", "timeout_from_env",
     "LoRAMapping", "LoRARequest", "reference_apply",
     # Executors (the multi-process ones: the modelrunner-executor-mp distribution) and what crosses processes
     "UniprocExecutor", "create_executor", "ModelRunner", "resolve_device", "resolve_source", "LaunchInfo",

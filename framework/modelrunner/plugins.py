@@ -36,7 +36,6 @@ DEFAULT_PLUGINS: dict[str, str] = {
     "default-sdpa": "modelrunner.defaults.attention",
     "default-sampling": "modelrunner.defaults.sampling",
     "default-quantization": "modelrunner.defaults.quantization",
-    "default-proposers": "modelrunner.defaults.proposers",
     "default-executors": "modelrunner.defaults.executors",
     "default-pooling": "modelrunner.defaults.pooling",
 }
@@ -411,7 +410,8 @@ def create_allocator(name: str, num_blocks: int, block_size: int, max_model_len:
 
 def feature_class(group: str, name: str, dist: str, feature: str, base: type | None = None) -> type:
     """The class a feature distribution declares under entry point ``name`` of ``group`` — how the kernel
-    builds what it never imports by name (``data_parallel_size`` > 1's ``LLM``, ``enable_lora``'s manager).
+    builds what it never imports by name (``data_parallel_size`` > 1's ``LLM``, ``enable_lora``'s manager,
+    ``speculative_config``'s speculator).
 
     :param dist: the distribution of this project that provides it, named when none is installed.
     :param feature: what asked for it, for messages (``"enable_lora"``).

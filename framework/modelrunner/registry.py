@@ -63,7 +63,7 @@ PROJECT_NAMES: dict[str, dict[str, str]] = {
     "quantization_methods": dict.fromkeys(("gguf", "int8", "int4"), "modelrunner-quantization"),
     "matmul_kernels": dict.fromkeys(("reference", "int8_rowwise", "torch_int4pack", "torch_int8pack", "onednn_bf16",
                                      "onednn_bf16_int4pack"), "modelrunner-quantization"),
-    "proposers": {"draft": "modelrunner-proposer-draft"},
+    "proposers": {"ngram": "modelrunner-speculative", "draft": "modelrunner-proposer-draft"},
     "lora_kernels": {"torch": "modelrunner-lora"},
     "tool_parsers": dict.fromkeys(("hermes", "llama3_json", "mistral"), "modelrunner-serve"),
     "executors": {"mp": "modelrunner-executor-mp", "torchrun": "modelrunner-executor-mp",

@@ -284,7 +284,8 @@ def test_tool_parser_streaming_its_calls_as_content(install):
 
 OFF_BY_ONE_NGRAM = """
 from modelrunner import hookimpl
-from modelrunner.spec_decode import Proposer, ngram_proposal
+from modelrunner.api import Proposer
+from modelrunner_speculative import ngram_proposal
 
 
 class OffByOneNgram(Proposer):
@@ -303,7 +304,8 @@ def register(registry):
 
 PADDED_WITH_MINUS_ONE = """
 from modelrunner import hookimpl
-from modelrunner.spec_decode import Proposer, ngram_proposal
+from modelrunner.api import Proposer
+from modelrunner_speculative import ngram_proposal
 
 
 class Padded(Proposer):

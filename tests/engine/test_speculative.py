@@ -89,7 +89,7 @@ def test_garbage_proposals_change_nothing_even_under_preemption(fake_runner):
 
 
 def test_drafting_stops_at_batch_sizes_where_it_measured_slower():
-    from modelrunner.spec_decode.speculator import StepCost
+    from modelrunner_speculative import StepCost
 
     cost = StepCost()
     explored = []

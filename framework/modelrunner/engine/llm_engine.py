@@ -34,7 +34,8 @@ from ..sampling.logits_processor import ProcessorContext
 from ..sampling.params import SamplingParams
 from ..sampling.processors import ProcessorPipeline
 from ..sampling.sampler import Sampler
-from ..spec_decode.speculator import Speculator
+from ..plugins import feature_class
+from ..spec_decode import SPECULATIVE_DIST, SPECULATOR_GROUP
 from ..structured_output.backend import GrammarContext
 from ..structured_output.cursors import ConstrainedSequences
 from ..structured_output.manager import StructuredOutputManager
@@ -130,10 +131,12 @@ class LLMEngine:
         """Embedding (pooling) requests: the rows each step keeps, and the pooling method."""
         self.forward = BatchForward(executor, allocator, self.pooler)
         """Runs the model over each step's batch (each request alone when the batch fails)."""
-        self.speculator: Speculator | None = None
-        """Speculative decoding (None: off): proposes tokens each step, verified in the same forward."""
+        self.speculator: Any = None
+        """Speculative decoding (None: off; ``modelrunner-speculative``'s speculator): proposes tokens each
+        step, verified in the same forward."""
         if config.speculative is not None:
-            self.speculator = Speculator.create(config, executor, allocator, self.vocab_size, self.tokenizer)
+            speculator = feature_class(SPECULATOR_GROUP, "speculator", SPECULATIVE_DIST, "speculative_config")
+            self.speculator = speculator.create(config, executor, allocator, self.vocab_size, self.tokenizer)
             self.speculator.excluded = self.constrained.is_slow
             self.scheduler.speculator = self.speculator
         self.update = StepUpdate(self.scheduler, executor, self.chooser, self.stop_checker, self.constrained,

@@ -19,7 +19,6 @@ import torch
 from ..errors import FatalError
 from ..kv_cache.allocator import KVCacheError
 from ..sampling.chooser import Chosen, TokenChooser, sampling_error
-from ..spec_decode.speculator import Speculator
 from ..structured_output.cursors import ConstrainedSequences
 from .outputs import RequestOutput
 from .pooling import EnginePooler
@@ -42,7 +41,7 @@ class StepUpdate:
     """
 
     def __init__(self, scheduler: Scheduler, executor: Any, chooser: TokenChooser, stop_checker: StopChecker,
-                 constrained: ConstrainedSequences, pooler: EnginePooler, speculator: Speculator | None,
+                 constrained: ConstrainedSequences, pooler: EnginePooler, speculator: Any,
                  fail: Fail, next_seq_id: Callable[[], int]) -> None:
         self.scheduler = scheduler
         self.executor = executor

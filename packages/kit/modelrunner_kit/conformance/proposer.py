@@ -27,7 +27,7 @@ PASSAGE = (17, 203, 88, 41, 150, 9, 230, 66, 121, 35, 190, 74)
 greedy output goes on repeating it."""
 MIN_COPY_ACCEPTANCE = 0.3
 """Least share of drafted tokens accepted on the copy check's prompt, whose continuation a copying
-proposer (the kernel's ``ngram``, or a draft model of the target) guesses all but entirely."""
+proposer (``ngram``, or a draft model of the target) guesses all but entirely."""
 
 
 def _sequences(rng: random.Random) -> list[list[int]]:

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from ..plugin_timeout import PluginTimeoutError, timeout_from_env
+from modelrunner.api import PluginTimeoutError, timeout_from_env
 
 PROPOSER_TIMEOUT_ENV = "MODELRUNNER_PROPOSER_TIMEOUT"
 """Seconds one call of a speculative-decoding proposer (``propose`` or ``forget``) may take (default

@@ -1,4 +1,5 @@
-"""The engine's side of speculative decoding: who speculates, how many tokens, and the counts.
+"""The speculator the engine builds when ``speculative_config`` is set: who speculates, how many tokens,
+and the counts.
 
 A decoding sequence speculates unless it uses a logits processor (``logit_bias``, penalties,
 ``bad_words``, ``min_tokens``, named processors …), whose per-token state the verification does not
@@ -39,10 +40,9 @@ from typing import Any
 import attrs
 import numpy as np
 
-from ..config import SpeculativeConfig
+from modelrunner.api import ProposalRequest, Proposer, ProposerContext, SpecCounters
+
 from .bounded import BoundedCalls, ProposerTimeoutError, proposer_timeout
-from .proposer import ProposalRequest, Proposer, ProposerContext
-from ..wire import register as _wire_type
 
 logger = logging.getLogger(__name__)
 
@@ -107,31 +107,6 @@ class StepCost:
         del kept[:-_WINDOW]
 
 
-@_wire_type
-@attrs.define
-class SpecCounters:
-    """Aggregate counts over every verification (vLLM's ``spec_decode`` metrics)."""
-
-    num_drafts: int = 0
-    """Verifications run (one per speculating sequence and step)."""
-    num_draft_tokens: int = 0
-    """Tokens proposed and scored."""
-    num_accepted_tokens: int = 0
-    """Proposed tokens the target accepted."""
-    num_emitted_tokens: int = 0
-    """Tokens appended by verifications (accepted plus the target's own one each)."""
-    proposer_errors: int = 0
-    """Steps whose proposer raised (nothing was speculated then)."""
-    proposals_truncated: int = 0
-    """Proposals cut at the tokens asked for (a proposer that proposed more, or an endless iterator)."""
-    proposals_out_of_vocab: int = 0
-    """Proposals cut at a token id outside the target's vocabulary (``< 0`` or ``>= vocab_size``): a
-    proposer bug (another tokenizer, an off-by-one), reported once in the log and counted here."""
-    proposer_timeouts: int = 0
-    """Proposer calls that did not return within ``$MODELRUNNER_PROPOSER_TIMEOUT`` (the first one turns
-    speculative decoding off)."""
-
-
 class Speculator:
     """Asks the proposer for each step's drafts and keeps per-sequence state and the counts.
 
@@ -140,7 +115,7 @@ class Speculator:
     :param vocab_size: the target's vocabulary size (proposals must lie below it).
     """
 
-    def __init__(self, config: SpeculativeConfig, proposer: Proposer, vocab_size: int,
+    def __init__(self, config: Any, proposer: Proposer, vocab_size: int,
                  timeout_s: float | None = None) -> None:
         self.config = config
         """The ``speculative_config``."""

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .proposer import ProposalRequest, Proposer, ProposerContext
+from modelrunner.api import ProposalRequest, Proposer, ProposerContext
 
 
 def ngram_proposal(tokens: Sequence[int], min_n: int, max_n: int, k: int) -> list[int]:
