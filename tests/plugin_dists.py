@@ -32,3 +32,16 @@ def run_cli(*args: str, env: dict[str, str] | None = None, pythonpath: Path | No
 def listed(result) -> dict[str, dict]:
     assert result.returncode == 0, result.stderr
     return {p["name"]: p for p in json.loads(result.stdout)}
+
+
+def hide_distribution(monkeypatch, dist: str) -> None:
+    """Make the entry points the kernel looks features up by (``plugins.feature_class``) skip those of
+    ``dist``, as if it were not installed (the plugins already loaded stay)."""
+    import modelrunner.plugins as kernel_plugins
+
+    real = kernel_plugins.entry_points
+
+    def without(**selection):
+        return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != dist]
+
+    monkeypatch.setattr(kernel_plugins, "entry_points", without)

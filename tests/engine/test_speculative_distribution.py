@@ -5,6 +5,7 @@ point; without it, ``speculative_config`` says what to install, and plain decodi
 from __future__ import annotations
 
 import pytest
+from plugin_dists import hide_distribution
 
 
 def test_the_distribution_provides_the_proposer_and_the_speculator():
@@ -19,15 +20,9 @@ def test_the_distribution_provides_the_proposer_and_the_speculator():
 
 
 def test_without_it_speculative_config_says_what_to_install(monkeypatch, tiny_llama_dir):
-    import modelrunner.plugins as kernel_plugins
     from modelrunner import LLM, ModelRunnerError
 
-    real = kernel_plugins.entry_points
-
-    def without(**selection):
-        return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != "modelrunner-speculative"]
-
-    monkeypatch.setattr(kernel_plugins, "entry_points", without)
+    hide_distribution(monkeypatch, "modelrunner-speculative")
     common = {"dtype": "float32", "device": "cpu", "compile": False, "kv_cache_memory": 4 << 20}
     with pytest.raises(ModelRunnerError, match=r"^speculative_config needs the modelrunner-speculative "
                                                r"distribution: pip install modelrunner-speculative$"):

@@ -5,6 +5,7 @@ says what to install, and a model without LoRA loads as before."""
 from __future__ import annotations
 
 import pytest
+from plugin_dists import hide_distribution
 
 
 def test_the_distribution_provides_the_kernel_and_the_manager():
@@ -19,15 +20,9 @@ def test_the_distribution_provides_the_kernel_and_the_manager():
 
 
 def test_without_it_enable_lora_says_what_to_install(monkeypatch, tiny_llama_dir):
-    import modelrunner.plugins as kernel_plugins
     from modelrunner import LLM, ModelRunnerError
 
-    real = kernel_plugins.entry_points
-
-    def without(**selection):
-        return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != "modelrunner-lora"]
-
-    monkeypatch.setattr(kernel_plugins, "entry_points", without)
+    hide_distribution(monkeypatch, "modelrunner-lora")
     with pytest.raises(ModelRunnerError, match=r"^enable_lora needs the modelrunner-lora distribution: "
                                                r"pip install modelrunner-lora$"):
         LLM(str(tiny_llama_dir), dtype="float32", device="cpu", enable_lora=True, compile=False,

@@ -3,7 +3,6 @@ greedy tokens (float32, tiny Llama, adapters on all seven projections)."""
 
 from __future__ import annotations
 
-import pytest
 import torch
 
 from modelrunner import LoRARequest, SamplingParams

@@ -10,6 +10,8 @@ import time
 
 import pytest
 
+from plugin_dists import hide_distribution
+
 from .conftest import children, wait_for_no_children
 
 CONFIG = dict(dtype="float32", compile=False, max_model_len=128)
@@ -67,17 +69,11 @@ def test_the_kernel_finds_data_parallelism_through_its_entry_point(monkeypatch):
     """``LLM`` builds the class ``modelrunner-data-parallel`` declares; without that distribution,
     ``data_parallel_size > 1`` says what to install (and one engine never looks)."""
     import modelrunner.llm as kernel_llm
-    import modelrunner.plugins as kernel_plugins
     from modelrunner import ModelRunnerError
     from modelrunner_data_parallel import DataParallelLLM
 
     assert kernel_llm.data_parallel_llm() is DataParallelLLM
-    real = kernel_plugins.entry_points
-
-    def without(**selection):
-        return [ep for ep in real(**selection) if ep.dist is None or ep.dist.name != "modelrunner-data-parallel"]
-
-    monkeypatch.setattr(kernel_plugins, "entry_points", without)
+    hide_distribution(monkeypatch, "modelrunner-data-parallel")
     with pytest.raises(ModelRunnerError, match=r"^data_parallel_size > 1 needs the modelrunner-data-parallel "
                                                r"distribution: pip install modelrunner-data-parallel$"):
         kernel_llm.LLM("never-loaded", data_parallel_size=2)
