@@ -11,7 +11,8 @@ The other public entry points are not for plugins: ``modelrunner`` itself (the o
 ``SamplingParams`` …) and ``modelrunner.native_build`` (compiling a plugin's C++ from its ``setup.py``).
 A plugin's tests use the plugin kit, the separate ``modelrunner-kit`` distribution (``modelrunner_kit``:
 the conformance suites, ``modelrunner check`` and ``new-plugin``, test helpers); the kernel never
-imports it.
+imports it. ``ModelRunner`` here is the kernel's runner (one process's model, what an executor drives);
+``modelrunner.ModelRunner`` is the same with an engine built on first use.
 """
 
 from __future__ import annotations
@@ -42,7 +43,6 @@ from .loaded_model import LoadedModel
 from .lora import LoRAKernel, LoRAMapping, LoRARequest, reference_apply
 from .loading import (CheckpointError, ModelLoader, build_and_load, iter_weights, load_weights, loaded_for,
                       resolve_source)
-
 from .models import DecoderAttention, DecoderForCausalLM, DecoderLayer, GatedMLP, TextModel, check_built_for, run_stage
 from .native import NativeBuildError, cpu_flags, load_library
 from .parallel_state import ParallelState
